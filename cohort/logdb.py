@@ -1,0 +1,147 @@
+"""The log DB: one row per request and per batch run, the raw material of continuous learning.
+
+SQLAlchemy Core so the same code runs on SQLite (embedded default, WAL mode for several
+processes) and PostgreSQL (``COHORT_DATABASE_URL=postgresql+psycopg://...``). Writes are
+idempotent upserts keyed by id: a re-delivered batch never writes a record twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    select,
+    update,
+)
+from sqlalchemy.engine import Engine
+
+metadata = MetaData()
+
+requests = Table(
+    "requests", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("created", Float, nullable=False, index=True),
+    Column("model", String(256)),
+    Column("task", String(64)),
+    Column("instruction", Text),
+    Column("user_input", Text),
+    Column("input_tokens", Integer),
+    Column("max_tokens", Integer),
+    Column("predicted_tokens", Integer),
+    Column("predictor_version", String(64)),
+    Column("actual_tokens", Integer),
+    Column("emulated_tokens", Integer),
+    Column("slo_s", Float),
+    Column("status", String(16), nullable=False, default="queued"),  # queued|done|failed
+    Column("error", Text),
+    Column("batch_id", String(64)),
+    Column("queued_s", Float),
+    Column("run_s", Float),
+    Column("total_s", Float),
+    Column("finished", Float, index=True),
+)
+
+batches = Table(
+    "batches", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("created", Float, nullable=False),
+    Column("started", Float),
+    Column("finished", Float, index=True),
+    Column("instance", String(128)),
+    Column("model", String(256)),
+    Column("size", Integer),
+    Column("input_len", Integer),            # L(B)
+    Column("predicted_gen_len", Integer),    # G'(B) as planned
+    Column("actual_gen_len", Integer),       # G(B) as run
+    Column("estimated_s", Float),
+    Column("batch_time_s", Float),
+    Column("peak_mem_bytes", Integer),
+    Column("oom", Boolean, default=False),
+    Column("attempt", Integer, default=0),
+    Column("splits", Integer, default=0),
+    Column("wma", Integer),
+)
+
+
+@lru_cache(maxsize=8)
+def get_engine(url: str) -> Engine:
+    """One engine per URL per process; creates the tables (and the SQLite folder) on first use."""
+    if url.startswith("sqlite:///"):
+        path = url.removeprefix("sqlite:///")
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(conn, _record):  # several processes write: WAL + busy timeout
+            cur = conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+    else:
+        engine = create_engine(url, pool_pre_ping=True)
+    metadata.create_all(engine)
+    return engine
+
+
+def _upsert(engine: Engine, table: Table, row: Mapping[str, Any]) -> None:
+    """Insert, or update the existing row with the same id (portable across SQLite/PostgreSQL)."""
+    with engine.begin() as conn:
+        found = conn.execute(select(table.c.id).where(table.c.id == row["id"])).first()
+        if found:
+            conn.execute(update(table).where(table.c.id == row["id"]).values(**row))
+        else:
+            conn.execute(table.insert().values(**row))
+
+
+def record_request(engine: Engine, row: Mapping[str, Any]) -> None:
+    _upsert(engine, requests, {"created": time.time(), **row})
+
+
+def finish_request(engine: Engine, request_id: str, **values: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(update(requests).where(requests.c.id == request_id)
+                     .values(finished=values.pop("finished", time.time()), **values))
+
+
+def record_batch(engine: Engine, row: Mapping[str, Any]) -> None:
+    _upsert(engine, batches, row)
+
+
+def finished_requests(engine: Engine, since: float = 0.0, limit: int | None = None) -> list[dict[str, Any]]:
+    """Completed requests (with actual lengths) finished after ``since``, oldest first."""
+    q = (select(requests).where(requests.c.status == "done", requests.c.finished > since)
+         .order_by(requests.c.finished))
+    if limit:
+        q = q.limit(limit)
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def finished_batches(engine: Engine, since: float = 0.0, include_oom: bool = False) -> list[dict[str, Any]]:
+    """Batch runs finished after ``since`` (OOM runs excluded unless asked: their time is not a batch time)."""
+    q = select(batches).where(batches.c.finished > since)
+    if not include_oom:
+        q = q.where(batches.c.oom.is_(False))
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(q.order_by(batches.c.finished))]
+
+
+def rows(engine: Engine, table: Table, ids: Iterable[str]) -> list[dict[str, Any]]:
+    ids = list(ids)
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(select(table).where(table.c.id.in_(ids)))]

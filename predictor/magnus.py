@@ -1,0 +1,86 @@
+"""Magnus length predictor: sentence embeddings of instruction and user input, grouped
+compression (16 user / 4 app groups), input length, random forest regression."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from predictor.base import PredictItem
+from predictor.encoder import encode
+from predictor.features import magnus_features
+
+MODEL_FILE = "model.skops"
+META_FILE = "meta.json"
+
+
+class MagnusPredictor:
+    """RandomForestRegressor on Magnus features. Instruction embeddings are cached: an
+    application sends the same instruction with every request."""
+
+    kind = "magnus"
+
+    def __init__(self, encoder_path: str | None = None, n_estimators: int = 100,
+                 max_depth: int | None = None, min_samples_leaf: int = 2, seed: int = 0) -> None:
+        from sklearn.ensemble import RandomForestRegressor
+
+        self.encoder_path = encoder_path
+        self.model = RandomForestRegressor(n_estimators=n_estimators, max_depth=max_depth,
+                                           min_samples_leaf=min_samples_leaf, n_jobs=-1, random_state=seed)
+        self._app_cache: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def _app_vectors(self, instructions: Sequence[str]) -> np.ndarray:
+        missing = list(dict.fromkeys(t for t in instructions if t not in self._app_cache))
+        if missing:
+            for text, vec in zip(missing, encode(missing, self.encoder_path), strict=True):
+                self._app_cache[text] = vec
+            while len(self._app_cache) > 4096:
+                self._app_cache.popitem(last=False)
+        return np.stack([self._app_cache[t] for t in instructions])
+
+    def features(self, items: Sequence[PredictItem], show_progress: bool = False) -> np.ndarray:
+        user = encode([it.user_input for it in items], self.encoder_path, show_progress=show_progress)
+        app = self._app_vectors([it.instruction for it in items])
+        return magnus_features(user, app, np.array([it.input_tokens for it in items]))
+
+    def fit(self, items: Sequence[PredictItem], targets: Sequence[float],
+            features: np.ndarray | None = None) -> MagnusPredictor:
+        x = self.features(items, show_progress=len(items) > 2000) if features is None else features
+        self.model.fit(x, np.asarray(targets, dtype=float))
+        return self
+
+    def predict(self, items: Sequence[PredictItem]) -> np.ndarray:
+        if not items:
+            return np.zeros(0)
+        return np.maximum(self.model.predict(self.features(items)), 1.0)
+
+    def predict_features(self, x: np.ndarray) -> np.ndarray:
+        return np.maximum(self.model.predict(x), 1.0)
+
+    def save(self, directory: Path, meta: dict | None = None) -> None:
+        """skops format: loading never unpickles arbitrary objects."""
+        import skops.io as sio
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        sio.dump(self.model, directory / MODEL_FILE)
+        info = {"kind": self.kind, "encoder_path": self.encoder_path, **(meta or {})}
+        (directory / META_FILE).write_text(json.dumps(info, indent=2, default=str))
+
+    @classmethod
+    def load(cls, directory: Path) -> MagnusPredictor:
+        import skops.io as sio
+
+        directory = Path(directory)
+        meta = json.loads((directory / META_FILE).read_text())
+        path = directory / MODEL_FILE
+        untrusted = [t for t in sio.get_untrusted_types(file=path) if not t.startswith("sklearn.")]
+        if untrusted:
+            raise ValueError(f"{path}: refusing to load unexpected types {untrusted}")
+        self = cls(encoder_path=meta.get("encoder_path"))
+        self.model = sio.load(path, trusted=sio.get_untrusted_types(file=path))
+        return self
