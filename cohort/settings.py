@@ -77,6 +77,8 @@ class Settings(BaseSettings):
     instance_name: str | None = None
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
     dtype: str = Field(default="auto", description="auto | float32 | float16 | bfloat16")
+    cpu_threads: int = Field(default=1, description="torch threads on a CPU instance (the other cores "
+                             "serve the gateway and batcher; oversubscribing makes decode 5-10x slower).")
     kv_budget_bytes: int = Field(
         default=64 * 1024 * 1024,
         description="CPU only: KV-cache bytes a batch may use; exceeding it raises the OOM path.",

@@ -30,6 +30,25 @@ def load_tokenizer(model: str = DEFAULT_MODEL):
     return tok
 
 
+def uses_special_tokens(model: str) -> bool:
+    """Whether prompts get the tokenizer's special tokens. Not for the built-in model: its BERT
+    tokenizer would append [SEP], which is that model's EOS."""
+    return model != DEFAULT_MODEL
+
+
+def prompt_token_counts(texts: list[str], model: str = DEFAULT_MODEL) -> list[int]:
+    """L(p) exactly as the worker will tokenize the prompt."""
+    tok = load_tokenizer(model)
+    return [len(ids) for ids in tok(texts, add_special_tokens=uses_special_tokens(model))["input_ids"]]
+
+
+def build_prompt(instruction: str, user_input: str) -> str:
+    """The text the model sees: the application's instruction, a blank line, the user's input."""
+    if instruction and user_input:
+        return f"{instruction}\n\n{user_input}"
+    return instruction or user_input
+
+
 def count_tokens(texts: list[str], model: str = DEFAULT_MODEL) -> list[int]:
     """Token counts without special tokens (what the model reads or writes)."""
     tok = load_tokenizer(model)

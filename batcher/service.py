@@ -1,0 +1,238 @@
+"""The live batcher: one active process that turns incoming requests into batches and hands a
+batch to the pool's Celery queue only when an instance of the pool is idle.
+
+Its state sits in Redis (``pending`` requests, ``inflight`` batches), so a restart recovers it.
+It also watches for lost work: a batch whose instance stopped heart-beating is re-queued (up to
+``max_requeues`` times, then its requests fail explicitly); an OOM batch is split in two and both
+halves go back to the waiting queue; an OOM batch of one fails with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from batcher.memory import KVMemory
+from batcher.oom import UnsplittableBatch, split_batch
+from batcher.policies import Policy, PolicyContext, make_policy
+from cohort import bus
+from cohort.logdb import finish_request, get_engine
+from cohort.settings import Settings, get_settings
+from cohort.types import Batch, InstanceInfo, ProfiledRequest, new_id
+
+log = logging.getLogger("cohort.batcher")
+LOCK_TTL_S = 10
+
+
+@dataclass
+class Inflight:
+    batch: Batch
+    dispatched: float
+
+
+@dataclass
+class BatcherService:
+    """Owns one pool's policy. ``step`` does one round of work and is what tests drive."""
+
+    settings: Settings
+    redis: redis.Redis
+    estimator: object
+    policy: Policy | None = None
+    inflight: dict[str, Inflight] = field(default_factory=dict)
+    instances: dict[str, InstanceInfo] = field(default_factory=dict)
+    _last_refresh: float = 0.0
+    _celery: object = None
+
+    # --- setup ----------------------------------------------------------------------------
+    def _make_policy(self, memory: KVMemory) -> Policy:
+        s = self.settings
+        ctx = PolicyContext(memory=memory, estimator=self.estimator, max_input_tokens=s.max_input_tokens,
+                            max_tokens_limit=s.max_tokens_limit)
+        return make_policy(s.policy, ctx, threshold=s.wma_threshold, batch_size=s.fixed_batch_size)
+
+    def refresh_instances(self, now: float) -> None:
+        """Alive instances of our pool; Θ of the pool = the smallest Θ (a batch must fit anywhere)."""
+        raw = self.redis.hgetall(bus.INSTANCES)
+        alive: dict[str, InstanceInfo] = {}
+        for name, js in raw.items():
+            info = InstanceInfo.from_dict(json.loads(js))
+            if info.pool != self.settings.pool:
+                continue
+            if self.redis.exists(bus.alive_key(name)):
+                alive[name] = info
+        if alive:
+            memory = KVMemory(delta_bytes=max(i.delta_bytes for i in alive.values()),
+                              theta_bytes=min(i.theta_bytes for i in alive.values()))
+            if self.policy is None:
+                self.policy = self._make_policy(memory)
+                self._recover(now)
+            elif memory != self.policy.ctx.memory:
+                self.policy.set_memory(memory)
+        if set(alive) != set(self.instances):
+            log.info("instances in pool %s: %s", self.settings.pool, sorted(alive) or "none")
+        self.instances = alive
+        self._last_refresh = now
+
+    def _recover(self, now: float) -> None:
+        """Reload what a previous batcher left in Redis."""
+        pending = [ProfiledRequest.from_dict(json.loads(v)) for v in self.redis.hvals(bus.PENDING)]
+        for req in sorted(pending, key=lambda r: r.arrival):
+            self.policy.add(req, now)
+        for js in self.redis.hvals(bus.INFLIGHT):
+            d = json.loads(js)
+            b = Batch.from_dict(d["batch"])
+            self.inflight[b.id] = Inflight(b, d["dispatched"])
+        if pending or self.inflight:
+            log.info("recovered %d pending requests and %d in-flight batches", len(pending), len(self.inflight))
+
+    # --- one round ------------------------------------------------------------------------
+    def step(self, now: float | None = None) -> bool:
+        """Take in arrivals and completions, check for lost batches, dispatch to idle instances.
+        Returns True when anything happened (the loop sleeps otherwise)."""
+        now = time.time() if now is None else now
+        if now - self._last_refresh > 1.0 or self.policy is None:
+            self.refresh_instances(now)
+        if self.policy is None:
+            return False  # no instance has registered yet: requests wait in Redis
+        busy = self._take_arrivals(now)
+        busy |= self._take_completions(now)
+        busy |= self._check_lost(now)
+        busy |= self._dispatch(now)
+        return busy
+
+    def _take_arrivals(self, now: float, limit: int = 1000) -> bool:
+        msgs = self.redis.rpop(bus.INCOMING, limit) or []
+        for js in msgs:
+            req = ProfiledRequest.from_dict(json.loads(js))
+            self.redis.hset(bus.PENDING, req.id, js)
+            self.policy.add(req, now)
+        return bool(msgs)
+
+    def _take_completions(self, now: float, limit: int = 1000) -> bool:
+        msgs = self.redis.rpop(bus.COMPLETIONS, limit) or []
+        for js in msgs:
+            ev = json.loads(js)
+            fl = self.inflight.pop(ev["batch_id"], None)
+            self.redis.hdel(bus.INFLIGHT, ev["batch_id"])
+            if fl is None:
+                continue  # a superseded copy finished after we re-queued it; its results are harmless
+            if ev["type"] == "oom":
+                self._split_oom(fl.batch, ev.get("error", ""), now)
+            elif ev["type"] == "failed":
+                self._fail(fl.batch.requests, "batch_failed", f"the worker failed this batch: {ev.get('error')}")
+        return bool(msgs)
+
+    def _split_oom(self, batch: Batch, error: str, now: float) -> None:
+        self.redis.hincrby(bus.STATS, "oom_splits", 1)
+        try:
+            a, b = split_batch(batch)
+        except UnsplittableBatch as e:
+            self._fail(batch.requests, "out_of_memory",
+                       f"{e}; input {batch.input_len} tokens + max_tokens {batch.requests[0].max_tokens}")
+            return
+        log.warning("batch %s (β=%d) ran out of memory; split into %d + %d and re-queued",
+                    batch.id, batch.size, a.size, b.size)
+        for half in (a, b):
+            self.policy.requeue(half, now)
+
+    def _check_lost(self, now: float) -> bool:
+        """Re-queue batches whose instance died mid-batch (heartbeat gone)."""
+        lost = []
+        for bid in self.inflight:
+            owner = self.redis.get(bus.claim_key(bid))
+            if owner and owner != bus.CANCELLED and not self.redis.exists(bus.alive_key(owner)):
+                if not self.redis.exists(bus.done_key(bid)):
+                    lost.append((bid, owner))
+        for bid, owner in lost:
+            fl = self.inflight.pop(bid)
+            self.redis.hdel(bus.INFLIGHT, bid)
+            self.redis.set(bus.claim_key(bid), bus.CANCELLED, ex=7 * 24 * 3600)  # a redelivery is a no-op
+            self.redis.hincrby(bus.STATS, "requeues", 1)
+            b = fl.batch
+            if b.attempt + 1 > self.settings.max_requeues:
+                self._fail(b.requests, "worker_lost", f"instance {owner} died while running this batch, "
+                           f"{b.attempt + 1} times; giving up")
+                continue
+            log.warning("instance %s died running batch %s; re-queued (attempt %d)", owner, bid, b.attempt + 1)
+            self.policy.requeue(Batch(id=new_id("b"), requests=b.requests, created=b.created,
+                                      attempt=b.attempt + 1, splits=b.splits), now)
+        return bool(lost)
+
+    def _dispatch(self, now: float) -> bool:
+        sent = False
+        while len(self.inflight) < len(self.instances):
+            batch = self.policy.pop(now)
+            if batch is None:
+                break
+            self._send(batch, now)
+            sent = True
+        return sent
+
+    def _send(self, batch: Batch, now: float) -> None:
+        from workers.celery_app import celery_app
+
+        payload = batch.to_dict()
+        pipe = self.redis.pipeline()
+        pipe.hset(bus.INFLIGHT, batch.id, bus.dumps({"batch": payload, "dispatched": now}))
+        pipe.hdel(bus.PENDING, *[r.id for r in batch.requests])
+        pipe.hincrby(bus.STATS, "batches_dispatched", 1)
+        pipe.execute()
+        self.inflight[batch.id] = Inflight(batch, now)
+        celery_app.send_task("cohort.run_batch", args=[payload], queue=bus.queue_for_pool(self.settings.pool),
+                             task_id=batch.id)
+        log.info("dispatched batch %s: β=%d L=%d G'=%d", batch.id, batch.size, batch.input_len,
+                 batch.predicted_gen_len)
+
+    def _fail(self, requests: list[ProfiledRequest], code: str, message: str) -> None:
+        """Answer each request with an explicit error; nothing accepted is ever dropped silently."""
+        self.redis.hincrby(bus.STATS, "requests_failed", len(requests))
+        db = get_engine(self.settings.database_url)
+        for r in requests:
+            bus.push_result(self.redis, r.id, bus.result_message(r.id, ok=False, code=code, error=message))
+            self.redis.hdel(bus.PENDING, r.id)
+            finish_request(db, r.id, status="failed", error=message)
+        log.error("failed %d request(s): %s", len(requests), message)
+
+
+def _acquire_lock(r: redis.Redis, me: str) -> None:
+    """One active batcher: wait until the lock is free (a standby takes over when the holder dies)."""
+    while not r.set(bus.BATCHER_LOCK, me, nx=True, ex=LOCK_TTL_S):
+        time.sleep(1.0)
+
+
+def run_batcher(settings: Settings | None = None) -> None:
+    """The batcher process's main loop."""
+    s = settings or get_settings()
+    r = redis.Redis.from_url(s.resolved_redis_url, decode_responses=True)
+    from predictor.estimator_service import EstimatorService
+
+    me = f"{socket.gethostname()}-{os.getpid()}"
+    _acquire_lock(r, me)
+    svc = BatcherService(s, r, EstimatorService(s))
+    log.info("batcher %s active: policy=%s Φ=%.0f pool=%s", me, s.policy, s.wma_threshold, s.pool)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    last_lock = time.time()
+    try:
+        while not stop:
+            if time.time() - last_lock > LOCK_TTL_S / 3:
+                r.set(bus.BATCHER_LOCK, me, ex=LOCK_TTL_S)
+                last_lock = time.time()
+                maybe = getattr(svc.estimator, "maybe_reload", None)
+                if maybe:
+                    maybe()
+            if not svc.step():
+                time.sleep(s.batcher_tick_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if r.get(bus.BATCHER_LOCK) == me:
+            r.delete(bus.BATCHER_LOCK)
+        log.info("batcher stopped")

@@ -1,0 +1,79 @@
+"""The gateway app factory: REST in front, the predictor in-process, Redis behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
+from cohort.logdb import get_engine
+from cohort.settings import Settings, get_settings
+from gateway.errors import install_error_handlers
+from gateway.metrics import GatewayMetrics
+from gateway.submit import PoolView
+from gateway.views import generate, health, openai
+
+log = logging.getLogger("cohort.gateway")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    s = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from predictor.service import PredictorService
+
+        st = app.state
+        st.redis = aioredis.Redis.from_url(s.resolved_redis_url, decode_responses=True, max_connections=4096)
+        st.pool = PoolView(s, st.redis)
+        st.db = get_engine(s.database_url)
+        st.predictor = PredictorService(s)
+        await run_in_threadpool(st.predictor.warmup)
+        reloader = asyncio.create_task(_reload_loop(st.predictor))
+        log.info("gateway ready: policy=%s predictor=%s version=%s", s.policy, s.predictor_kind,
+                 st.predictor.version)
+        yield
+        reloader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reloader
+        await st.redis.aclose()
+
+    app = FastAPI(title="cohort", version="0.1.0", lifespan=lifespan,
+                  description="Static-batch LLM serving: length prediction, WMA batching, HRRN dispatch.")
+    app.state.settings = s
+    app.state.metrics = GatewayMetrics()
+    install_error_handlers(app)
+    for view in (generate, openai, health):
+        app.include_router(view.router)
+    if s.admin_token:
+        from gateway.admin import make_admin_router
+
+        app.include_router(make_admin_router(s, _PredictorRef(app)))
+    else:
+        log.warning("COHORT_ADMIN_TOKEN is not set: admin endpoints are disabled")
+    return app
+
+
+class _PredictorRef:
+    """Resolves the app's PredictorService lazily (it is created in the lifespan, after routing)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self._app = app
+
+    def __getattr__(self, name: str):
+        return getattr(self._app.state.predictor, name)
+
+
+async def _reload_loop(predictor) -> None:
+    """Swap in a new predictor version when the registry's ACTIVE pointer changes."""
+    while True:
+        await asyncio.sleep(1.0)
+        try:
+            await run_in_threadpool(predictor.maybe_reload)
+        except Exception:
+            log.exception("predictor reload failed; keeping the current version")

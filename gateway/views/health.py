@@ -1,0 +1,30 @@
+"""/health (readiness: predictor loaded, Redis reachable, an instance alive) and /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    st = request.app.state
+    try:
+        await st.redis.ping()
+        redis_ok = True
+    except Exception:  # reported, not raised: health must always answer
+        redis_ok = False
+    alive = await st.pool.alive() if redis_ok else []
+    body = {"status": "ok" if redis_ok and alive else "unavailable", "redis": redis_ok,
+            "instances": [i.name for i in alive], "policy": st.settings.policy,
+            "predictor_version": st.predictor.version}
+    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(await request.app.state.metrics.render(request.app.state.redis),
+                    media_type=CONTENT_TYPE_LATEST)

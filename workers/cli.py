@@ -1,0 +1,77 @@
+"""`cohort worker`: one Celery worker process per LLM instance; `profile`, `learning`, `beat`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="LLM worker (one per instance) and its tools.", invoke_without_command=True)
+log = logging.getLogger(__name__)
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+
+@app.callback()
+def worker(ctx: typer.Context) -> None:
+    """Load the model, register the instance, then consume the pool's queue (solo pool, 1 at a time).
+
+    Solo pool: the model lives in this process and CUDA is never initialised before a fork.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    _setup_logging()
+    from cohort.bus import queue_for_pool
+    from cohort.settings import get_settings
+    from workers import runtime
+    from workers.celery_app import celery_app
+
+    s = get_settings()
+    rt = runtime.start(s)
+    try:
+        celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_for_pool(s.pool),
+                                "-n", f"{rt.name}@%h", "--loglevel=INFO", "--without-gossip",
+                                "--without-mingle", "--prefetch-multiplier=1"])
+    finally:
+        rt.deregister()
+
+
+@app.command()
+def learning() -> None:
+    """A worker for the retraining queue (off the request path)."""
+    _setup_logging()
+    from workers.celery_app import celery_app
+
+    celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", "cohort.learning",
+                            "-n", "learning@%h", "--loglevel=INFO", "--without-gossip", "--without-mingle"])
+
+
+@app.command()
+def beat(schedule_file: Path = Path("var/celerybeat-schedule")) -> None:
+    """Celery beat: triggers predictor (3 min) and estimator (2 min) retraining."""
+    _setup_logging()
+    from workers.celery_app import celery_app
+
+    schedule_file.parent.mkdir(parents=True, exist_ok=True)
+    celery_app.start(["beat", "--loglevel=INFO", "-s", str(schedule_file)])
+
+
+@app.command()
+def profile(out: Path = typer.Option(None, help="Where to store samples (default: data_dir)."),
+            sizes: str = "1,4,16", input_lens: str = "16,128,512", gen_lens: str = "16,64,256") -> None:
+    """Run a grid of batch shapes on the configured model and store (β, L, G, seconds) samples."""
+    _setup_logging()
+    from cohort.settings import get_settings
+    from workers.engine import Engine
+    from workers.profile import run_profile
+
+    s = get_settings()
+    grid = [(b, L, G) for b in map(int, sizes.split(",")) for L in map(int, input_lens.split(","))
+            for G in map(int, gen_lens.split(","))]
+    out = out or s.data_dir / "profile" / "samples.json"
+    samples = run_profile(Engine(s), grid, out)
+    typer.echo(json.dumps({"samples": len(samples), "out": str(out)}))

@@ -1,0 +1,88 @@
+"""Per-process worker state: the loaded engine, the Redis client, the log DB, and the
+instance's registration + heartbeat (the batcher counts idle instances from these)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from cohort import bus
+from cohort.logdb import get_engine
+from cohort.settings import Settings
+from cohort.types import InstanceInfo
+from workers.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: Engine
+    redis: redis.Redis
+    db: object
+    info: InstanceInfo
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def heartbeat_once(self) -> None:
+        pipe = self.redis.pipeline()
+        pipe.hset(bus.INSTANCES, self.name, bus.dumps(self.info.to_dict()))
+        pipe.set(bus.alive_key(self.name), str(time.time()), ex=max(1, int(self.settings.instance_ttl_s)))
+        pipe.execute()
+
+    def _beat(self) -> None:
+        period = max(0.5, self.settings.instance_ttl_s / 3)
+        while not self._stop.wait(period):
+            try:
+                self.heartbeat_once()
+            except redis.RedisError as e:  # keep beating; the batcher tolerates a gap < TTL
+                log.warning("heartbeat failed: %s", e)
+
+    def start_heartbeat(self) -> None:
+        self.heartbeat_once()
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+
+    def deregister(self) -> None:
+        self._stop.set()
+        try:
+            self.redis.hdel(bus.INSTANCES, self.name)
+            self.redis.delete(bus.alive_key(self.name))
+        except redis.RedisError:
+            pass
+
+
+_runtime: Runtime | None = None
+
+
+def start(settings: Settings) -> Runtime:
+    """Load the model, register the instance and start its heartbeat (once per process)."""
+    global _runtime
+    if _runtime is None:
+        engine = Engine(settings)
+        name = settings.instance_name or f"{socket.gethostname()}-{os.getpid()}"
+        info = InstanceInfo(name=name, pool=settings.pool, model=settings.model,
+                            theta_bytes=engine.theta_bytes, delta_bytes=engine.delta_bytes,
+                            device=str(engine.device), started=time.time())
+        rt = Runtime(settings, engine, redis.Redis.from_url(settings.resolved_redis_url, decode_responses=True),
+                     get_engine(settings.database_url), info)
+        rt.start_heartbeat()
+        log.info("instance %s registered in pool %s: Θ=%d bytes, Δ=%d bytes/token", name, settings.pool,
+                 info.theta_bytes, info.delta_bytes)
+        _runtime = rt
+    return _runtime
+
+
+def get() -> Runtime:
+    if _runtime is None:
+        raise RuntimeError("worker runtime not started: run tasks through `cohort worker`")
+    return _runtime
