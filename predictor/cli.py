@@ -1,7 +1,236 @@
-"""`cohort predictor ...` commands."""
+"""`cohort predictor ...` commands: train, eval, register, versions, activate, embed.
+
+``train`` fits on the 80 % split of each ``--data`` file, ``eval`` reports on the 20 % split (the
+split is seeded per file by ``cohort.datasets``), so evaluation never sees a training row.
+Magnus features go through the on-disk embedding cache (``<data_dir>/cache/emb``) so that
+repeated runs do not re-encode the same texts; ``predictions_per_s`` in the eval JSON is measured
+without the cache (encoder included), as the gateway would see it.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
 import typer
 
 app = typer.Typer(help="predictor commands.", no_args_is_help=True)
+
+KINDS = ("magnus", "lora", "linear", "mean")
+
+
+def _settings():
+    from cohort.settings import get_settings
+
+    return get_settings()
+
+
+def _cache_dir(use_cache: bool) -> Path | None:
+    return Path(_settings().data_dir) / "cache" / "emb" if use_cache else None
+
+
+@app.command()
+def train(
+    kind: str = typer.Option(..., help="magnus | lora | linear | mean"),
+    data: list[Path] = typer.Option(..., help="JSONL data files (shared-data format); repeat the option."),
+    out: Path = typer.Option(..., help="Model directory to write."),
+    limit_per_file: int | None = typer.Option(None, help="Use at most N training rows per file (seeded)."),
+    n_estimators: int = typer.Option(100, help="magnus: trees."),
+    min_samples_leaf: int = typer.Option(2, help="magnus: min samples per leaf."),
+    max_depth: int | None = typer.Option(None, help="magnus: max tree depth."),
+    base_model: str | None = typer.Option(None, help="lora: HF base model path (default: bundled MiniLM)."),
+    max_examples: int | None = typer.Option(4000, help="lora: train on at most N examples."),
+    max_steps: int | None = typer.Option(None, help="lora: at most N optimizer steps."),
+    epochs: float = typer.Option(1.0, help="lora: epochs over the (capped) examples."),
+    batch_size: int = typer.Option(16, help="lora: batch size."),
+    lr: float = typer.Option(1e-3, help="lora: learning rate."),
+    max_length: int = typer.Option(128, help="lora: max input tokens of the classifier."),
+    edges: str | None = typer.Option(None, help="lora: bucket edges, e.g. 0,8,16,...,2048."),
+    representative: str = typer.Option("upper", help="lora: upper | lower | mid | mean."),
+    length_hint: bool = typer.Option(True, help="lora: prefix the input length to the text."),
+    cache: bool = typer.Option(True, help="magnus: use the on-disk embedding cache."),
+) -> None:
+    """Train a predictor on the 80 % split of each file and write a model directory with meta.json."""
+    from cohort.datasets import load_split
+    from predictor.buckets import parse_edges
+    from predictor.data import records_to_items
+    from predictor.registry import new_version_name
+    from predictor.training import fit_predictor
+
+    if kind not in KINDS:
+        raise typer.BadParameter(f"--kind must be one of {KINDS}")
+    s = _settings()
+    t0 = time.perf_counter()
+    recs = load_split(data, "train", limit_per_file=limit_per_file)
+    items, y = records_to_items(recs, s.model)
+    typer.echo(f"training {kind} on {len(items)} rows from {len(data)} file(s)", err=True)
+    opts: dict = {}
+    if kind == "magnus":
+        opts = {"n_estimators": n_estimators, "min_samples_leaf": min_samples_leaf, "max_depth": max_depth}
+    elif kind == "lora":
+        opts = {"base_model": base_model, "max_examples": max_examples, "max_steps": max_steps,
+                "epochs": epochs, "batch_size": batch_size, "lr": lr, "max_length": max_length,
+                "edges": parse_edges(edges), "representative": representative, "length_hint": length_hint}
+    model = fit_predictor(kind, items, y, cache_dir=_cache_dir(cache), encoder_path=s.encoder_path,
+                          show_progress=True, **opts)
+    seconds = time.perf_counter() - t0
+    by_task: dict[str, int] = defaultdict(int)
+    for r in recs:
+        by_task[r.task] += 1
+    meta = {"version": new_version_name(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "data": {"files": [str(p) for p in data], "split": "train", "rows": len(items),
+                     "limit_per_file": limit_per_file, "per_task": dict(by_task), "tokenizer": s.model},
+            "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in opts.items()},
+            "train_seconds": round(seconds, 1)}
+    model.save(out, meta=meta)
+    typer.echo(json.dumps({"out": str(out), "kind": kind, "rows": len(items), "train_seconds": round(seconds, 1)}))
+
+
+def _throughput(model, items, n: int = 512, batch: int = 64) -> dict[str, float]:
+    """Predictions/s micro-batched (batches of ``batch``) and p50 latency at batch 1, end to end
+    (encoder included, no cache)."""
+    if not items:
+        return {"predictions_per_s": 0.0}
+    rng = np.random.default_rng(0)
+    sample = [items[i] for i in rng.choice(len(items), min(n, len(items)), replace=False)]
+    model.predict(sample[:2])  # warm up (lazy encoder load)
+    t0 = time.perf_counter()
+    for i in range(0, len(sample), batch):
+        model.predict(sample[i:i + batch])
+    per_s = len(sample) / (time.perf_counter() - t0)
+    lat = []
+    for it in sample[:min(64, len(sample))]:
+        t1 = time.perf_counter()
+        model.predict([it])
+        lat.append(time.perf_counter() - t1)
+    return {"predictions_per_s": float(per_s), "batch": batch,
+            "latency_ms_batch1_p50": float(np.median(lat) * 1000),
+            "predictions_per_s_batch1": float(1.0 / np.mean(lat))}
+
+
+@app.command("eval")
+def evaluate(
+    model: Path = typer.Option(..., help="Model directory."),
+    data: list[Path] = typer.Option(..., help="JSONL data files; evaluated on their 20 % split."),
+    json_out: Path = typer.Option(..., "--json", help="Where to write the metrics JSON."),
+    plot: Path | None = typer.Option(None, help="Directory for predicted-vs-actual and error-CDF PNGs."),
+    limit_per_file: int | None = typer.Option(None, help="Evaluate at most N validation rows per file."),
+    cache: bool = typer.Option(True, help="magnus: use the embedding cache for the metric pass."),
+    throughput_n: int = typer.Option(512, help="Items for the throughput measurement (0: skip)."),
+) -> None:
+    """Evaluate a model on the validation split: overall and per-task metrics, throughput."""
+    from cohort.datasets import load_split
+    from predictor.data import records_to_items
+    from predictor.loading import load_predictor
+    from predictor.metrics import all_metrics
+    from predictor.training import predict_items
+
+    s = _settings()
+    m = load_predictor(model)
+    recs = load_split(data, "val", limit_per_file=limit_per_file)
+    items, y = records_to_items(recs, s.model)
+    typer.echo(f"evaluating {m.kind} on {len(items)} validation rows", err=True)
+    pred = predict_items(m, items, _cache_dir(cache))
+    tasks = np.array([r.task for r in recs])
+    per_task = {t: all_metrics(y[tasks == t], pred[tasks == t]) for t in dict.fromkeys(tasks.tolist())}
+    result = {"model": str(model), "kind": m.kind, "overall": all_metrics(y, pred), "per_task": per_task}
+    if throughput_n > 0:
+        result.update(_throughput(m, items, throughput_n))
+    else:
+        result["predictions_per_s"] = None
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(result, indent=2))
+    if plot is not None:
+        _plots(y, pred, tasks, plot, f"{m.kind} ({model.name})")
+    typer.echo(json.dumps({"overall": result["overall"], "predictions_per_s": result.get("predictions_per_s")}))
+
+
+def _plots(actual: np.ndarray, pred: np.ndarray, tasks: np.ndarray, out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for t in dict.fromkeys(tasks.tolist()):
+        sel = tasks == t
+        ax.scatter(actual[sel] + 1, pred[sel] + 1, s=4, alpha=0.4, label=t)
+    hi = max(float(actual.max(initial=1)), float(pred.max(initial=1))) + 1
+    ax.plot([1, hi], [1, hi], "k--", lw=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("actual tokens + 1")
+    ax.set_ylabel("predicted tokens + 1")
+    ax.set_title(f"predicted vs actual: {title}")
+    ax.legend(markerscale=3, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "pred_vs_actual.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    err = np.sort(np.abs(pred - actual))
+    ax.plot(err, np.arange(1, len(err) + 1) / max(len(err), 1))
+    ax.set_xscale("symlog")
+    ax.set_xlabel("|predicted − actual| tokens")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"error CDF: {title}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "error_cdf.png", dpi=120)
+    plt.close(fig)
+
+
+@app.command()
+def register(
+    model: Path = typer.Option(..., help="Model directory to copy into the registry."),
+    target: str = typer.Option("predictor", help="predictor | estimator"),
+    activate: bool = typer.Option(True, help="Make it the active version."),
+) -> None:
+    """Copy a trained model directory into the registry as a new version (and activate it)."""
+    from predictor.registry import Registry
+
+    reg = Registry(_settings().data_dir, target)
+    version = reg.register_dir(model, activate=activate)
+    typer.echo(json.dumps({"target": target, "version": version, "active": reg.active()}))
+
+
+@app.command()
+def versions(target: str = typer.Option("predictor", help="predictor | estimator")) -> None:
+    """List the registry's versions and the active one."""
+    from predictor.registry import Registry
+
+    typer.echo(json.dumps(Registry(_settings().data_dir, target).listing(), indent=2))
+
+
+@app.command("activate")
+def activate_version(version: str, target: str = typer.Option("predictor", help="predictor | estimator")) -> None:
+    """Activate a version (rollback = activate an older one)."""
+    from predictor.registry import Registry, UnknownVersion
+
+    reg = Registry(_settings().data_dir, target)
+    try:
+        reg.activate(version)
+    except UnknownVersion:
+        typer.echo(f"unknown {target} version {version!r}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json.dumps({"target": target, "active": version}))
+
+
+@app.command()
+def embed(
+    data: list[Path] = typer.Option(..., help="JSONL data files to encode into the cache."),
+    part: str = typer.Option("all", help="train | val | all"),
+    limit_per_file: int | None = typer.Option(None, help="At most N rows per file."),
+) -> None:
+    """Pre-compute sentence embeddings into the on-disk cache (long; shows a progress bar)."""
+    from cohort.datasets import load_split
+    from predictor.data import magnus_feature_matrix, records_to_items
+
+    s = _settings()
+    recs = load_split(data, part, limit_per_file=limit_per_file)
+    items, _ = records_to_items(recs, s.model)
+    x = magnus_feature_matrix(items, _cache_dir(True), s.encoder_path, show_progress=True)
+    typer.echo(json.dumps({"rows": int(x.shape[0])}))

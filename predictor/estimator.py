@@ -46,3 +46,109 @@ class AnalyticBatchTime:
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+KNN_MODEL_FILE = "model.skops"
+ANALYTIC_MODEL_FILE = "analytic.json"
+META_FILE = "meta.json"
+
+
+class KNNBatchTime:
+    """Magnus's estimator: k-nearest-neighbour regression on standardised (β, L(B), G(B)).
+
+    Batches with similar size, input length and generation length run a similar number of
+    iterations with similar memory traffic, so their wall times are similar (Magnus §III-C).
+    Standardising matters: β is tens while L and G are hundreds, and unscaled distances would
+    ignore β. Distance weighting makes an exact repeat of a logged shape return its own time.
+    Stored with skops (no pickle).
+    """
+
+    kind = "knn"
+
+    def __init__(self, n_neighbors: int = 5) -> None:
+        from sklearn.neighbors import KNeighborsRegressor
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import StandardScaler
+
+        self.n_neighbors = int(n_neighbors)
+        self.model = make_pipeline(StandardScaler(),
+                                   KNeighborsRegressor(n_neighbors=self.n_neighbors, weights="distance"))
+        self.n_samples = 0
+
+    def fit(self, shapes: Sequence[tuple[int, int, int]], seconds: Sequence[float]) -> KNNBatchTime:
+        x = np.asarray(shapes, dtype=float).reshape(-1, 3)
+        y = np.asarray(seconds, dtype=float)
+        if len(x) == 0:
+            raise ValueError("KNNBatchTime needs at least one sample")
+        k = min(self.n_neighbors, len(x))
+        self.model.set_params(kneighborsregressor__n_neighbors=k)
+        self.model.fit(x, y)
+        self.n_samples = len(x)
+        return self
+
+    def estimate(self, size: int, input_len: int, gen_len: int) -> float:
+        return float(self.estimate_many([(size, input_len, gen_len)])[0])
+
+    def estimate_many(self, shapes: Sequence[tuple[int, int, int]]) -> np.ndarray:
+        x = np.asarray(shapes, dtype=float).reshape(-1, 3)
+        if not len(x):
+            return np.zeros(0)
+        return np.maximum(self.model.predict(x), 1e-4)
+
+    def save(self, directory, meta: dict | None = None) -> None:
+        import json
+        from pathlib import Path
+
+        import skops.io as sio
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        sio.dump(self.model, directory / KNN_MODEL_FILE)
+        info = {"kind": self.kind, "n_neighbors": self.n_neighbors, "n_samples": self.n_samples,
+                **(meta or {})}
+        (directory / META_FILE).write_text(json.dumps(info, indent=2, default=str))
+
+    @classmethod
+    def load(cls, directory) -> KNNBatchTime:
+        import json
+        from pathlib import Path
+
+        import skops.io as sio
+
+        directory = Path(directory)
+        meta = json.loads((directory / META_FILE).read_text())
+        path = directory / KNN_MODEL_FILE
+        untrusted = sio.get_untrusted_types(file=path)
+        bad = [t for t in untrusted if not t.startswith("sklearn.")]
+        if bad:
+            raise ValueError(f"{path}: refusing to load unexpected types {bad}")
+        self = cls(n_neighbors=meta.get("n_neighbors", 5))
+        self.model = sio.load(path, trusted=untrusted)
+        self.n_samples = int(meta.get("n_samples", 0))
+        return self
+
+
+def save_analytic(model: AnalyticBatchTime, directory, meta: dict | None = None) -> None:
+    """An analytic estimator as a registry-style directory (JSON coefficients + meta.json)."""
+    import json
+    from pathlib import Path
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ANALYTIC_MODEL_FILE).write_text(json.dumps(model.to_dict(), indent=2))
+    (directory / META_FILE).write_text(json.dumps({"kind": "analytic", **(meta or {})}, indent=2,
+                                                  default=str))
+
+
+def load_estimator(directory) -> KNNBatchTime | AnalyticBatchTime:
+    """Load an estimator directory by its meta kind (knn | analytic)."""
+    import json
+    from pathlib import Path
+
+    directory = Path(directory)
+    kind = json.loads((directory / META_FILE).read_text()).get("kind")
+    if kind == "knn":
+        return KNNBatchTime.load(directory)
+    if kind == "analytic":
+        return AnalyticBatchTime(**json.loads((directory / ANALYTIC_MODEL_FILE).read_text()))
+    raise ValueError(f"{directory}: unknown estimator kind {kind!r}")

@@ -1,0 +1,89 @@
+"""The batch-time estimator as the batcher uses it: a ``BatchTimeModel`` that follows the registry.
+
+Uses the registry's ACTIVE estimator version (KNN, trained by continuous learning) when there is
+one; otherwise the analytic cold-start model, fitted from the profiling samples of
+`cohort worker profile` when they exist (defaults otherwise). The ACTIVE file is checked at most
+once a second (one ``stat``) and a new version is swapped in with a single assignment, so
+``estimate_many`` always runs on one consistent model. Synchronous on purpose: the batcher's
+scheduling loop is synchronous and a KNN query over a few thousand samples takes microseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from cohort.settings import Settings
+from predictor.estimator import AnalyticBatchTime, KNNBatchTime, load_estimator
+from predictor.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+class EstimatorService:
+    """BatchTimeModel (estimate, estimate_many) with hot reload; ``version`` None = analytic."""
+
+    def __init__(self, settings: Settings, reload_interval_s: float = 1.0) -> None:
+        self.settings = settings
+        self.registry = Registry(settings.data_dir, "estimator")
+        self.reload_interval_s = float(reload_interval_s)
+        self._current: tuple[KNNBatchTime | AnalyticBatchTime, str | None] = (self._analytic(), None)
+        self._loaded_key: object = None
+        self._last_check = 0.0
+        self._lock = threading.Lock()
+        self.maybe_reload(force=True)
+
+    def _analytic(self) -> AnalyticBatchTime:
+        from predictor.learning import _profile_samples
+
+        try:
+            samples = _profile_samples(self.settings)
+        except (OSError, ValueError):
+            samples = []
+        if len(samples) >= 4:
+            return AnalyticBatchTime.fit([(s["size"], s["input_len"], s["gen_len"]) for s in samples],
+                                         [s["seconds"] for s in samples])
+        return AnalyticBatchTime()
+
+    @property
+    def version(self) -> str | None:
+        return self._current[1]
+
+    @property
+    def model(self) -> KNNBatchTime | AnalyticBatchTime:
+        return self._current[0]
+
+    def maybe_reload(self, force: bool = False) -> bool:
+        """Swap in the ACTIVE version if it changed; back to analytic if ACTIVE disappeared."""
+        now = time.monotonic()
+        if not force and now - self._last_check < self.reload_interval_s:
+            return False
+        self._last_check = now
+        mtime = self.registry.active_mtime()
+        version = self.registry.active() if mtime is not None else None
+        key = (version, mtime)
+        if key == self._loaded_key:
+            return False
+        with self._lock:
+            if key == self._loaded_key:
+                return False
+            self._loaded_key = key
+            try:
+                model = load_estimator(self.registry.path(version)) if version else self._analytic()
+            except Exception:
+                log.exception("cannot load estimator %s; keeping %s", version, self.version)
+                return False
+            self._current = (model, version)
+            log.info("estimator now %s", version or "analytic")
+            return True
+
+    def estimate(self, size: int, input_len: int, gen_len: int) -> float:
+        return float(self.estimate_many([(size, input_len, gen_len)])[0])
+
+    def estimate_many(self, shapes: Sequence[tuple[int, int, int]]) -> np.ndarray:
+        self.maybe_reload()
+        return np.asarray(self._current[0].estimate_many(shapes), dtype=float)

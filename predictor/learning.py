@@ -1,0 +1,321 @@
+"""Continuous learning (Magnus): pick the samples the current model got wrong, add them to the
+stored training set, retrain, save a new registry version and activate it.
+
+Selection rules (SPEC "Continuous learning"):
+- predictor: |G' − G| > 10 tokens AND > 10 % of G (the actual length);
+- estimator: |T̂ − T| > 2 s AND > 20 % of T, where T̂ is re-estimated with the batch's *actual*
+  generation length (Magnus re-estimates with actual lengths so that the estimator is judged on
+  its own error, not on the predictor's).
+
+Retraining reads the log DB only since the last successful run (a small JSON state file), so the
+periodic job is incremental; the stored training sets live under ``<data_dir>/learning/``. A file
+lock serialises retraining of one target (beat and the admin endpoint may fire together). Nothing
+here runs on the request path: the gateway and the batcher pick the new version up through the
+registry's ACTIVE file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cohort.settings import Settings
+from predictor.base import PredictItem
+from predictor.registry import Registry
+
+log = logging.getLogger(__name__)
+
+PRED_ABS_TOKENS = 10
+PRED_REL = 0.10
+EST_ABS_S = 2.0
+EST_REL = 0.20
+MIN_ESTIMATOR_SAMPLES = 8
+
+
+# --- selection rules (pure) ----------------------------------------------------------------------
+def predictor_needs_sample(predicted: float | None, actual: float, abs_tokens: float = PRED_ABS_TOKENS,
+                           rel: float = PRED_REL) -> bool:
+    """True when the prediction missed by more than ``abs_tokens`` AND more than ``rel``·actual.
+    A missing prediction counts as a miss (nothing was known about this request)."""
+    if predicted is None:
+        return True
+    err = abs(float(predicted) - float(actual))
+    return err > abs_tokens and err > rel * float(actual)
+
+
+def estimator_needs_sample(estimated: float | None, actual_s: float, abs_s: float = EST_ABS_S,
+                           rel: float = EST_REL) -> bool:
+    """True when the batch-time estimate missed by more than ``abs_s`` AND more than ``rel``·actual."""
+    if estimated is None:
+        return True
+    err = abs(float(estimated) - float(actual_s))
+    return err > abs_s and err > rel * float(actual_s)
+
+
+def select_predictor_rows(rows: Sequence[dict[str, Any]], abs_tokens: float = PRED_ABS_TOKENS,
+                          rel: float = PRED_REL) -> list[dict[str, Any]]:
+    """Log-DB request rows with an actual length whose prediction missed (rule above)."""
+    out = []
+    for r in rows:
+        if r.get("actual_tokens") is None:
+            continue
+        if predictor_needs_sample(r.get("predicted_tokens"), r["actual_tokens"], abs_tokens, rel):
+            out.append(r)
+    return out
+
+
+def select_estimator_rows(rows: Sequence[dict[str, Any]], estimates: Sequence[float | None],
+                          abs_s: float = EST_ABS_S, rel: float = EST_REL) -> list[dict[str, Any]]:
+    """Batch rows whose (re-)estimate missed the logged batch time (rule above)."""
+    return [r for r, e in zip(rows, estimates, strict=True)
+            if r.get("batch_time_s") is not None and estimator_needs_sample(e, r["batch_time_s"], abs_s, rel)]
+
+
+# --- storage -------------------------------------------------------------------------------------
+def learning_dir(settings: Settings) -> Path:
+    d = Path(settings.data_dir) / "learning"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def predictor_store(settings: Settings) -> Path:
+    return learning_dir(settings) / "predictor_train.jsonl"
+
+
+def estimator_store(settings: Settings) -> Path:
+    return learning_dir(settings) / "estimator_samples.jsonl"
+
+
+def profile_samples_path(settings: Settings) -> Path:
+    """Where `cohort worker profile` stores its (β, L, G) → seconds samples."""
+    return Path(settings.data_dir) / "profile" / "samples.json"
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _append_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    with path.open("a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _state_path(settings: Settings) -> Path:
+    return learning_dir(settings) / "state.json"
+
+
+def load_state(settings: Settings) -> dict[str, float]:
+    try:
+        return json.loads(_state_path(settings).read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def _save_state(settings: Settings, **values: float) -> None:
+    state = {**load_state(settings), **values}
+    tmp = _state_path(settings).with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, _state_path(settings))
+
+
+@contextlib.contextmanager
+def _lock(settings: Settings, name: str) -> Iterator[None]:
+    """One retraining per target at a time, across processes."""
+    with (learning_dir(settings) / f"{name}.lock").open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def seed_predictor_store(settings: Settings, limit_per_file: int | None = 500) -> int:
+    """First run: start the stored training set from the shared data's train split (if present;
+    ``limit_per_file`` rows per Magnus task, 0 = none). Later runs only append. Returns the
+    number of rows written."""
+    path = predictor_store(settings)
+    if path.is_file():
+        return 0
+    rows: list[dict[str, Any]] = []
+    if limit_per_file == 0:  # explicitly: start from the log DB only
+        path.touch()
+        return 0
+    try:
+        from cohort.datasets import data_files, load_split
+        from predictor.data import records_to_items
+
+        files = data_files()
+        recs = load_split(files, "train", limit_per_file=limit_per_file)
+        items, y = records_to_items(recs, settings.model)
+        rows = [{"instruction": it.instruction, "user_input": it.user_input, "input_tokens": it.input_tokens,
+                 "target": float(t), "task": it.task, "source": "shared-train"}
+                for it, t in zip(items, y, strict=True)]
+    except FileNotFoundError:
+        log.info("no shared data: predictor training set starts from the log DB only")
+    path.touch()
+    _append_jsonl(path, rows)
+    return len(rows)
+
+
+# --- retraining ----------------------------------------------------------------------------------
+def _holdout_split(n: int, frac: float = 0.1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.random.default_rng(seed).permutation(n)
+    cut = int(round(n * frac)) if n >= 20 else 0
+    return idx[cut:], idx[:cut]
+
+
+def retrain_predictor(settings: Settings, force: bool = False, kind: str | None = None,
+                      seed_limit_per_file: int | None = 500, **fit_options: Any) -> dict[str, Any]:
+    """Add the mispredicted logged requests to the training set, retrain, save and activate.
+
+    Returns ``{"version", "metrics", "n_added", "n_train", "retrained"}``. Without new samples
+    (and without ``force``) nothing is retrained and the active version is returned.
+    Metrics are measured on a seeded 10 % holdout of the stored set before the final fit on all of it.
+    """
+    from cohort.logdb import finished_requests, get_engine
+    from predictor.metrics import all_metrics
+    from predictor.training import fit_predictor, predict_items
+
+    kind = kind or settings.predictor_kind
+    reg = Registry(settings.data_dir, "predictor")
+    with _lock(settings, "predictor"):
+        seeded = seed_predictor_store(settings, seed_limit_per_file)
+        since = float(load_state(settings).get("predictor_since", 0.0))
+        rows = finished_requests(get_engine(settings.database_url), since)
+        picked = select_predictor_rows(rows)
+        new = [{"instruction": r.get("instruction") or "", "user_input": r.get("user_input") or "",
+                "input_tokens": int(r.get("input_tokens") or 0), "target": float(r["actual_tokens"]),
+                "task": r.get("task"), "source": f"log:{r['id']}"} for r in picked]
+        _append_jsonl(predictor_store(settings), new)
+        last = max((float(r["finished"]) for r in rows if r.get("finished") is not None), default=since)
+        if not new and not seeded and not force and reg.active():
+            _save_state(settings, predictor_since=last)
+            return {"version": reg.active(), "metrics": reg.meta(reg.active()).get("metrics"),
+                    "n_added": 0, "n_train": None, "retrained": False}
+        data = _read_jsonl(predictor_store(settings))
+        if not data:
+            _save_state(settings, predictor_since=last)
+            return {"version": reg.active(), "metrics": None, "n_added": 0, "n_train": 0,
+                    "retrained": False}
+        items = [PredictItem(d["instruction"], d["user_input"], int(d["input_tokens"]), d.get("task"))
+                 for d in data]
+        y = np.asarray([d["target"] for d in data], dtype=float)
+        cache = Path(settings.data_dir) / "cache" / "emb"
+        t0 = time.perf_counter()
+        tr, ho = _holdout_split(len(items))
+        metrics = None
+        if len(ho):
+            m = fit_predictor(kind, [items[i] for i in tr], y[tr], cache_dir=cache,
+                              encoder_path=settings.encoder_path, **fit_options)
+            metrics = all_metrics(y[ho], predict_items(m, [items[i] for i in ho], cache))
+        model = fit_predictor(kind, items, y, cache_dir=cache, encoder_path=settings.encoder_path,
+                              **fit_options)
+        version, staging = reg.new_dir()
+        model.save(staging, meta={"data": {"rows": len(items), "added": len(new), "store": str(predictor_store(settings))},
+                                  "metrics": metrics, "train_seconds": round(time.perf_counter() - t0, 2)})
+        reg.commit(version, staging)
+        _save_state(settings, predictor_since=last)
+        log.info("predictor retrained: %s (%d rows, %d new)", version, len(items), len(new))
+        return {"version": version, "metrics": metrics, "n_added": len(new), "n_train": len(items),
+                "retrained": True}
+
+
+def _profile_samples(settings: Settings) -> list[dict[str, Any]]:
+    p = profile_samples_path(settings)
+    if not p.is_file():
+        return []
+    d = json.loads(p.read_text())
+    return d.get("samples", d) if isinstance(d, dict) else d
+
+
+def current_estimator(settings: Settings):
+    """The estimator in force: active registry version, else analytic fitted on profile samples,
+    else the analytic defaults."""
+    from predictor.estimator import AnalyticBatchTime, load_estimator
+
+    reg = Registry(settings.data_dir, "estimator")
+    path = reg.active_path()
+    if path is not None:
+        try:
+            return load_estimator(path)
+        except Exception:  # a broken version must not stop learning; fall back
+            log.exception("cannot load estimator version %s", path)
+    samples = _profile_samples(settings)
+    if len(samples) >= 4:
+        return AnalyticBatchTime.fit([(s["size"], s["input_len"], s["gen_len"]) for s in samples],
+                                     [s["seconds"] for s in samples])
+    return AnalyticBatchTime()
+
+
+def retrain_estimator(settings: Settings, force: bool = False, n_neighbors: int = 5,
+                      min_samples: int = MIN_ESTIMATOR_SAMPLES) -> dict[str, Any]:
+    """Add the badly estimated logged batches to the sample set (seeded with the profile run),
+    refit the KNN estimator, save and activate a new version.
+
+    Ground truth = logged ``batch_time_s`` at (size, input_len, actual_gen_len). Returns
+    ``{"version", "metrics", "n_added", "n_train", "retrained"}``; with fewer than ``min_samples``
+    samples no KNN is trained (the analytic cold-start model stays in force).
+    """
+    from cohort.logdb import finished_batches, get_engine
+    from predictor.estimator import KNNBatchTime
+
+    reg = Registry(settings.data_dir, "estimator")
+    with _lock(settings, "estimator"):
+        store = estimator_store(settings)
+        seeded = 0
+        if not store.is_file():
+            prof = [{"size": int(s["size"]), "input_len": int(s["input_len"]), "gen_len": int(s["gen_len"]),
+                     "seconds": float(s["seconds"]), "source": "profile"} for s in _profile_samples(settings)]
+            store.touch()
+            _append_jsonl(store, prof)
+            seeded = len(prof)
+        since = float(load_state(settings).get("estimator_since", 0.0))
+        rows = [r for r in finished_batches(get_engine(settings.database_url), since)
+                if r.get("batch_time_s") is not None and r.get("size") and r.get("actual_gen_len") is not None]
+        est = current_estimator(settings)
+        shapes = [(int(r["size"]), int(r["input_len"] or 0), int(r["actual_gen_len"])) for r in rows]
+        estimates = list(est.estimate_many(shapes)) if shapes else []
+        picked = select_estimator_rows(rows, estimates)
+        new = [{"size": int(r["size"]), "input_len": int(r["input_len"] or 0),
+                "gen_len": int(r["actual_gen_len"]), "seconds": float(r["batch_time_s"]),
+                "source": f"log:{r['id']}"} for r in picked]
+        _append_jsonl(store, new)
+        last = max((float(r["finished"]) for r in rows if r.get("finished") is not None), default=since)
+        _save_state(settings, estimator_since=last)
+        data = _read_jsonl(store)
+        if (not new and not seeded and not force and reg.active()) or len(data) < min_samples:
+            active = reg.active()
+            return {"version": active, "metrics": reg.meta(active).get("metrics") if active else None,
+                    "n_added": len(new), "n_train": len(data), "retrained": False}
+        x = [(d["size"], d["input_len"], d["gen_len"]) for d in data]
+        y = np.asarray([d["seconds"] for d in data], dtype=float)
+        tr, ho = _holdout_split(len(x))
+        metrics = None
+        if len(ho):
+            m = KNNBatchTime(n_neighbors).fit([x[i] for i in tr], y[tr])
+            pred = m.estimate_many([x[i] for i in ho])
+            metrics = {"n": int(len(ho)), "mae_s": float(np.mean(np.abs(pred - y[ho]))),
+                       "mape": float(np.mean(np.abs(pred - y[ho]) / np.maximum(y[ho], 1e-6)))}
+        model = KNNBatchTime(n_neighbors).fit(x, y)
+        version, staging = reg.new_dir()
+        model.save(staging, meta={"data": {"rows": len(x), "added": len(new)}, "metrics": metrics})
+        reg.commit(version, staging)
+        log.info("estimator retrained: %s (%d samples, %d new)", version, len(x), len(new))
+        return {"version": version, "metrics": metrics, "n_added": len(new), "n_train": len(x),
+                "retrained": True}

@@ -1,0 +1,37 @@
+"""Load any saved length predictor by the ``kind`` in its meta.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from predictor.base import LengthPredictor
+
+KINDS = ("magnus", "lora", "linear", "mean")
+
+
+def predictor_kind(directory: str | Path) -> str:
+    return json.loads((Path(directory) / "meta.json").read_text()).get("kind", "")
+
+
+def load_predictor(directory: str | Path) -> LengthPredictor:
+    """magnus | lora | linear | mean, dispatched on meta.json; heavy imports only when needed."""
+    directory = Path(directory)
+    kind = predictor_kind(directory)
+    if kind == "magnus":
+        from predictor.magnus import MagnusPredictor
+
+        return MagnusPredictor.load(directory)
+    if kind == "lora":
+        from predictor.lora import LoraBucketPredictor
+
+        return LoraBucketPredictor.load(directory)
+    if kind == "linear":
+        from predictor.baselines import LinearLengthPredictor
+
+        return LinearLengthPredictor.load(directory)
+    if kind == "mean":
+        from predictor.baselines import MeanPredictor
+
+        return MeanPredictor.load(directory)
+    raise ValueError(f"{directory}: unknown predictor kind {kind!r} (expected one of {KINDS})")

@@ -1,0 +1,201 @@
+"""The predictor as the gateway uses it: async, micro-batched, hot-reloaded, never blocking the loop.
+
+Why micro-batching: one sentence-encoder forward pass over 32 texts costs far less than 32 passes
+over one, so concurrent requests are collected for a few milliseconds and predicted together
+in a worker thread (the event loop keeps accepting requests meanwhile). While one batch runs,
+the next one accumulates, so under load batches grow by themselves.
+
+Which model: ``settings.predictor_dir`` if set (a fixed directory), else the registry's ACTIVE
+predictor version. ACTIVE is checked at most once a second (one ``stat``); a changed version is
+loaded in a background thread and swapped in with one assignment of a (model, version) tuple,
+so a batch always runs on one consistent model. Before any model exists (cold start) the
+prediction is ``max_tokens`` (memory-safe) or the number in ``settings.cold_start``.
+Predictions are clamped to [1, max_tokens]. A failing model never fails a request: it logs and
+answers with the cold-start value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cohort.settings import Settings
+from predictor.base import LengthPredictor, PredictItem
+from predictor.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+class PredictorService:
+    """``await predict(item, max_tokens) -> (tokens, version | None)``; see the module docstring."""
+
+    def __init__(self, settings: Settings, max_batch: int = 64, max_wait_s: float = 0.003,
+                 reload_interval_s: float = 1.0) -> None:
+        self.settings = settings
+        self.max_batch = int(max_batch)
+        self.max_wait_s = float(max_wait_s)
+        self.reload_interval_s = float(reload_interval_s)
+        self.registry = Registry(settings.data_dir, "predictor")
+        self._current: tuple[LengthPredictor | None, str | None] = (None, None)
+        self._loaded_key: Any = None
+        self._last_check = 0.0
+        self._reload_lock = threading.Lock()
+        self._reloading = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predictor")
+        self._pending: list[tuple[PredictItem, asyncio.Future]] = []
+        self._runner: asyncio.Task | None = None
+        self._runner_loop: asyncio.AbstractEventLoop | None = None
+        self.batches_run = 0
+        self.items_predicted = 0
+
+    # --- model state ----------------------------------------------------------------------------
+    @property
+    def version(self) -> str | None:
+        """Version of the model in use (registry version, or the fixed directory's name)."""
+        return self._current[1]
+
+    @property
+    def model(self) -> LengthPredictor | None:
+        return self._current[0]
+
+    def _source(self) -> tuple[Path | None, str | None, Any]:
+        """(directory, version, change key) of the model that should be in use."""
+        if self.settings.predictor_dir is not None:
+            d = Path(self.settings.predictor_dir)
+            meta = d / "meta.json"
+            key = (str(d), meta.stat().st_mtime_ns if meta.exists() else None)
+            return (d if meta.exists() else None), d.name, key
+        mtime = self.registry.active_mtime()
+        version = self.registry.active() if mtime is not None else None
+        return (self.registry.path(version) if version else None), version, (version, mtime)
+
+    def _load(self, directory: Path, version: str | None, key: Any) -> None:
+        from predictor.loading import load_predictor
+
+        t0 = time.perf_counter()
+        model = load_predictor(directory)
+        self._current = (model, version)  # one assignment: readers see old or new, never a mix
+        self._loaded_key = key
+        log.info("predictor %s (%s) loaded in %.2fs", version, getattr(model, "kind", "?"),
+                 time.perf_counter() - t0)
+
+    def maybe_reload(self, force: bool = False) -> bool:
+        """Load the model if the configured directory / ACTIVE version changed. Synchronous;
+        cheap when nothing changed (one stat, at most once per ``reload_interval_s``).
+        Returns True when a new model was swapped in."""
+        now = time.monotonic()
+        if not force and now - self._last_check < self.reload_interval_s:
+            return False
+        self._last_check = now
+        try:
+            directory, version, key = self._source()
+        except OSError:
+            return False
+        if key == self._loaded_key or directory is None:
+            return False
+        with self._reload_lock:
+            if key == self._loaded_key:
+                return False
+            try:
+                self._load(directory, version, key)
+            except Exception:
+                log.exception("cannot load predictor %s; keeping %s", directory, self.version)
+                self._loaded_key = key  # do not retry a broken version every second
+                return False
+        return True
+
+    def _maybe_reload_background(self) -> None:
+        """From the event loop: check cheaply, and load a new version off the loop."""
+        if self._reloading or time.monotonic() - self._last_check < self.reload_interval_s:
+            return
+        self._reloading = True
+
+        def work() -> None:
+            try:
+                self.maybe_reload()
+            finally:
+                self._reloading = False
+
+        threading.Thread(target=work, name="predictor-reload", daemon=True).start()
+
+    def warmup(self) -> None:
+        """Load the model and run one prediction so the first request does not pay for loading
+        the encoder / base model. The gateway calls this at startup (blocking)."""
+        self.maybe_reload(force=True)
+        model = self.model
+        if model is not None:
+            try:
+                model.predict([PredictItem("warm up", "warm up", 2)])
+            except Exception:
+                log.exception("predictor warm-up failed")
+
+    # --- prediction -------------------------------------------------------------------------------
+    def cold_value(self, max_tokens: int) -> int:
+        """Prediction when no model is available: max_tokens, or settings.cold_start as a number."""
+        cs = str(self.settings.cold_start).strip().lower()
+        if cs in ("max_tokens", "max", ""):
+            return max(1, int(max_tokens))
+        try:
+            return int(min(max(round(float(cs)), 1), max(1, int(max_tokens))))
+        except ValueError:
+            return max(1, int(max_tokens))
+
+    @staticmethod
+    def _clamp(value: float, max_tokens: int) -> int:
+        v = float(value)
+        if not np.isfinite(v):
+            return max(1, int(max_tokens))
+        return int(min(max(round(v), 1), max(1, int(max_tokens))))
+
+    def predict_many(self, items: Sequence[PredictItem]) -> tuple[np.ndarray | None, str | None]:
+        """Synchronous batch prediction with the current model (None when cold)."""
+        model, version = self._current
+        if model is None or not items:
+            return None, version
+        return np.asarray(model.predict(list(items)), dtype=float), version
+
+    async def predict(self, item: PredictItem, max_tokens: int) -> tuple[int, str | None]:
+        """Predicted generation tokens, clamped to [1, max_tokens], and the model version (None = cold)."""
+        self._maybe_reload_background()
+        if self.model is None:
+            return self.cold_value(max_tokens), None
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._pending.append((item, fut))
+        if self._runner is None or self._runner.done() or self._runner_loop is not loop:
+            self._runner_loop = loop
+            self._runner = loop.create_task(self._drain())
+        value, version = await fut
+        if value is None:
+            return self.cold_value(max_tokens), None
+        return self._clamp(value, max_tokens), version
+
+    async def _drain(self) -> None:
+        """Collect for ``max_wait_s``, then predict pending items in batches until none are left."""
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(self.max_wait_s)
+        while self._pending:
+            batch = self._pending[:self.max_batch]
+            del self._pending[:self.max_batch]
+            items = [it for it, _ in batch]
+            try:
+                preds, version = await loop.run_in_executor(self._executor, self.predict_many, items)
+            except Exception:
+                log.exception("prediction failed for a batch of %d; answering with cold start", len(items))
+                preds, version = None, None
+            self.batches_run += 1
+            self.items_predicted += len(items)
+            for i, (_, fut) in enumerate(batch):
+                if not fut.done():
+                    fut.set_result((None if preds is None else float(preds[i]), version))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
