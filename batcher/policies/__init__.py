@@ -9,16 +9,30 @@ from collections.abc import Callable
 from typing import Any
 
 from batcher.policies.base import BatchTimeModel, Policy, PolicyContext
+from batcher.policies.s3 import S3Policy
+from batcher.policies.slo import ODBSPolicy, SLODBSPolicy, SLOODBSPolicy
 from batcher.policies.vs import VanillaPolicy
 from batcher.policies.wma import ABPPolicy, GLPPolicy, MagnusPolicy, WMAPolicy
 
 PolicyFactory = Callable[..., Policy]
+
+_SLO_KEYS = ("w1", "w2", "l1", "l2", "slo_threshold", "max_batch_size")
+
+
+def _slo_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The SLO-ODBS settings among ``params`` (Φ ``threshold`` and others belong to other policies)."""
+    return {k: v for k, v in params.items() if k in _SLO_KEYS and v is not None}
+
 
 POLICIES: dict[str, PolicyFactory] = {
     "vs": lambda ctx, batch_size=None, **_: VanillaPolicy(ctx, batch_size=batch_size),
     "glp": lambda ctx, threshold, batch_size=None, **_: GLPPolicy(ctx, threshold, batch_size=batch_size),
     "abp": lambda ctx, threshold, **_: ABPPolicy(ctx, threshold),
     "magnus": lambda ctx, threshold, **_: MagnusPolicy(ctx, threshold),
+    "s3": lambda ctx, s3_window=2048, **_: S3Policy(ctx, window=s3_window),
+    "slo-dbs": lambda ctx, **kw: SLODBSPolicy(ctx, **_slo_params(kw)),
+    "odbs": lambda ctx, **kw: ODBSPolicy(ctx, **_slo_params(kw)),
+    "slo-odbs": lambda ctx, **kw: SLOODBSPolicy(ctx, **_slo_params(kw)),
 }
 
 
@@ -31,4 +45,5 @@ def make_policy(name: str, ctx: PolicyContext, **params: Any) -> Policy:
     return factory(ctx, **params)
 
 
-__all__ = ["POLICIES", "BatchTimeModel", "Policy", "PolicyContext", "WMAPolicy", "make_policy"]
+__all__ = ["POLICIES", "BatchTimeModel", "ODBSPolicy", "Policy", "PolicyContext", "S3Policy", "SLODBSPolicy",
+           "SLOODBSPolicy", "WMAPolicy", "make_policy"]
