@@ -162,6 +162,8 @@ def parse_topo_text(text: str) -> tuple[list[int], list[list[str]]]:
     """
     lines = [_ANSI.sub("", ln).rstrip() for ln in text.splitlines()]
     header_idx = next((i for i, ln in enumerate(lines) if _is_header(ln)), None)
+    if header_idx is None:
+        raise ValueError("no GPU header line found; is this `nvidia-smi topo -m` output?")
     header = lines[header_idx].split()
     gpu_cols = [(pos, int(tok[3:])) for pos, tok in enumerate(header) if re.fullmatch(r"GPU\d+", tok)]
     gpu_ids = [g for _, g in gpu_cols]
