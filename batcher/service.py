@@ -194,10 +194,10 @@ class BatcherService:
         """Answer each request with an explicit error; nothing accepted is ever dropped silently."""
         self.redis.hincrby(bus.STATS, "requests_failed", len(requests))
         db = get_engine(self.settings.database_url)
-        for r in requests:
+        for r in requests:  # record first, then answer: a client that sees the error finds the record
+            finish_request(db, r.id, status="failed", error=message)
             bus.push_result(self.redis, r.id, bus.result_message(r.id, ok=False, code=code, error=message))
             self.redis.hdel(bus.PENDING, r.id)
-            finish_request(db, r.id, status="failed", error=message)
         log.error("failed %d request(s): %s", len(requests), message)
 
 

@@ -4,14 +4,26 @@ model's own. Token counts (L(p), training targets) always come from here."""
 from __future__ import annotations
 
 import os
+import threading
 from functools import lru_cache
 
 from cohort.settings import DEFAULT_MODEL
 
+_load_lock = threading.Lock()
+
+
+def load_tokenizer(model: str = DEFAULT_MODEL):
+    """A fast HF tokenizer with left padding and a pad and EOS token set (batched generate needs both).
+
+    Locked: the gateway tokenizes from a thread pool, and transformers' lazy imports are not
+    safe to race on the first call.
+    """
+    with _load_lock:
+        return _load_tokenizer(model)
+
 
 @lru_cache(maxsize=4)
-def load_tokenizer(model: str = DEFAULT_MODEL):
-    """A fast HF tokenizer with left padding and a pad and EOS token set (batched generate needs both)."""
+def _load_tokenizer(model: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoTokenizer

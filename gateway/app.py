@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cohort.logdb import get_engine
 from cohort.settings import Settings, get_settings
+from cohort.tokenizer import prompt_token_counts
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.submit import PoolView
@@ -34,6 +35,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         st.db = get_engine(s.database_url)
         st.predictor = PredictorService(s)
         await run_in_threadpool(st.predictor.warmup)
+        await run_in_threadpool(prompt_token_counts, ["warm up"], s.model)
         reloader = asyncio.create_task(_reload_loop(st.predictor))
         log.info("gateway ready: policy=%s predictor=%s version=%s", s.policy, s.predictor_kind,
                  st.predictor.version)

@@ -69,6 +69,17 @@ class PoolView:
         return self._alive
 
 
+async def wait_result(redis, request_id: str, timeout_s: float, slice_s: float = 2.0):
+    """BLPOP the answer in short slices: a blocking read longer than the client's socket
+    timeout (5 s by default in redis-py 8) would fail as a timeout on our side."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        got = await redis.blpop([bus.result_key(request_id)], timeout=min(slice_s, max(left, 0.01)))
+        if got is not None:
+            return got
+    return None
+
+
 async def submit(app_state, sub: Submission) -> Outcome:
     """Run one request through the system and return its outcome, or raise APIError."""
     s: Settings = app_state.settings
@@ -121,7 +132,7 @@ async def submit(app_state, sub: Submission) -> Outcome:
     await redis.lpush(bus.INCOMING, bus.dumps(req.to_dict()))
     app_state.metrics.predicted_tokens.observe(req.predicted_tokens)
 
-    got = await redis.blpop([bus.result_key(req.id)], timeout=s.request_timeout_s)
+    got = await wait_result(redis, req.id, s.request_timeout_s)
     if got is None:
         await run_in_threadpool(finish_request, app_state.db, req.id, status="failed",
                                 error="gateway timed out waiting for the result")
