@@ -168,7 +168,7 @@ class LoraBucketPredictor:
                 opt.step()
                 sched.step()
                 opt.zero_grad()
-                losses.append(float(out.loss))
+                losses.append(float(out.loss.detach()))
                 step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")

@@ -35,6 +35,12 @@ def small_items(data_paths):
     from cohort.datasets import load_split
     from predictor.data import records_to_items
 
-    tr_items, tr_y = records_to_items(load_split(data_paths, "train", limit_per_file=40))
-    va_items, va_y = records_to_items(load_split(data_paths, "val", limit_per_file=15))
+    tr_items, tr_y = records_to_items(load_split(data_paths, "train", limit_per_file=30))
+    va_items, va_y = records_to_items(load_split(data_paths, "val", limit_per_file=10))
     return tr_items, tr_y, va_items, va_y
+
+
+@pytest.fixture(scope="session")
+def emb_cache(tmp_path_factory):
+    """One embedding cache for the whole session: each text is encoded once."""
+    return tmp_path_factory.mktemp("emb")

@@ -1,0 +1,72 @@
+import json
+
+import numpy as np
+import pytest
+
+from predictor.estimator import AnalyticBatchTime, KNNBatchTime, load_estimator, save_analytic
+from predictor.estimator_service import EstimatorService
+from predictor.registry import Registry
+from workers.profile import run_profile
+
+
+def _truth(b, L, G):
+    return 0.02 + 1e-5 * b * L + 3e-3 * G + 1e-7 * b * G * (L + G / 2)
+
+
+def _grid():
+    return [(b, L, G) for b in (1, 2, 4, 8, 16) for L in (16, 64, 256) for G in (8, 32, 128)]
+
+
+def test_knn_fit_save_load(tmp_path):
+    shapes = _grid()
+    y = [_truth(*s) for s in shapes]
+    knn = KNNBatchTime(n_neighbors=3).fit(shapes, y)
+    assert knn.estimate(*shapes[5]) == pytest.approx(y[5])  # an exact repeat returns its own time
+    mid = knn.estimate(6, 100, 50)
+    assert min(y) < mid < max(y)
+    knn.save(tmp_path / "k", meta={"metrics": {"mae_s": 0.0}})
+    again = load_estimator(tmp_path / "k")
+    assert isinstance(again, KNNBatchTime) and again.n_samples == len(shapes)
+    np.testing.assert_allclose(again.estimate_many(shapes[:7]), knn.estimate_many(shapes[:7]))
+    assert json.loads((tmp_path / "k" / "meta.json").read_text())["kind"] == "knn"
+    # fewer samples than neighbours still works
+    assert KNNBatchTime(5).fit([(1, 1, 1), (2, 2, 2)], [1.0, 2.0]).estimate(1, 1, 1) == pytest.approx(1.0)
+
+
+def test_analytic_roundtrip(tmp_path):
+    a = AnalyticBatchTime.fit(_grid(), [_truth(*s) for s in _grid()])
+    save_analytic(a, tmp_path / "a")
+    b = load_estimator(tmp_path / "a")
+    assert b.estimate(4, 64, 32) == pytest.approx(a.estimate(4, 64, 32))
+
+
+class FakeEngine:
+    def __init__(self):
+        self.calls = []
+
+    def run_shape(self, size, input_len, gen_len):
+        self.calls.append((size, input_len, gen_len))
+        return _truth(size, input_len, gen_len)
+
+
+def test_run_profile_and_estimator_service(settings):
+    from predictor.learning import profile_samples_path, retrain_estimator
+
+    eng = FakeEngine()
+    out = profile_samples_path(settings)
+    samples = run_profile(eng, _grid(), out, show_progress=False)
+    assert len(samples) == len(_grid()) and len(eng.calls) == len(_grid()) + 1  # + warm-up
+    stored = json.loads(out.read_text())
+    assert stored["samples"] == samples and stored["analytic"]["c3"] >= 0
+    svc = EstimatorService(settings, reload_interval_s=0.0)
+    assert svc.version is None and isinstance(svc.model, AnalyticBatchTime)
+    # analytic fitted from the profile: close to the truth
+    assert svc.estimate(8, 256, 128) == pytest.approx(_truth(8, 256, 128), rel=0.05)
+    res = retrain_estimator(settings)
+    assert res["retrained"]
+    assert svc.estimate_many([(8, 256, 128)])[0] == pytest.approx(_truth(8, 256, 128))
+    assert svc.version == res["version"] and isinstance(svc.model, KNNBatchTime)
+    reg = Registry(settings.data_dir, "estimator")
+    reg.active_file.unlink()  # no active version any more: back to analytic
+    svc.maybe_reload(force=True)
+    assert svc.version is None and isinstance(svc.model, AnalyticBatchTime)

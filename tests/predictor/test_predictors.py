@@ -1,0 +1,96 @@
+"""Train, save, load and predict every predictor kind on small real data (../shared/data)."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from predictor.loading import load_predictor
+from predictor.metrics import all_metrics
+from predictor.training import fit_predictor, predict_items
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("kind", ["mean", "linear", "magnus"])
+def test_train_save_load_predict(kind, small_items, emb_cache, tmp_path):
+    tr_items, tr_y, va_items, va_y = small_items
+    model = fit_predictor(kind, tr_items, tr_y, cache_dir=emb_cache, n_estimators=20)
+    pred = predict_items(model, va_items, emb_cache)
+    assert pred.shape == (len(va_items),) and np.all(pred >= 1)
+    model.save(tmp_path / kind, meta={"data": "test"})
+    again = load_predictor(tmp_path / kind)
+    assert again.kind == kind
+    # the cached-feature path and the live path (encoder) agree
+    np.testing.assert_allclose(again.predict(va_items[:8]), pred[:8], rtol=1e-4)
+    m = all_metrics(va_y, pred)
+    assert m["n"] == len(va_items) and m["mae"] > 0
+    if kind == "linear":
+        assert m["pearson"] > 0.5  # input length explains a lot on these tasks
+
+
+@pytest.mark.data
+def test_magnus_beats_mean(small_items, emb_cache):
+    tr_items, tr_y, va_items, va_y = small_items
+    mean = fit_predictor("mean", tr_items, tr_y)
+    mag = fit_predictor("magnus", tr_items, tr_y, cache_dir=emb_cache, n_estimators=30)
+    assert (all_metrics(va_y, predict_items(mag, va_items, emb_cache))["mae"]
+            < all_metrics(va_y, mean.predict(va_items))["mae"])
+
+
+@pytest.mark.data
+def test_lora_tiny_run(small_items, tmp_path):
+    from predictor.buckets import bucket_index
+    from predictor.lora import LoraBucketPredictor
+
+    tr_items, tr_y, va_items, _ = small_items
+    model = LoraBucketPredictor(max_length=32, lora_r=4).fit(tr_items, tr_y, max_examples=48, max_steps=4,
+                                                             batch_size=8, show_progress=False)
+    assert model.train_info["steps"] == 4
+    probs = model.predict_proba(va_items[:6])
+    assert probs.shape == (6, 9) and np.allclose(probs.sum(1), 1, atol=1e-4)
+    pred = model.predict(va_items[:6])
+    assert set(pred.tolist()) <= set(model.values.tolist())  # bucket representatives (upper edge)
+    model.save(tmp_path / "lora")
+    files = {p.name for p in (tmp_path / "lora" / "adapter").iterdir()}
+    assert "adapter_model.safetensors" in files and not any(f.endswith((".bin", ".pt", ".pkl")) for f in files)
+    again = load_predictor(tmp_path / "lora")
+    np.testing.assert_allclose(again.predict_proba(va_items[:6]), probs, atol=1e-4)  # merged == unmerged
+    assert (bucket_index(again.predict(va_items[:6])) == probs.argmax(1)).all()
+
+
+@pytest.mark.data
+def test_cli_train_eval_register(data_paths, tmp_path, monkeypatch):
+    from cohort import settings as settings_mod
+    from predictor.cli import app
+
+    monkeypatch.setenv("COHORT_DATA_DIR", str(tmp_path / "var"))
+    settings_mod.get_settings.cache_clear()
+    try:
+        runner = CliRunner()
+        data = [a for p in data_paths for a in ("--data", str(p))]
+        r = runner.invoke(app, ["train", "--kind", "linear", *data, "--out", str(tmp_path / "lin"),
+                                "--limit-per-file", "50"])
+        assert r.exit_code == 0, r.output
+        meta = json.loads((tmp_path / "lin" / "meta.json").read_text())
+        assert meta["kind"] == "linear" and meta["data"]["rows"] == 150 and meta["version"].startswith("v")
+        out = tmp_path / "eval.json"
+        r = runner.invoke(app, ["eval", "--model", str(tmp_path / "lin"), *data, "--json", str(out),
+                                "--limit-per-file", "20", "--plot", str(tmp_path / "plots"),
+                                "--throughput-n", "32"])
+        assert r.exit_code == 0, r.output
+        res = json.loads(out.read_text())
+        assert set(res["overall"]) == {"n", "mae", "rmse", "pearson", "kendall_tau", "bucket_accuracy",
+                                       "acc_within_50", "acc_within_100"}
+        assert res["overall"]["n"] == 60 and set(res["per_task"]) == {"mt_zh_en", "td", "ct_java_cs"}
+        assert res["predictions_per_s"] > 0
+        assert (tmp_path / "plots" / "pred_vs_actual.png").is_file()
+        assert (tmp_path / "plots" / "error_cdf.png").is_file()
+        r = runner.invoke(app, ["register", "--model", str(tmp_path / "lin")])
+        assert r.exit_code == 0, r.output
+        v = json.loads(r.output)["version"]
+        from predictor.registry import Registry
+
+        assert Registry(tmp_path / "var", "predictor").active() == v
+    finally:
+        settings_mod.get_settings.cache_clear()

@@ -1,0 +1,93 @@
+import asyncio
+
+import numpy as np
+
+from predictor.base import PredictItem
+from predictor.baselines import LinearLengthPredictor, MeanPredictor
+from predictor.registry import Registry
+from predictor.service import PredictorService
+
+
+def _item(n=10):
+    return PredictItem("Translate.", "hello " * n, n)
+
+
+def test_cold_start(settings):
+    svc = PredictorService(settings)
+    svc.warmup()
+    assert svc.version is None
+    assert asyncio.run(svc.predict(_item(), 300)) == (300, None)
+    svc2 = PredictorService(settings.model_copy(update={"cold_start": "64"}))
+    assert asyncio.run(svc2.predict(_item(), 300)) == (64, None)
+    assert asyncio.run(svc2.predict(_item(), 20)) == (20, None)  # clamped to max_tokens
+
+
+class CountingModel:
+    kind = "mean"
+
+    def __init__(self):
+        self.calls = []
+
+    def predict(self, items):
+        self.calls.append(len(items))
+        return np.array([float(it.input_tokens) * 2 for it in items])
+
+
+def test_micro_batching_and_clamp(settings):
+    reg = Registry(settings.data_dir, "predictor")
+    reg.register_dir(_saved(settings, MeanPredictor(5)))
+    svc = PredictorService(settings, max_batch=32, max_wait_s=0.005)
+    svc.warmup()
+    model = CountingModel()
+    svc._current = (model, "vX")
+
+    async def many():
+        return await asyncio.gather(*[svc.predict(_item(i + 1), 50) for i in range(100)])
+
+    out = asyncio.run(many())
+    assert [o[0] for o in out] == [min(2 * (i + 1), 50) for i in range(100)]
+    assert all(o[1] == "vX" for o in out)
+    assert sum(model.calls) == 100 and len(model.calls) <= 5  # batched, not one call per request
+    assert max(model.calls) == 32
+
+
+def _saved(settings, model, name="m"):
+    d = settings.data_dir / "src" / name
+    model.save(d)
+    return d
+
+
+def test_hot_reload_and_rollback(settings):
+    reg = Registry(settings.data_dir, "predictor")
+    v1 = reg.register_dir(_saved(settings, MeanPredictor(40), "a"))
+    svc = PredictorService(settings, reload_interval_s=0.0)
+    svc.warmup()
+    assert svc.version == v1
+    assert asyncio.run(svc.predict(_item(), 100)) == (40, v1)
+    lin = LinearLengthPredictor(1.0, 3.0)
+    v2 = reg.register_dir(_saved(settings, lin, "b"))
+    assert svc.maybe_reload() and svc.version == v2
+    assert asyncio.run(svc.predict(_item(10), 100)) == (31, v2)
+    reg.activate(v1)
+    assert svc.maybe_reload() and svc.version == v1
+    assert not svc.maybe_reload()  # unchanged: nothing to do
+
+
+def test_predictor_dir_setting(settings):
+    d = _saved(settings, MeanPredictor(7), "fixed")
+    svc = PredictorService(settings.model_copy(update={"predictor_dir": d}))
+    svc.warmup()
+    assert svc.version == "fixed"
+    assert asyncio.run(svc.predict(_item(), 100)) == (7, "fixed")
+
+
+def test_failing_model_falls_back_to_cold(settings):
+    class Broken:
+        kind = "mean"
+
+        def predict(self, items):
+            raise RuntimeError("boom")
+
+    svc = PredictorService(settings)
+    svc._current = (Broken(), "vB")
+    assert asyncio.run(svc.predict(_item(), 77)) == (77, None)
