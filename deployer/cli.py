@@ -62,6 +62,8 @@ def render_table(dep: object) -> str:
     unused = [d.id for d in dep.cluster.devices if d.id not in dep.devices]
     lines += [
         "",
+        "(used = weights placed; free = device memory - used, of which T is kept for the KV cache;",
+        " cost ms = that stage's weight reads / perf)",
         f"pipeline order {dep.devices}" + (f" (unused: {unused})" if unused else ""),
         f"predicted cost {dep.predicted_cost:.3f} ms/token = compute {dep.evaluation.compute_ms:.3f} + "
         f"hops {dep.evaluation.hop_ms:.3f}",
@@ -81,8 +83,9 @@ def render_table(dep: object) -> str:
 
 @app.command()
 def plan(
-    topology: Path = typer.Option(..., "--topology", exists=True, dir_okay=False,
-                                  help="`nvidia-smi topo -m` text or a YAML cluster file (auto-detected)."),
+    topology: Path | None = typer.Option(None, "--topology", exists=True, dir_okay=False,
+                                         help="`nvidia-smi topo -m` text or a YAML cluster file "
+                                              "(auto-detected). Omit to probe the local GPUs."),
     model: Path = typer.Option(..., "--model", exists=True,
                                help="HF model directory or a bare config.json (read on the meta device)."),
     gpus: Path | None = typer.Option(None, "--gpus", exists=True, dir_okay=False,
