@@ -1,0 +1,127 @@
+"""Replay a workload against a running cohort stack over HTTP (``POST /v1/generate``).
+
+Open loop: request i is sent at its Poisson arrival time whatever happened to the others (as
+vLLM's benchmark client does), with ``emulated_tokens`` = its reference length so a random-weight
+model generates exactly the trace's lengths (the server must run with
+COHORT_EMULATE_LENGTHS=true). Bounded and self-stopping: at most ``max_in_flight`` requests
+outstanding, every request has its own timeout, and the whole run stops at ``time_limit_s``
+(requests not finished by then count as failed). Only loopback URLs are accepted — this is a
+load generator and must never be pointed at someone else's server by accident.
+
+Metrics are the simulator's (``bench.simulator.compute_metrics``): batch sizes come from the
+responses' ``batch`` field (one entry per distinct batch id), WMA and padded tokens from the
+members of each batch seen in the responses, with true lengths = generated tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import numpy as np
+
+from batcher.wma import total_wma
+from bench.simulator import compute_metrics
+from bench.workload import Workload
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname or ""
+    if host not in LOOPBACK:
+        raise ValueError(f"{url}: the live runner only talks to loopback hosts ({sorted(LOOPBACK)})")
+
+
+@dataclass
+class LiveResult:
+    metrics: dict[str, float]
+    wall_s: float
+    errors: dict[str, int]
+    batches: int
+
+
+async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, request_timeout_s: float = 300.0,
+                   time_limit_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
+                   progress: Callable[[int], None] | None = None) -> LiveResult:
+    """Send every request of ``workload`` at its arrival time; return the benchmark metrics."""
+    if transport is None:
+        check_loopback(url)
+    n = len(workload)
+    recs = workload.rows.records
+    sent = np.full(n, math.nan)
+    finish = np.full(n, math.inf)
+    ok = np.zeros(n, dtype=bool)
+    gen = np.zeros(n, dtype=np.int64)
+    batch_of: list[tuple[str, int] | None] = [None] * n
+    errors: dict[str, int] = defaultdict(int)
+    sem = asyncio.Semaphore(max_in_flight)
+    t0 = time.perf_counter()
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        delay = float(workload.arrival[i]) - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async with sem:
+            r = recs[int(workload.row[i])]
+            body = {"instruction": r.instruction, "input": r.input, "max_tokens": workload.config.max_tokens,
+                    "slo_seconds": float(workload.slo_s[i]), "emulated_tokens": int(workload.true_tokens[i]),
+                    "task": r.task}
+            sent[i] = time.perf_counter() - t0
+            try:
+                resp = await client.post("/v1/generate", json=body, timeout=request_timeout_s)
+            except httpx.HTTPError as e:
+                errors[type(e).__name__] += 1
+                return
+            finally:
+                if progress:
+                    progress(1)
+            if resp.status_code != 200:
+                errors[f"http_{resp.status_code}"] += 1
+                return
+            d = resp.json()
+            finish[i] = time.perf_counter() - t0
+            ok[i] = True
+            gen[i] = int(d.get("generated_tokens", 0))
+            b = d.get("batch") or {}
+            batch_of[i] = (str(b.get("id")), int(b.get("size", 1)))
+
+    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
+    async with httpx.AsyncClient(base_url=url, limits=limits, transport=transport) as client:
+        tasks = [asyncio.create_task(one(client, i)) for i in range(n)]
+        done, pending = await asyncio.wait(tasks, timeout=time_limit_s)
+        for t in pending:
+            t.cancel()
+        if pending:
+            errors["time_limit"] += len(pending)
+            await asyncio.gather(*pending, return_exceptions=True)
+    wall = time.perf_counter() - t0
+
+    # arrival = when we actually sent it (open loop lag shows up as latency otherwise)
+    arrival = np.where(np.isnan(sent), workload.arrival, sent)
+    deadline = arrival + workload.slo_s
+    members: dict[str, list[int]] = defaultdict(list)
+    sizes: dict[str, int] = {}
+    for i, bs in enumerate(batch_of):
+        if bs is not None:
+            members[bs[0]].append(i)
+            sizes[bs[0]] = bs[1]
+    padded, wma = 0.0, 0
+    for bid, idx in members.items():
+        g_b = int(gen[idx].max())
+        padded += sizes[bid] * g_b
+        wma += total_wma([(int(workload.input_tokens[i]), int(gen[i])) for i in idx])
+    true = np.where(ok, gen, workload.true_tokens)
+    metrics = compute_metrics(arrival, finish, ok, deadline, true, list(sizes.values()), padded, wma, 0)
+    return LiveResult(metrics, wall, dict(errors), len(sizes))
+
+
+def run_live_sync(workload: Workload, url: str, **kw: Any) -> LiveResult:
+    return asyncio.run(run_live(workload, url, **kw))
