@@ -232,23 +232,27 @@ def shape_from_module(model: nn.Module, dtype: str | torch.dtype | None = None,
                       no_split_module_classes=no_split, model=model)
 
 
-def load_config(path: str | Path) -> Any:
-    """An HF config from a model directory or a bare ``config.json`` file."""
+def load_config(path: str | Path, trust_remote_code: bool = False) -> Any:
+    """An HF config from a model directory or a bare ``config.json`` file.
+
+    ``trust_remote_code`` is needed for models that ship their own code (ChatGLM); it runs
+    that code, exactly as loading the model would.
+    """
     from transformers import AutoConfig
 
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
-    return AutoConfig.from_pretrained(str(p))
+    return AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
 
 
-def meta_model(config: Any) -> nn.Module:
+def meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
     """Instantiate ``config``'s causal-LM class on the meta device (no memory, no weights)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     # init_empty_weights re-registers parameters, which unties tied heads; tie them again
     # so shared storage is counted (and placed) once.
     if hasattr(model, "tie_weights"):
@@ -256,15 +260,16 @@ def meta_model(config: Any) -> nn.Module:
     return model
 
 
-def load_model_shape(path: str | Path, dtype: str | torch.dtype | None = None) -> ModelShape:
+def load_model_shape(path: str | Path, dtype: str | torch.dtype | None = None,
+                     trust_remote_code: bool = False) -> ModelShape:
     """Shape of the model at ``path`` (HF directory or bare config.json).
 
     ``dtype`` defaults to the config's dtype, else float16 (what a GPU worker loads).
     """
-    config = load_config(path)
+    config = load_config(path, trust_remote_code)
     if dtype is None:
         dtype = _config_dtype(config) or "float16"
-    model = meta_model(config)
+    model = meta_model(config, trust_remote_code)
     shape = shape_from_module(model, dtype=dtype, num_layers=_num_layers_hint(config))
     shape.source = str(path)
     return shape

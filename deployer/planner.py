@@ -112,7 +112,8 @@ def plan_deployment(shape: ModelShape, cluster: Cluster, mode: str = "helr", a1:
 
 def plan_device_map(model_path: str, mode: str, topology_file: str | None = None, gpus_file: str | None = None,
                     kv_reserve_bytes: int | None = None, *, a1: float = 1.0, a2: float = 1.0,
-                    dtype: str | None = None, require_cuda: bool = True) -> dict[str, int] | None:
+                    dtype: str | None = None, require_cuda: bool = True,
+                    trust_remote_code: bool = False) -> dict[str, int] | None:
     """The device_map a worker should pass to ``from_pretrained(..., device_map=...)``.
 
     Uses ``topology_file`` (nvidia-smi topo text or YAML) and ``gpus_file`` (nvidia-smi csv)
@@ -129,7 +130,7 @@ def plan_device_map(model_path: str, mode: str, topology_file: str | None = None
             log.info("no CUDA device: not planning a device_map")
             return None
     cluster = load_cluster(topology_file, gpus_file)
-    shape = load_model_shape(Path(model_path), dtype=dtype)
+    shape = load_model_shape(Path(model_path), dtype=dtype, trust_remote_code=trust_remote_code)
     dep = plan_deployment(shape, cluster, mode=mode, a1=a1, a2=a2, kv_reserve_bytes=kv_reserve_bytes,
                           baselines=False)
     log.info("HELR %s plan: devices %s, layers %s, predicted %.3f ms/token", mode, dep.devices,
