@@ -30,6 +30,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "abp": lambda ctx, threshold, **_: ABPPolicy(ctx, threshold),
     "magnus": lambda ctx, threshold, **_: MagnusPolicy(ctx, threshold),
     "s3": lambda ctx, s3_window=2048, **_: S3Policy(ctx, window=s3_window),
+    "s3-hrrn": lambda ctx, s3_window=2048, **_: S3Policy(ctx, window=s3_window, order="hrrn"),
     "slo-dbs": lambda ctx, **kw: SLODBSPolicy(ctx, **_slo_params(kw)),
     "odbs": lambda ctx, **kw: ODBSPolicy(ctx, **_slo_params(kw)),
     "slo-odbs": lambda ctx, **kw: SLOODBSPolicy(ctx, **_slo_params(kw)),

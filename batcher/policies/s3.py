@@ -10,7 +10,9 @@ batches as bin packing under the memory limit. Here, whenever an instance is idl
 3. first-fit: each request goes into the first bin where MEM(bin ∪ {p}) ≤ Θ (predicted
    lengths), else opens a bin;
 4. dispatch the bin that holds the oldest waiting request (FCFS over bins: no request starves,
-   and the packing still decides who rides along with it).
+   and the packing still decides who rides along with it). ``order="hrrn"`` (registered as
+   ``s3-hrrn``, our attempt to beat Magnus) instead dispatches the bin with the highest
+   response ratio (T_w + T_p) / T_p, Magnus's rule, over the late-bound FFD bins.
 
 A re-queued batch (OOM half) whose oldest request is older than every waiting request goes
 first. Why a window: FFD over the whole queue on every pop is O(queue · bins); under overload
@@ -23,7 +25,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from itertools import islice
 
-from batcher.policies.base import Policy, PolicyContext
+from batcher.policies.base import Policy, PolicyContext, pick_hrrn
 from cohort.types import Batch, ProfiledRequest, new_id
 
 DEFAULT_EDGES: tuple[int, ...] = (0, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -39,10 +41,14 @@ class S3Policy(Policy):
 
     name = "s3"
 
-    def __init__(self, ctx: PolicyContext, window: int = 2048, edges: tuple[int, ...] = DEFAULT_EDGES) -> None:
+    def __init__(self, ctx: PolicyContext, window: int = 2048, edges: tuple[int, ...] = DEFAULT_EDGES,
+                 order: str = "oldest") -> None:
         super().__init__(ctx)
         if window < 1:
             raise ValueError("window must be >= 1")
+        if order not in ("oldest", "hrrn"):
+            raise ValueError(f"order must be oldest or hrrn, not {order!r}")
+        self.order = order
         self.window = window
         self.edges = tuple(edges)
         self._pending: dict[str, ProfiledRequest] = {}  # insertion (arrival) order
@@ -87,6 +93,8 @@ class S3Policy(Policy):
         oldest_closed = min(range(len(self.closed)), key=lambda i: self.closed[i].oldest_arrival, default=None)
         if not self._pending:
             return self.closed.pop(oldest_closed) if oldest_closed is not None else None
+        if self.order == "hrrn":
+            return self._pop_hrrn(now)
         head = next(iter(self._pending.values()))
         if oldest_closed is not None and self.closed[oldest_closed].oldest_arrival <= head.arrival:
             return self.closed.pop(oldest_closed)
@@ -99,6 +107,20 @@ class S3Policy(Policy):
                 members.sort(key=lambda r: r.arrival)
                 return Batch(id=new_id("b"), requests=members, created=now)
         raise AssertionError("the oldest request was not packed")  # pragma: no cover
+
+    def _pop_hrrn(self, now: float) -> Batch:
+        head = next(iter(self._pending.values()))
+        key = head.batch_key
+        window = [r for r in islice(self._pending.values(), self.window) if r.batch_key == key]
+        bins = [Batch(id=new_id("b"), requests=sorted(m, key=lambda r: r.arrival), created=now)
+                for m in self.pack(window)]
+        cands = bins + self.closed
+        i = pick_hrrn(cands, self.ctx.estimator, now)
+        if i >= len(bins):
+            return self.closed.pop(i - len(bins))
+        for r in bins[i].requests:
+            del self._pending[r.id]
+        return bins[i]
 
     def open_batches(self) -> list[Batch]:
         """The current FFD packing of the window (what the next pops would dispatch)."""

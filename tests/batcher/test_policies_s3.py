@@ -72,3 +72,18 @@ def test_window_limits_the_packing_to_the_oldest_requests():
         p.add(r, r.arrival)
     b = p.pop(10.0)
     assert [r.id for r in b.requests] == [rs[0].id, rs[1].id]
+
+
+def test_s3_hrrn_dispatches_the_highest_response_ratio_bin():
+    # Θ = 100 tokens: the two long requests (50 tokens each) fill one bin, the short ones another
+    p = make_policy("s3-hrrn", ctx(theta_tokens=100))
+    long1, long2 = req(10, 40, arrival=0.0), req(10, 40, arrival=0.0)
+    short1, short2 = req(10, 5, arrival=1.0), req(10, 6, arrival=1.0)
+    for r in (long1, long2, short1, short2):
+        p.add(r, r.arrival)
+    # LinearTime: T_p(long bin) = 0.01 + 0.001·2·50 = 0.11, T_p(short) = 0.01 + 0.001·2·16 = 0.042
+    # at t=2: long (2+0.11)/0.11 ≈ 19.2 < short (1+0.042)/0.042 ≈ 24.8 → short bin first (oldest-first
+    # s3 would send the long one)
+    first = p.pop(2.0)
+    assert {r.id for r in first.requests} == {short1.id, short2.id}
+    assert make_policy("s3", ctx(theta_tokens=100)).name == "s3"
