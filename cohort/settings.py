@@ -99,6 +99,9 @@ class Settings(BaseSettings):
 
     # --- continuous learning --------------------------------------------------------------
     predictor_retrain_every_s: float = 180.0
+    learning_seed_rows_per_task: int = Field(
+        default=500, description="First retraining: rows per Magnus task from ../shared/data's train split "
+        "to start the training set with (0: start from the log DB only).")
     estimator_retrain_every_s: float = 120.0
 
     @property

@@ -54,8 +54,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(view.router)
     if s.admin_token:
         from gateway.admin import make_admin_router
+        from gateway.views import admin_state
 
         app.include_router(make_admin_router(s, _PredictorRef(app)))
+        app.include_router(admin_state.router)
     else:
         log.warning("COHORT_ADMIN_TOKEN is not set: admin endpoints are disabled")
     return app

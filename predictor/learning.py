@@ -181,7 +181,7 @@ def _holdout_split(n: int, frac: float = 0.1, seed: int = 0) -> tuple[np.ndarray
 
 
 def retrain_predictor(settings: Settings, force: bool = False, kind: str | None = None,
-                      seed_limit_per_file: int | None = 500, **fit_options: Any) -> dict[str, Any]:
+                      seed_limit_per_file: int | None = None, **fit_options: Any) -> dict[str, Any]:
     """Add the mispredicted logged requests to the training set, retrain, save and activate.
 
     Returns ``{"version", "metrics", "n_added", "n_train", "retrained"}``. Without new samples
@@ -195,6 +195,8 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
     kind = kind or settings.predictor_kind
     reg = Registry(settings.data_dir, "predictor")
     with _lock(settings, "predictor"):
+        if seed_limit_per_file is None:  # default: COHORT_LEARNING_SEED_ROWS_PER_TASK
+            seed_limit_per_file = settings.learning_seed_rows_per_task
         seeded = seed_predictor_store(settings, seed_limit_per_file)
         since = float(load_state(settings).get("predictor_since", 0.0))
         rows = finished_requests(get_engine(settings.database_url), since)

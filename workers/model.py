@@ -44,6 +44,8 @@ def tiny_llama_config(vocab_size: int, pad_id: int, eos_id: int, bos_id: int | N
 def load_model(settings: Settings) -> tuple[Any, Any, torch.device]:
     """(model, tokenizer, input device). Honours COHORT_DEVICE_MAP=helr|he|lr via the deployer."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # HELR plans use nvidia-smi indices; make CUDA number devices the same way (before CUDA starts).
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     tok = load_tokenizer(settings.model)
