@@ -120,6 +120,8 @@ def evaluate(
     limit_per_file: int | None = typer.Option(None, help="Evaluate at most N validation rows per file."),
     cache: bool = typer.Option(True, help="magnus: use the embedding cache for the metric pass."),
     throughput_n: int = typer.Option(512, help="Items for the throughput measurement (0: skip)."),
+    representative: str | None = typer.Option(None, help="lora: override the bucket representative "
+                                              "(upper | lower | mid | mean)."),
 ) -> None:
     """Evaluate a model on the validation split: overall and per-task metrics, throughput."""
     from cohort.datasets import load_split
@@ -130,13 +132,17 @@ def evaluate(
 
     s = _settings()
     m = load_predictor(model)
+    if representative is not None:
+        if m.kind != "lora":
+            raise typer.BadParameter("--representative applies to lora models only")
+        m.set_representative(representative)
     recs = load_split(data, "val", limit_per_file=limit_per_file)
     items, y = records_to_items(recs, s.model)
     typer.echo(f"evaluating {m.kind} on {len(items)} validation rows", err=True)
     pred = predict_items(m, items, _cache_dir(cache))
     tasks = np.array([r.task for r in recs])
     per_task = {t: all_metrics(y[tasks == t], pred[tasks == t]) for t in dict.fromkeys(tasks.tolist())}
-    result = {"model": str(model), "kind": m.kind, "overall": all_metrics(y, pred), "per_task": per_task}
+    result = {"model": str(model), "kind": m.kind, "representative": getattr(m, "representative", None), "overall": all_metrics(y, pred), "per_task": per_task}
     if throughput_n > 0:
         result.update(_throughput(m, items, throughput_n))
     else:

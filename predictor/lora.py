@@ -56,6 +56,7 @@ class LoraBucketPredictor:
         self.length_hint = bool(length_hint)
         self.threads = threads
         self.values = bucket_values(self.edges, representative)
+        self.bucket_means: list[float] | None = None  # mean training length per bucket
         self.model = None
         self.tokenizer = None
         self.train_info: dict = {}
@@ -126,7 +127,11 @@ class LoraBucketPredictor:
         torch.manual_seed(seed)
         rng = np.random.default_rng(seed)
         items = list(items)
-        y = bucket_index(np.asarray(targets, dtype=float), self.edges)
+        lengths = np.asarray(targets, dtype=float)
+        y = bucket_index(lengths, self.edges)
+        self.bucket_means = bucket_values(self.edges, "mean", lengths).tolist()
+        if self.representative == "mean":
+            self.values = np.asarray(self.bucket_means)
         if max_examples is not None and len(items) > max_examples:
             pick = rng.choice(len(items), max_examples, replace=False)
             items, y = [items[i] for i in pick], y[pick]
@@ -195,6 +200,14 @@ class LoraBucketPredictor:
                 out[idx] = torch.softmax(logits.float(), dim=-1).numpy()
         return out
 
+    def set_representative(self, representative: str) -> None:
+        """Report another bucket representative (e.g. to compare upper edge vs bucket mean)."""
+        if representative == "mean" and self.bucket_means:
+            self.values = np.asarray(self.bucket_means, dtype=float)
+        else:
+            self.values = bucket_values(self.edges, representative)
+        self.representative = representative
+
     def predict_buckets(self, items: Sequence[PredictItem]) -> np.ndarray:
         return self.predict_proba(items).argmax(axis=1)
 
@@ -207,6 +220,7 @@ class LoraBucketPredictor:
     def _meta(self) -> dict:
         return {"kind": self.kind, "base_model": self.base_model, "edges": list(self.edges),
                 "representative": self.representative, "bucket_values": self.values.tolist(),
+                "bucket_means": self.bucket_means,
                 "max_length": self.max_length, "lora_r": self.lora_r, "lora_alpha": self.lora_alpha,
                 "lora_dropout": self.lora_dropout, "target_modules": self.target_modules,
                 "length_hint": self.length_hint, "train": self.train_info}
@@ -236,6 +250,7 @@ class LoraBucketPredictor:
                    threads=threads)
         if meta.get("bucket_values"):
             self.values = np.asarray(meta["bucket_values"], dtype=float)
+        self.bucket_means = meta.get("bucket_means")
         self.train_info = meta.get("train", {})
         self.tokenizer, base = self._load_base()
         model = PeftModel.from_pretrained(base, str(directory / ADAPTER_DIR), is_trainable=False)

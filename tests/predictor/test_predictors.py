@@ -94,3 +94,31 @@ def test_cli_train_eval_register(data_paths, tmp_path, monkeypatch):
         assert Registry(tmp_path / "var", "predictor").active() == v
     finally:
         settings_mod.get_settings.cache_clear()
+
+
+def test_lora_on_causal_lm_base(tmp_path):
+    """A causal LM base (tiny random Llama saved to disk) gets a score head and q/v LoRA adapters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cohort.tokenizer import load_tokenizer
+    from predictor.base import PredictItem
+    from predictor.lora import LoraBucketPredictor
+
+    tok = load_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.sep_token_id)
+    base_dir = tmp_path / "tiny-llama"
+    LlamaForCausalLM(cfg).save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+    items = [PredictItem("Echo.", "word " * n, n + 2) for n in range(1, 25)]
+    y = [n * 3 for n in range(1, 25)]
+    model = LoraBucketPredictor(base_model=str(base_dir), max_length=32, representative="mean")
+    model.fit(items, y, max_steps=3, batch_size=8, show_progress=False)
+    pred = model.predict(items[:5])
+    assert pred.shape == (5,) and set(pred.tolist()) <= set(model.values.tolist())
+    model.save(tmp_path / "m")
+    again = LoraBucketPredictor.load(tmp_path / "m")
+    np.testing.assert_allclose(again.predict(items[:5]), pred)
+    again.set_representative("upper")
+    assert set(again.predict(items[:5]).tolist()) <= {7.0, 15.0, 31.0, 63.0, 127.0}
