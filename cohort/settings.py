@@ -90,6 +90,8 @@ class Settings(BaseSettings):
     emulate_lengths: bool = Field(
         default=False, description="Benchmarks only: honour per-request emulated_tokens (forces EOS)."
     )
+    profile_on_start: bool = Field(default=True, description="Time a few batch shapes at first start when "
+                                   "no profile exists (the estimator's cold-start model).")
     device_map: str | None = Field(default=None, description="helr | he | lr: plan layer placement.")
     topology_file: str | None = None
     gpus_file: str | None = None

@@ -66,12 +66,17 @@ def profile(out: Path = typer.Option(None, help="Where to store samples (default
     """Run a grid of batch shapes on the configured model and store (β, L, G, seconds) samples."""
     _setup_logging()
     from cohort.settings import get_settings
+    from predictor.learning import profile_samples_path
     from workers.engine import Engine
     from workers.profile import run_profile
 
     s = get_settings()
     grid = [(b, L, G) for b in map(int, sizes.split(",")) for L in map(int, input_lens.split(","))
             for G in map(int, gen_lens.split(","))]
-    out = out or s.data_dir / "profile" / "samples.json"
-    samples = run_profile(Engine(s), grid, out)
+    out = out or profile_samples_path(s)
+    engine = Engine(s)
+    too_big = [shape for shape in grid if not engine.fits(*shape)]
+    if too_big:
+        typer.echo(f"skipping {len(too_big)} shapes that exceed the instance's KV memory: {too_big}", err=True)
+    samples = run_profile(engine, [shape for shape in grid if engine.fits(*shape)], out)
     typer.echo(json.dumps({"samples": len(samples), "out": str(out)}))

@@ -115,6 +115,11 @@ class Engine:
         """Enforced on the CPU only; on CUDA the allocator itself says when memory runs out."""
         return None if self.device.type == "cuda" else int(self.settings.kv_budget_bytes)
 
+    def fits(self, size: int, input_len: int, gen_len: int) -> bool:
+        """Whether a batch of this shape fits the KV memory this instance really has."""
+        cap = min(self.theta_bytes, self.kv_budget) if self.kv_budget is not None else self.theta_bytes
+        return size * (input_len + gen_len + 1) * self.delta_bytes <= cap
+
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         ids = self.tokenizer(list(texts), add_special_tokens=self._special)["input_ids"]
         return [len(x) for x in ids]

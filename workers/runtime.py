@@ -63,12 +63,31 @@ class Runtime:
 
 _runtime: Runtime | None = None
 
+# A short grid: enough for the analytic cold-start batch-time model, seconds on the built-in model.
+START_PROFILE_GRID = [(b, L, G) for b in (1, 8) for L in (32, 256) for G in (16, 64)]
+
+
+def profile_if_missing(engine: Engine, settings: Settings) -> None:
+    """Before registering, time a few batch shapes when no profile exists yet (cold start)."""
+    from predictor.learning import profile_samples_path
+    from workers.profile import run_profile
+
+    path = profile_samples_path(settings)
+    if path.exists():
+        return
+    grid = [shape for shape in START_PROFILE_GRID if engine.fits(*shape)]
+    log.info("no batch-time profile yet: timing %d batch shapes for the cold-start estimator", len(grid))
+    if grid:
+        run_profile(engine, grid, path, show_progress=False)
+
 
 def start(settings: Settings) -> Runtime:
     """Load the model, register the instance and start its heartbeat (once per process)."""
     global _runtime
     if _runtime is None:
         engine = Engine(settings)
+        if settings.profile_on_start:
+            profile_if_missing(engine, settings)
         name = settings.instance_name or f"{socket.gethostname()}-{os.getpid()}"
         info = InstanceInfo(name=name, pool=settings.pool, model=settings.model,
                             theta_bytes=engine.theta_bytes, delta_bytes=engine.delta_bytes,
