@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -47,8 +48,8 @@ class BatcherService:
     policy: Policy | None = None
     inflight: dict[str, Inflight] = field(default_factory=dict)
     instances: dict[str, InstanceInfo] = field(default_factory=dict)
+    send_task: Callable[[Batch], None] | None = None  # default: the pool's Celery queue
     _last_refresh: float = 0.0
-    _celery: object = None
 
     # --- setup ----------------------------------------------------------------------------
     def _make_policy(self, memory: KVMemory) -> Policy:
@@ -176,8 +177,6 @@ class BatcherService:
         return sent
 
     def _send(self, batch: Batch, now: float) -> None:
-        from workers.celery_app import celery_app
-
         payload = batch.to_dict()
         pipe = self.redis.pipeline()
         pipe.hset(bus.INFLIGHT, batch.id, bus.dumps({"batch": payload, "dispatched": now}))
@@ -185,8 +184,13 @@ class BatcherService:
         pipe.hincrby(bus.STATS, "batches_dispatched", 1)
         pipe.execute()
         self.inflight[batch.id] = Inflight(batch, now)
-        celery_app.send_task("cohort.run_batch", args=[payload], queue=bus.queue_for_pool(self.settings.pool),
-                             task_id=batch.id)
+        if self.send_task is not None:
+            self.send_task(batch)
+        else:
+            from workers.celery_app import celery_app
+
+            celery_app.send_task("cohort.run_batch", args=[payload], task_id=batch.id,
+                                 queue=bus.queue_for_pool(self.settings.pool))
         log.info("dispatched batch %s: β=%d L=%d G'=%d", batch.id, batch.size, batch.input_len,
                  batch.predicted_gen_len)
 

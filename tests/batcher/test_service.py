@@ -1,0 +1,129 @@
+"""The batcher service on a real Redis, with the Celery send replaced by a recorder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+
+from batcher.service import BatcherService
+from cohort import bus
+from cohort.settings import Settings
+from cohort.types import InstanceInfo, ProfiledRequest
+from predictor.estimator import AnalyticBatchTime
+from tests.e2e.stack import redis_url_for_test
+
+
+@pytest.fixture
+def r(tmp_path):
+    url, close = redis_url_for_test(tmp_path)
+    client = redis.Redis.from_url(url, decode_responses=True)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    close()
+
+
+def register(r, name: str, theta: int = 10**9, delta: int = 1, alive: bool = True) -> None:
+    info = InstanceInfo(name=name, pool="default", model="m", theta_bytes=theta, delta_bytes=delta)
+    r.hset(bus.INSTANCES, name, json.dumps(info.to_dict()))
+    if alive:
+        r.set(bus.alive_key(name), "1", ex=60)
+
+
+def arrive(r, i: int, L: int = 10, G: int = 10, t: float = 0.0) -> ProfiledRequest:
+    req = ProfiledRequest(id=f"q{i}", prompt="p", input_tokens=L, predicted_tokens=G, max_tokens=64, arrival=t)
+    r.lpush(bus.INCOMING, json.dumps(req.to_dict()))
+    return req
+
+
+def service(r, tmp_path, sent: list, **kw) -> BatcherService:
+    s = Settings(database_url=f"sqlite:///{tmp_path}/log.db", policy=kw.pop("policy", "magnus"),
+                 wma_threshold=1e9, **kw)
+    return BatcherService(s, r, AnalyticBatchTime(), send_task=sent.append)
+
+
+def test_nothing_is_dispatched_without_an_idle_instance(r, tmp_path):
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    arrive(r, 0)
+    svc.step(now=1.0)
+    assert sent == [] and r.llen(bus.INCOMING) == 1  # no instance yet: requests wait in Redis
+    register(r, "w1")
+    svc.step(now=2.0)
+    assert len(sent) == 1 and sent[0].size == 1
+    for i in range(1, 6):
+        arrive(r, i)
+    svc.step(now=3.0)
+    assert len(sent) == 1  # the only instance is busy: the batch keeps growing
+    assert svc.policy.pending_requests() == 5 and r.hlen(bus.PENDING) == 5
+    r.lpush(bus.COMPLETIONS, json.dumps({"type": "done", "batch_id": sent[0].id}))
+    svc.step(now=4.0)
+    assert len(sent) == 2 and sent[1].size == 5 and r.hlen(bus.PENDING) == 0
+
+
+def test_restarted_batcher_recovers_pending_and_inflight(r, tmp_path):
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    for i in range(4):
+        arrive(r, i)
+    svc.step(now=1.0)  # one batch of 4 dispatched... (all arrived before the instance was seen idle)
+    for i in range(4, 7):
+        arrive(r, i)
+    svc.step(now=2.0)
+    assert r.hlen(bus.INFLIGHT) == 1 and r.hlen(bus.PENDING) == 3
+    again: list = []
+    svc2 = service(r, tmp_path, again)  # the old process died; a new one starts from Redis
+    svc2.step(now=3.0)
+    assert set(svc2.inflight) == set(svc.inflight) and svc2.policy.pending_requests() == 3
+    assert again == []  # still busy
+    r.lpush(bus.COMPLETIONS, json.dumps({"type": "done", "batch_id": next(iter(svc.inflight))}))
+    svc2.step(now=4.0)
+    assert len(again) == 1 and {q.id for q in again[0].requests} == {"q4", "q5", "q6"}
+
+
+def test_lost_worker_batch_is_requeued_then_failed_after_the_cap(r, tmp_path):
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent, max_requeues=1)
+    arrive(r, 0)
+    svc.step(now=1.0)
+    first = sent[-1]
+    r.set(bus.claim_key(first.id), "w1")
+    r.delete(bus.alive_key("w1"))          # w1 died mid-batch
+    register(r, "w2")                      # another instance is up
+    svc.step(now=2.0)
+    assert r.get(bus.claim_key(first.id)) == bus.CANCELLED  # a redelivery of the old task is a no-op
+    second = sent[-1]
+    assert second.id != first.id and second.attempt == 1 and [q.id for q in second.requests] == ["q0"]
+    r.set(bus.claim_key(second.id), "w2")
+    r.delete(bus.alive_key("w2"))
+    register(r, "w3")
+    svc.step(now=3.0)
+    msg = json.loads(r.lpop(bus.result_key("q0")))
+    assert msg["ok"] is False and msg["code"] == "worker_lost"
+
+
+def test_oom_completion_splits_and_a_single_fails(r, tmp_path):
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent, policy="abp")  # FCFS over batches: the first half runs first
+    for i in range(3):
+        arrive(r, i)
+    svc.step(now=1.0)
+    b = sent[-1]
+    assert b.size == 3
+    r.lpush(bus.COMPLETIONS, json.dumps({"type": "oom", "batch_id": b.id, "error": "CUDA out of memory"}))
+    svc.step(now=2.0)
+    assert [x.size for x in sent[1:]] == [2]  # one instance: the first half runs, the second waits
+    r.lpush(bus.COMPLETIONS, json.dumps({"type": "done", "batch_id": sent[1].id}))
+    svc.step(now=3.0)
+    single = sent[-1]
+    assert single.size == 1
+    r.lpush(bus.COMPLETIONS, json.dumps({"type": "oom", "batch_id": single.id, "error": "CUDA out of memory"}))
+    svc.step(now=4.0)
+    msg = json.loads(r.lpop(bus.result_key(single.requests[0].id)))
+    assert msg["code"] == "out_of_memory" and "single request" in msg["error"]
+    assert int(r.hget(bus.STATS, "oom_splits")) == 2
