@@ -23,19 +23,20 @@ def wma_wait(gen_len: int, batch_gen_len: int, batch_input_len: int) -> int:
     return n * batch_input_len + (batch_gen_len * (batch_gen_len + 1) - gen_len * (gen_len + 1)) // 2
 
 
-def batch_wma(lengths: Sequence[tuple[int, int]]) -> int:
-    """WMA(B) for a batch given as (L(p), G(p)) pairs."""
+def member_wma(lengths: Sequence[tuple[int, int]]) -> list[int]:
+    """WMA_gen(p) + WMA_wait(p) for every member of a batch given as (L(p), G(p)) pairs."""
     if not lengths:
-        return 0
+        return []
     L_B = max(L for L, _ in lengths)
     G_B = max(G for _, G in lengths)
-    return max(wma_gen(L, G, L_B) + wma_wait(G, G_B, L_B) for L, G in lengths)
+    return [wma_gen(L, G, L_B) + wma_wait(G, G_B, L_B) for L, G in lengths]
+
+
+def batch_wma(lengths: Sequence[tuple[int, int]]) -> int:
+    """WMA(B) = max over members."""
+    return max(member_wma(lengths), default=0)
 
 
 def total_wma(lengths: Sequence[tuple[int, int]]) -> int:
-    """Σ_p (WMA_gen + WMA_wait): every wasted read in the batch (a benchmark metric)."""
-    if not lengths:
-        return 0
-    L_B = max(L for L, _ in lengths)
-    G_B = max(G for _, G in lengths)
-    return sum(wma_gen(L, G, L_B) + wma_wait(G, G_B, L_B) for L, G in lengths)
+    """Σ over members: every wasted read in the batch (a benchmark metric)."""
+    return sum(member_wma(lengths))

@@ -45,9 +45,10 @@ class GenerateResponse(BaseModel):
     timings: Timings
 
 
-class CompletionRequest(_Lenient):
+class _OpenAIRequest(_Lenient):
+    """Fields both OpenAI endpoints share; ``ignore_eos`` and ``slo_seconds`` are cohort extras."""
+
     model: str | None = None
-    prompt: str | list[str]
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -56,6 +57,10 @@ class CompletionRequest(_Lenient):
     seed: int | None = None
     ignore_eos: bool = False
     slo_seconds: float | None = Field(default=None, gt=0)
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: str | list[str]
 
 
 class ChatMessage(_Lenient):
@@ -63,15 +68,6 @@ class ChatMessage(_Lenient):
     content: str | list[dict[str, Any]] | None = ""
 
 
-class ChatCompletionRequest(_Lenient):
-    model: str | None = None
+class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=1)
-    stream: bool = False
-    seed: int | None = None
-    ignore_eos: bool = False
-    slo_seconds: float | None = Field(default=None, gt=0)
