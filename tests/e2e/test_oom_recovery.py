@@ -17,21 +17,32 @@ STACK_ENV = {"COHORT_POLICY": "magnus", "COHORT_WMA_THRESHOLD": "1e12",
              "COHORT_KV_BUDGET_BYTES": str(600 * DELTA), "COHORT_THETA_OVERRIDE_BYTES": "20000000"}
 
 
-async def _fire(url, bodies):
-    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
-        return await asyncio.gather(*(c.post("/v1/generate", json=b) for b in bodies))
-
-
 def test_oom_batch_is_split_and_every_request_answered(stack):
+    """A blocker keeps the only instance busy while 16 requests arrive; they form one batch whose
+    real KV need (16 · ~62 tokens) outgrows the 600-token budget mid-run."""
+    blocker = {"input": "hold the instance", "max_tokens": 300, "emulated_tokens": 300}
     bodies = [{"instruction": "Echo.", "input": f"item {i}", "max_tokens": 50, "emulated_tokens": 50}
               for i in range(16)]
-    responses = asyncio.run(_fire(stack.url, bodies))
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=stack.url, timeout=300) as c:
+            first = asyncio.create_task(c.post("/v1/generate", json=blocker))
+            for _ in range(200):  # until the blocker is running
+                if stack.redis.hlen("cohort:inflight"):
+                    break
+                await asyncio.sleep(0.02)
+            rest = await asyncio.gather(*(c.post("/v1/generate", json=b) for b in bodies))
+            return await first, rest
+
+    first, responses = asyncio.run(scenario())
+    assert first.status_code == 200 and first.json()["generated_tokens"] == 300
     assert [r.status_code for r in responses] == [200] * 16, [r.text for r in responses]
     assert all(r.json()["generated_tokens"] == 50 for r in responses)
+    assert max(r.json()["batch"]["size"] for r in responses) < 16  # answered by the split halves
     assert int(stack.redis.hget("cohort:stats", "oom_splits") or 0) >= 1
     con = sqlite3.connect(stack.db_path)
     assert con.execute("SELECT COUNT(*) FROM batches WHERE oom = 1").fetchone()[0] >= 1
-    assert con.execute("SELECT COUNT(*) FROM requests WHERE status = 'done'").fetchone()[0] == 16
+    assert con.execute("SELECT COUNT(*) FROM requests WHERE status = 'done'").fetchone()[0] == 17
 
 
 def test_single_request_that_cannot_fit_fails_clearly(stack):
