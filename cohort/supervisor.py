@@ -44,7 +44,7 @@ class EmbeddedRedis:
 
     def close(self) -> None:
         try:
-            self._server.shutdown(save=True, now=True)
+            self._server.shutdown(save=True)
         except Exception:  # already gone
             pass
 
