@@ -56,7 +56,7 @@ class BatcherService:
         s = self.settings
         ctx = PolicyContext(memory=memory, estimator=self.estimator, max_input_tokens=s.max_input_tokens,
                             max_tokens_limit=s.max_tokens_limit)
-        return make_policy(s.policy, ctx, threshold=s.wma_threshold, batch_size=s.fixed_batch_size)
+        return make_policy(s.policy, ctx, **s.policy_params())
 
     def refresh_instances(self, now: float) -> None:
         """Alive instances of our pool; Θ of the pool = the smallest Θ (a batch must fit anywhere)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "cohort/tiny-random-llama"
@@ -67,6 +67,11 @@ class Settings(BaseSettings):
     fixed_batch_size: int | None = Field(
         default=None, description="VS/GLP batch size; unset: the largest that cannot exceed Θ."
     )
+    slo_w1: float | None = Field(default=None, description="SLO-ODBS weight of the SLO-overrun term (unset: policy default).")
+    slo_w2: float | None = Field(default=None, description="SLO-ODBS weight of the length-dissimilarity term.")
+    slo_l1: float | None = Field(default=None, description="SLO-ODBS scale L1 of the overrun term.")
+    slo_l2: float | None = Field(default=None, description="SLO-ODBS scale L2 of the padding term (authors: 1.2).")
+    slo_threshold: float | None = Field(default=None, description="SLO-ODBS join threshold (authors: 15000).")
     batcher_tick_s: float = 0.02
     max_requeues: int = Field(default=3, description="Times a batch may be re-queued after a worker loss.")
     instance_ttl_s: float = Field(default=15.0, description="Worker heartbeat expiry: instance considered dead.")
@@ -105,6 +110,23 @@ class Settings(BaseSettings):
         default=500, description="First retraining: rows per Magnus task from ../shared/data's train split "
         "to start the training set with (0: start from the log DB only).")
     estimator_retrain_every_s: float = 120.0
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        """Fail at start-up, not when the first instance registers, on a misspelt policy."""
+        from batcher.policies import POLICIES
+
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; choose one of {sorted(POLICIES)}")
+        return v
+
+    def policy_params(self) -> dict:
+        """Everything a policy factory may take; each policy picks what it uses."""
+        slo = {"w1": self.slo_w1, "w2": self.slo_w2, "l1": self.slo_l1, "l2": self.slo_l2,
+               "slo_threshold": self.slo_threshold}
+        return {"threshold": self.wma_threshold, "batch_size": self.fixed_batch_size,
+                **{k: v for k, v in slo.items() if v is not None}}
 
     @property
     def resolved_redis_url(self) -> str:
