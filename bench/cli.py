@@ -123,6 +123,7 @@ def sim(
     l1: float = typer.Option(None, help="SLO-ODBS L1 (default in batcher.policies.slo)."),
     slo_k_min: float = typer.Option(2.0, help="SLO = U[k_min,k_max] × solo time."),
     slo_k_max: float = typer.Option(20.0),
+    headroom: float = typer.Option(0.0, help="Policies plan with Θ·(1−headroom): slack for under-predictions."),
 ) -> None:
     """Simulate every policy on the same seeded workload; print ratios vs VS; write JSON/plots."""
     from tqdm import tqdm
@@ -165,13 +166,13 @@ def sim(
             with tqdm(total=requests, desc=f"{name} @ {r:g} req/s", unit="req", leave=False) as bar:
                 res = simulate(lists[oracle], name, inst.memory, tm, instances=instances,
                                max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens,
-                               params=params, progress=bar.update)
+                               params=params, progress=bar.update, headroom=headroom)
             results[name] = res.metrics
             sim_info[name] = {"wall_s": round(res.wall_s, 3), "batches": res.batches,
                               "sim_time_s": res.sim_time_s, **{k: v for k, v in res.extra.items() if k != "params"}}
         config = {"runner": "sim", "workload": wc.to_dict(), "instances": instances,
                   "instance": inst.describe(), "time_model": tm_desc, "policy_params": params,
-                  "max_input_tokens": max_input_tokens, "rate": r, "sim": sim_info}
+                  "max_input_tokens": max_input_tokens, "headroom": headroom, "rate": r, "sim": sim_info}
         by_rate[f"{r:g}"] = {"config": config, "policies": results}
         typer.echo(f"\nrate {r:g} req/s, {requests} requests, {instances} instances, predictor {predictor}")
         typer.echo(ratio_table(results))

@@ -89,17 +89,25 @@ def compute_metrics(arrival: np.ndarray, finish: np.ndarray, ok: np.ndarray, dea
 def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory, time_model: BatchTimeModel,
              instances: int = 8, estimator: BatchTimeModel | None = None, max_input_tokens: int = 2048,
              max_tokens_limit: int = 2048, params: dict[str, Any] | None = None,
-             progress: Callable[[int], None] | None = None) -> SimResult:
+             progress: Callable[[int], None] | None = None, headroom: float = 0.0) -> SimResult:
     """Run one policy over a request trace (sorted by arrival) on ``instances`` identical instances.
 
     ``requests`` must carry ``true_tokens``; the policy reads ``predicted_tokens`` (build the
     list with ``Workload.requests(oracle=True)`` for ``NAME+oracle``). ``estimator`` is the
     policy's batch-time estimate (default: the time model itself). ``progress(k)`` is called
-    with the number of newly finished requests (completed or failed).
+    with the number of newly finished requests (completed or failed). ``headroom`` makes the
+    policy plan with Θ·(1 − headroom) while the instance still has Θ: slack for under-predicted
+    lengths, so fewer batches run out of memory (0 = the policy sees the true Θ, as in SPEC;
+    VS always plans with Θ).
     """
     t0 = time.perf_counter()
     base, _ = parse_policy(policy)
-    ctx = PolicyContext(memory=memory, estimator=estimator or time_model,
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError("headroom must be in [0, 1)")
+    # VS sizes its batches for the worst case and never needs slack: it always plans with Θ
+    frac = 1.0 if base == "vs" else 1.0 - headroom
+    plan_memory = KVMemory(memory.delta_bytes, int(memory.theta_bytes * frac))
+    ctx = PolicyContext(memory=plan_memory, estimator=estimator or time_model,
                         max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens_limit)
     params = {"threshold": 200_000.0, **(params or {})}
     pol = make_policy(base, ctx, **params)

@@ -120,3 +120,18 @@ def test_default_testbed_runs_a_real_trace(tiny_files, tiny_rows):
                              max_input_tokens=1024, max_tokens_limit=1024, params={"threshold": 20_000.0})
         assert res[name].metrics["completed"] == 3000
     assert res["magnus+oracle"].metrics["request_throughput"] > res["vs"].metrics["request_throughput"]
+
+
+def test_headroom_cuts_ooms_from_under_predictions_but_not_vs():
+    rng = random.Random(9)
+    reqs = [mk(i, 20, g := rng.randint(100, 200), pred=max(1, int(g * rng.uniform(0.7, 1.1))), t=i * 0.01)
+            for i in range(400)]
+    mem = KVMemory(delta_bytes=1, theta_bytes=3000)
+    kw = dict(instances=2, max_input_tokens=50, max_tokens_limit=250, params={"threshold": 1e9})
+    tight = simulate(reqs, "abp", mem, StepTime(), **kw).metrics
+    slack = simulate(reqs, "abp", mem, StepTime(), headroom=0.3, **kw).metrics
+    assert slack["oom_splits"] < tight["oom_splits"]
+    assert slack["completed"] + slack["failed"] == 400
+    a = simulate(reqs, "vs", mem, StepTime(), **kw).metrics
+    b = simulate(reqs, "vs", mem, StepTime(), headroom=0.3, **kw).metrics
+    assert a == b
