@@ -52,9 +52,16 @@ class BatcherService:
     _last_refresh: float = 0.0
 
     # --- setup ----------------------------------------------------------------------------
+    def _planning_memory(self, memory: KVMemory) -> KVMemory:
+        """Θ the policy plans with: less the headroom, unless the policy never uses predictions (VS)."""
+        if self.settings.policy == "vs" or not self.settings.memory_headroom:
+            return memory
+        return KVMemory(memory.delta_bytes, int(memory.theta_bytes * (1.0 - self.settings.memory_headroom)))
+
     def _make_policy(self, memory: KVMemory) -> Policy:
         s = self.settings
-        ctx = PolicyContext(memory=memory, estimator=self.estimator, max_input_tokens=s.max_input_tokens,
+        ctx = PolicyContext(memory=self._planning_memory(memory), estimator=self.estimator,
+                            max_input_tokens=s.max_input_tokens,
                             max_tokens_limit=s.max_tokens_limit)
         return make_policy(s.policy, ctx, **s.policy_params())
 
@@ -74,8 +81,8 @@ class BatcherService:
             if self.policy is None:
                 self.policy = self._make_policy(memory)
                 self._recover(now)
-            elif memory != self.policy.ctx.memory:
-                self.policy.set_memory(memory)
+            elif self._planning_memory(memory) != self.policy.ctx.memory:
+                self.policy.set_memory(self._planning_memory(memory))
         if set(alive) != set(self.instances):
             log.info("instances in pool %s: %s", self.settings.pool, sorted(alive) or "none")
         self.instances = alive

@@ -63,7 +63,12 @@ class Settings(BaseSettings):
 
     # --- batcher --------------------------------------------------------------------------
     policy: str = Field(default="magnus", description="vs | glp | abp | magnus | s3 | slo-dbs | odbs | slo-odbs")
-    wma_threshold: float = Field(default=200_000.0, description="Φ: WMA (token reads) under which p joins a batch.")
+    wma_threshold: float = Field(default=20_000.0, description="Φ: WMA (token reads) under which p joins a "
+                                 "batch. 20k was best in the simulator sweep (docs/benchmarks.md); 200k let "
+                                 "10-token requests join 500-token batches.")
+    memory_headroom: float = Field(default=0.0, ge=0.0, lt=1.0, description="Policies that plan with "
+                                   "predicted lengths use Θ·(1−headroom): slack for under-predictions "
+                                   "(0 = the papers' rule; VS plans with max_tokens and ignores it).")
     fixed_batch_size: int | None = Field(
         default=None, description="VS/GLP batch size; unset: the largest that cannot exceed Θ."
     )
