@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.stack import Stack
+from tests.e2e.stack import TestStack
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, request):
     env = getattr(request.module, "STACK_ENV", {})
-    s = Stack(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]), **env)
+    s = TestStack(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]), **env)
     try:
         s.start()
     except Exception:

