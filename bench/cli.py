@@ -202,14 +202,28 @@ def live(
     request_timeout_s: float = typer.Option(300.0),
     time_limit_s: float = typer.Option(600.0, help="Stop the whole run after this long (per rate)."),
     merge: Path = typer.Option(None, help="Add this run to an existing results JSON (one policy per server run)."),
+    spawn: str = typer.Option(None, help="Comma-separated policies: start a fresh local stack for each "
+                                         "(embedded Redis, SQLite) and replay the same workload on all."),
+    server_env: list[str] = typer.Option(None, help="KEY=VALUE for the spawned stacks (repeat), e.g. "
+                                                    "COHORT_PREDICTOR_DIR=var/models/magnus-bench."),
+    workdir: Path = typer.Option(Path("var/bench/live"), help="Where spawned stacks keep their files and logs."),
 ) -> None:
-    """Replay the workload over HTTP against a running stack (COHORT_EMULATE_LENGTHS=true)."""
+    """Replay the workload over HTTP against a running stack (COHORT_EMULATE_LENGTHS=true), or with
+    --spawn against a fresh local stack per policy, all in one run."""
+    from contextlib import nullcontext
+
     from tqdm import tqdm
 
     from bench.live import check_loopback, run_live_sync
+    from bench.live_stack import parse_env, spawned_stack
     from bench.workload import WorkloadConfig, build_rows, make_workload
 
-    check_loopback(url)
+    targets = [p.strip() for p in spawn.split(",") if p.strip()] if spawn else [label]
+    if spawn and any("+" in t for t in targets):
+        raise typer.BadParameter("live runs use the server's predictor; +oracle exists only in `bench sim`")
+    extra_env = parse_env(server_env)
+    if not spawn:
+        check_loopback(url)
     files = _files(data)
     if batch_time:
         from bench.roofline import fitted_time_model
@@ -226,14 +240,20 @@ def live(
         wc = WorkloadConfig(files=files, requests=requests, rate=r, seed=seed, max_tokens=max_tokens,
                             predictor=None, slo_k_min=slo_k_min, slo_k_max=slo_k_max)
         wl = make_workload(wc, tm, rows)
-        with tqdm(total=requests, desc=f"{label} @ {r:g} req/s", unit="req") as bar:
-            res = run_live_sync(wl, url, max_in_flight=max_in_flight, request_timeout_s=request_timeout_s,
-                                time_limit_s=time_limit_s, progress=bar.update)
-        cfg = {"runner": "live", "url": url, "workload": wc.to_dict(), "rate": r,
-               "live": {label: {"wall_s": round(res.wall_s, 2), "errors": res.errors, "batches": res.batches}}}
-        by_rate[f"{r:g}"] = {"config": cfg, "policies": {label: res.metrics}}
-        typer.echo(f"\nrate {r:g} req/s, {requests} requests against {url}; errors {res.errors}")
-        typer.echo(ratio_table({label: res.metrics}))
+        cfg = {"runner": "live", "url": None if spawn else url, "workload": wc.to_dict(), "rate": r,
+               "server_env": extra_env, "live": {}}
+        results: dict[str, Any] = {}
+        for name in targets:
+            ctx = spawned_stack(name, extra_env, workdir) if spawn else nullcontext(url)
+            with ctx as target_url, tqdm(total=requests, desc=f"{name} @ {r:g} req/s", unit="req") as bar:
+                res = run_live_sync(wl, target_url, max_in_flight=max_in_flight,
+                                    request_timeout_s=request_timeout_s, time_limit_s=time_limit_s,
+                                    progress=bar.update)
+            results[name] = res.metrics
+            cfg["live"][name] = {"wall_s": round(res.wall_s, 2), "errors": res.errors, "batches": res.batches}
+            typer.echo(f"\n{name}: rate {r:g} req/s, {requests} requests; errors {res.errors}")
+        by_rate[f"{r:g}"] = {"config": cfg, "policies": results}
+        typer.echo(ratio_table(results))
     last = by_rate[f"{rates[-1]:g}"]
     out: dict[str, Any] = {"config": last["config"], "policies": last["policies"]}
     if len(rates) > 1:

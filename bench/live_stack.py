@@ -1,0 +1,45 @@
+"""A fresh local stack per policy for live benchmarks: same workload, one server run each.
+
+Each stack gets its own embedded Redis, SQLite log DB and data folder under ``workdir``, runs
+with length emulation on, and is stopped (every process) when the run is over.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from cohort.stack import EmbeddedRedis, Stack, free_port
+
+
+def parse_env(pairs: list[str] | None) -> dict[str, str]:
+    """KEY=VALUE pairs (``--server-env``) as a dict; a bad pair is a clear error."""
+    out = {}
+    for p in pairs or []:
+        key, sep, value = p.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--server-env wants KEY=VALUE, got {p!r}")
+        out[key] = value
+    return out
+
+
+@contextmanager
+def spawned_stack(policy: str, extra_env: Mapping[str, str], workdir: Path,
+                  timeout_s: float = 600.0) -> Iterator[str]:
+    """Start worker, batcher and gateway with COHORT_POLICY=policy; yield the gateway URL."""
+    folder = workdir / policy
+    redis = EmbeddedRedis(folder / "redis")
+    port = free_port()
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **extra_env,
+           "COHORT_POLICY": policy, "COHORT_EMULATE_LENGTHS": "true", "COHORT_REDIS_URL": redis.url,
+           "COHORT_DATA_DIR": str(folder / "var"), "COHORT_DATABASE_URL": f"sqlite:///{folder / 'cohort.db'}"}
+    stack = Stack(env, f"http://127.0.0.1:{port}", log_dir=folder / "logs")
+    try:
+        stack.start_core("127.0.0.1", port)
+        stack.wait_healthy(timeout_s)
+        yield stack.url
+    finally:
+        stack.stop()
+        redis.close()
