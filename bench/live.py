@@ -95,6 +95,7 @@ async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, re
 
     limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
     async with httpx.AsyncClient(base_url=url, limits=limits, transport=transport) as client:
+        splits_before = await server_oom_splits(client)
         tasks = [asyncio.create_task(one(client, i)) for i in range(n)]
         done, pending = await asyncio.wait(tasks, timeout=time_limit_s)
         for t in pending:
@@ -102,6 +103,7 @@ async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, re
         if pending:
             errors["time_limit"] += len(pending)
             await asyncio.gather(*pending, return_exceptions=True)
+        splits_after = await server_oom_splits(client)
     wall = time.perf_counter() - t0
 
     # arrival = when we actually sent it (open loop lag shows up as latency otherwise)
@@ -119,8 +121,21 @@ async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, re
         padded += sizes[bid] * g_b
         wma += total_wma([(int(workload.input_tokens[i]), int(gen[i])) for i in idx])
     true = np.where(ok, gen, workload.true_tokens)
-    metrics = compute_metrics(arrival, finish, ok, deadline, true, list(sizes.values()), padded, wma, 0)
+    oom_splits = splits_after - splits_before
+    metrics = compute_metrics(arrival, finish, ok, deadline, true, list(sizes.values()), padded, wma, oom_splits)
     return LiveResult(metrics, wall, dict(errors), len(sizes))
+
+
+async def server_oom_splits(client: httpx.AsyncClient) -> int:
+    """The server's own count of OOM splits (cohort_batcher_events on /metrics); 0 if it has none."""
+    try:
+        text = (await client.get("/metrics", timeout=10)).text
+    except httpx.HTTPError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith('cohort_batcher_events{event="oom_splits"}'):
+            return int(float(line.split()[-1]))
+    return 0
 
 
 def run_live_sync(workload: Workload, url: str, **kw: Any) -> LiveResult:
