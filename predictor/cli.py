@@ -19,7 +19,7 @@ import typer
 
 app = typer.Typer(help="predictor commands.", no_args_is_help=True)
 
-KINDS = ("magnus", "lora", "linear", "mean")
+KINDS = ("magnus", "magnus_fast", "lora", "linear", "mean")
 
 
 def _settings():
@@ -34,13 +34,14 @@ def _cache_dir(use_cache: bool) -> Path | None:
 
 @app.command()
 def train(
-    kind: str = typer.Option(..., help="magnus | lora | linear | mean"),
+    kind: str = typer.Option(..., help="magnus | magnus_fast | lora | linear | mean"),
     data: list[Path] = typer.Option(..., help="JSONL data files (shared-data format); repeat the option."),
     out: Path = typer.Option(..., help="Model directory to write."),
     limit_per_file: int | None = typer.Option(None, help="Use at most N training rows per file (seeded)."),
     n_estimators: int = typer.Option(100, help="magnus: trees."),
     min_samples_leaf: int = typer.Option(2, help="magnus: min samples per leaf."),
     max_depth: int | None = typer.Option(None, help="magnus: max tree depth."),
+    max_features: float | None = typer.Option(None, help="magnus: share of features per split (default all)."),
     base_model: str | None = typer.Option(None, help="lora: HF base model path (default: bundled MiniLM)."),
     max_examples: int | None = typer.Option(4000, help="lora: train on at most N examples."),
     max_steps: int | None = typer.Option(None, help="lora: at most N optimizer steps."),
@@ -68,8 +69,9 @@ def train(
     items, y = records_to_items(recs, s.model)
     typer.echo(f"training {kind} on {len(items)} rows from {len(data)} file(s)", err=True)
     opts: dict = {}
-    if kind == "magnus":
-        opts = {"n_estimators": n_estimators, "min_samples_leaf": min_samples_leaf, "max_depth": max_depth}
+    if kind in ("magnus", "magnus_fast"):
+        opts = {"n_estimators": n_estimators, "min_samples_leaf": min_samples_leaf, "max_depth": max_depth,
+                "max_features": max_features}
     elif kind == "lora":
         opts = {"base_model": base_model, "max_examples": max_examples, "max_steps": max_steps,
                 "epochs": epochs, "batch_size": batch_size, "lr": lr, "max_length": max_length,
@@ -240,3 +242,60 @@ def embed(
     items, _ = records_to_items(recs, s.model)
     x = magnus_feature_matrix(items, _cache_dir(True), s.encoder_path, show_progress=True)
     typer.echo(json.dumps({"rows": int(x.shape[0])}))
+
+
+@app.command("bench")
+def bench_service(
+    model: Path = typer.Option(..., help="Model directory (served through PredictorService)."),
+    data: list[Path] = typer.Option(..., help="JSONL data files; requests drawn from their 20 % split."),
+    n: int = typer.Option(512, help="Requests per measurement."),
+    concurrency: int = typer.Option(64, help="Concurrent requests in the micro-batched run."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the result here too."),
+) -> None:
+    """Gateway-side prediction speed: p50 latency one request at a time, and predictions/s with
+    ``concurrency`` requests in flight (PredictorService micro-batching), encoder included."""
+    import asyncio
+
+    from cohort.datasets import load_split
+    from predictor.data import records_to_items
+    from predictor.service import PredictorService
+
+    s = _settings().model_copy(update={"predictor_dir": model})
+    recs = load_split(data, "val")
+    items, _ = records_to_items(recs, s.model)
+    rng = np.random.default_rng(1)
+    sample = [items[i] for i in rng.choice(len(items), min(n, len(items)), replace=False)]
+    svc = PredictorService(s)
+    svc.warmup()
+
+    async def sequential() -> list[float]:
+        lat = []
+        for it in sample[:min(100, len(sample))]:
+            t0 = time.perf_counter()
+            await svc.predict(it, 2048)
+            lat.append(time.perf_counter() - t0)
+        return lat
+
+    async def concurrent() -> float:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(it):
+            async with sem:
+                await svc.predict(it, 2048)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[one(it) for it in sample])
+        return time.perf_counter() - t0
+
+    lat = asyncio.run(sequential())
+    batches0 = svc.batches_run
+    seconds = asyncio.run(concurrent())
+    res = {"model": str(model), "kind": svc.model.kind if svc.model else None, "n": len(sample),
+           "batch1_p50_ms": float(np.median(lat) * 1000), "batch1_per_s": float(len(lat) / sum(lat)),
+           "concurrency": concurrency, "micro_batched_per_s": float(len(sample) / seconds),
+           "mean_batch": float(len(sample) / max(1, svc.batches_run - batches0))}
+    svc.close()
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(res, indent=2))
+    typer.echo(json.dumps(res))

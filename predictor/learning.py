@@ -193,6 +193,9 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
     from predictor.training import fit_predictor, predict_items
 
     kind = kind or settings.predictor_kind
+    if kind == "lora":  # bound the CPU time of a periodic retrain
+        fit_options.setdefault("max_examples", 2000)
+        fit_options.setdefault("max_steps", 300)
     reg = Registry(settings.data_dir, "predictor")
     with _lock(settings, "predictor"):
         if seed_limit_per_file is None:  # default: COHORT_LEARNING_SEED_ROWS_PER_TASK

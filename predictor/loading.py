@@ -7,7 +7,7 @@ from pathlib import Path
 
 from predictor.base import LengthPredictor
 
-KINDS = ("magnus", "lora", "linear", "mean")
+KINDS = ("magnus", "magnus_fast", "lora", "linear", "mean")
 
 
 def predictor_kind(directory: str | Path) -> str:
@@ -15,13 +15,17 @@ def predictor_kind(directory: str | Path) -> str:
 
 
 def load_predictor(directory: str | Path) -> LengthPredictor:
-    """magnus | lora | linear | mean, dispatched on meta.json; heavy imports only when needed."""
+    """magnus | magnus_fast | lora | linear | mean, dispatched on meta.json; heavy imports only when needed."""
     directory = Path(directory)
     kind = predictor_kind(directory)
     if kind == "magnus":
         from predictor.magnus import MagnusPredictor
 
         return MagnusPredictor.load(directory)
+    if kind == "magnus_fast":
+        from predictor.magnus_fast import MagnusFastPredictor
+
+        return MagnusFastPredictor.load(directory)
     if kind == "lora":
         from predictor.lora import LoraBucketPredictor
 

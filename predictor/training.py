@@ -36,8 +36,19 @@ def fit_predictor(kind: str, items: Sequence[PredictItem], targets: Sequence[flo
 
         rf_keys = ("n_estimators", "max_depth", "min_samples_leaf", "seed")
         model = MagnusPredictor(encoder_path=encoder_path, **{k: options[k] for k in rf_keys if k in options})
+        if options.get("max_features") is not None:  # share of features tried per split
+            model.model.set_params(max_features=options["max_features"])
         x = magnus_feature_matrix(items, cache_dir, encoder_path, show_progress=show_progress)
         return model.fit(items, y, features=x)
+    if kind == "magnus_fast":
+        from predictor.magnus_fast import MagnusFastPredictor
+
+        rf_keys = ("n_estimators", "max_depth", "min_samples_leaf", "seed")
+        model = MagnusFastPredictor(encoder_path=encoder_path,
+                                    **{k: options[k] for k in rf_keys if k in options})
+        if options.get("max_features") is not None:
+            model.model.set_params(max_features=options["max_features"])
+        return model.fit(items, y)
     if kind == "lora":
         from predictor.lora import LoraBucketPredictor
 
