@@ -9,7 +9,6 @@ app installs. Retraining runs in a worker thread: the event loop keeps serving c
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -18,20 +17,11 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from cohort.settings import Settings
+from gateway.auth import admin_denied
+from gateway.errors import error_response
 from predictor.registry import Registry
 
 log = logging.getLogger("cohort.gateway.admin")
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          500: "server_error"}
-
-
-def _error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(body, status_code=status, headers=headers)
-
 
 def make_admin_router(settings: Settings, predictor_service: Any,
                       estimator_reload_hook: Callable[[], Any] | None = None) -> APIRouter:
@@ -39,14 +29,6 @@ def make_admin_router(settings: Settings, predictor_service: Any,
     ``estimator_reload_hook`` (optional) is called after the estimator's ACTIVE version changes."""
     router = APIRouter(prefix="/admin", tags=["admin"])
     token = settings.admin_token or ""
-
-    def unauthorized(request: Request) -> JSONResponse | None:
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if not token or scheme.lower() != "bearer" or not secrets.compare_digest(given.strip(), token):
-            return _error(401, "invalid or missing admin token (Authorization: Bearer <COHORT_ADMIN_TOKEN>)",
-                          code="invalid_api_key")
-        return None
 
     async def after_change(target: str) -> None:
         try:
@@ -59,7 +41,7 @@ def make_admin_router(settings: Settings, predictor_service: Any,
 
     @router.post("/retrain")
     async def retrain(request: Request) -> JSONResponse:
-        if (resp := unauthorized(request)) is not None:
+        if (resp := admin_denied(request, token)) is not None:
             return resp
         try:
             body = await request.json()
@@ -67,7 +49,7 @@ def make_admin_router(settings: Settings, predictor_service: Any,
             body = None
         target = body.get("target") if isinstance(body, dict) else None
         if target not in ("predictor", "estimator"):
-            return _error(400, 'body must be {"target": "predictor" | "estimator"}', code="invalid_value",
+            return error_response(400, 'body must be {"target": "predictor" | "estimator"}', code="invalid_value",
                           param="target")
         from predictor import learning
 
@@ -76,13 +58,13 @@ def make_admin_router(settings: Settings, predictor_service: Any,
             out = await run_in_threadpool(fn, settings, True)
         except Exception as e:
             log.exception("retraining %s failed", target)
-            return _error(500, f"retraining {target} failed: {e}", code="retrain_failed")
+            return error_response(500, f"retraining {target} failed: {e}", code="retrain_failed")
         await after_change(target)
         return JSONResponse({"target": target, **out})
 
     @router.get("/models")
     async def models(request: Request) -> JSONResponse:
-        if (resp := unauthorized(request)) is not None:
+        if (resp := admin_denied(request, token)) is not None:
             return resp
         pred = Registry(settings.data_dir, "predictor").listing()
         pred["in_use"] = getattr(predictor_service, "version", None) if predictor_service is not None else None
@@ -90,7 +72,7 @@ def make_admin_router(settings: Settings, predictor_service: Any,
 
     @router.post("/models/{version}/activate")
     async def activate(version: str, request: Request) -> JSONResponse:
-        if (resp := unauthorized(request)) is not None:
+        if (resp := admin_denied(request, token)) is not None:
             return resp
         for target in ("predictor", "estimator"):
             reg = Registry(settings.data_dir, target)
@@ -99,6 +81,6 @@ def make_admin_router(settings: Settings, predictor_service: Any,
                 await after_change(target)
                 log.info("admin: %s version %s activated", target, version)
                 return JSONResponse({"target": target, "active": version})
-        return _error(404, f"no model version {version!r}", code="version_not_found", param="version")
+        return error_response(404, f"no model version {version!r}", code="version_not_found", param="version")
 
     return router

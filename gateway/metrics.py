@@ -24,18 +24,14 @@ class GatewayMetrics:
         self.generated_tokens = Counter("cohort_generated_tokens_total", "Tokens generated", registry=r)
         self.pending = Gauge("cohort_queue_pending_requests", "Requests waiting to be batched", registry=r)
         self.inflight = Gauge("cohort_inflight_batches", "Batches dispatched and not finished", registry=r)
-        self.instances = Gauge("cohort_instances_alive", "LLM instances heart-beating", registry=r)
+        self.instances = Gauge("cohort_instances_alive", "LLM instances of this pool heart-beating", registry=r)
         self.counters = Gauge("cohort_batcher_events", "Batcher counters (batches, OOM splits, requeues, failures)",
                               ["event"], registry=r)
 
-    async def render(self, redis) -> bytes:
+    async def render(self, redis, alive_instances: int) -> bytes:
         self.pending.set(await redis.llen(bus.INCOMING) + await redis.hlen(bus.PENDING))
         self.inflight.set(await redis.hlen(bus.INFLIGHT))
-        names = await redis.hkeys(bus.INSTANCES)
-        alive = 0
-        for n in names:
-            alive += int(bool(await redis.exists(bus.alive_key(n))))
-        self.instances.set(alive)
+        self.instances.set(alive_instances)
         for k, v in (await redis.hgetall(bus.STATS)).items():
             self.counters.labels(event=k).set(float(v))
         return generate_latest(self.registry)

@@ -26,5 +26,5 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(await request.app.state.metrics.render(request.app.state.redis),
-                    media_type=CONTENT_TYPE_LATEST)
+    st = request.app.state
+    return Response(await st.metrics.render(st.redis, len(await st.pool.alive())), media_type=CONTENT_TYPE_LATEST)

@@ -126,6 +126,8 @@ def test_admin_routes_are_not_mounted_without_a_token(stack):
 
 
 def test_metrics_expose_queue_and_batches(stack):
+    r = httpx.post(f"{stack.url}/v1/generate", json={"input": "count me", "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200, r.text
     text = httpx.get(f"{stack.url}/metrics").text
     assert "cohort_requests_total" in text or "cohort_request_latency_seconds" in text
     assert 'cohort_batcher_events{event="batches_dispatched"}' in text
