@@ -1,0 +1,28 @@
+"""The Celery settings the 'nothing lost' guarantee rests on."""
+
+from __future__ import annotations
+
+from cohort.bus import queue_for_pool
+from workers.celery_app import make_celery
+
+
+def test_json_only_late_acks_prefetch_one_and_visibility_timeout(monkeypatch):
+    monkeypatch.setenv("COHORT_VISIBILITY_TIMEOUT_S", "7200")
+    from cohort.settings import get_settings
+
+    get_settings.cache_clear()
+    try:
+        conf = make_celery().conf
+    finally:
+        get_settings.cache_clear()
+    assert conf.task_serializer == conf.result_serializer == "json"
+    assert list(conf.accept_content) == ["json"]
+    assert conf.task_acks_late and conf.task_reject_on_worker_lost
+    assert conf.worker_prefetch_multiplier == 1
+    for opts in (conf.broker_transport_options, conf.result_backend_transport_options):
+        assert opts["visibility_timeout"] == 7200
+    assert conf.visibility_timeout == 7200
+    assert conf.task_routes["cohort.run_batch"]["queue"] == queue_for_pool("default")
+    assert conf.task_routes["cohort.retrain_predictor"]["queue"] == "cohort.learning"
+    assert {e["task"] for e in conf.beat_schedule.values()} == {"cohort.retrain_predictor",
+                                                               "cohort.retrain_estimator"}
