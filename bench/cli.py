@@ -17,7 +17,7 @@ from typing import Any
 
 import typer
 
-app = typer.Typer(help="bench commands: simulate or replay the policies on one workload.", no_args_is_help=True)
+app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
 
 DEFAULT_POLICIES = "vs,glp,abp,magnus,magnus+oracle,s3,slo-dbs,odbs,slo-odbs"
 

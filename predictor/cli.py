@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import typer
 
-app = typer.Typer(help="predictor commands.", no_args_is_help=True)
+app = typer.Typer(help="Length predictors: train, evaluate, register and roll back versions.", no_args_is_help=True)
 
 KINDS = ("magnus", "magnus_fast", "lora", "linear", "mean")
 
