@@ -115,27 +115,49 @@ class BatcherService:
         busy |= self._dispatch(now)
         return busy
 
+    def _peek(self, key: str, limit: int) -> list[str]:
+        """Oldest messages of a list (LPUSH'd), left in place until ``_trim``: a crash in between
+        re-reads them instead of losing them (only the one active batcher reads these lists)."""
+        return list(reversed(self.redis.lrange(key, -limit, -1)))
+
+    def _trim(self, key: str, n: int) -> None:
+        if n:
+            self.redis.ltrim(key, 0, -n - 1)
+
     def _take_arrivals(self, now: float, limit: int = 1000) -> bool:
-        msgs = self.redis.rpop(bus.INCOMING, limit) or []
+        msgs = self._peek(bus.INCOMING, limit)
         for js in msgs:
             req = ProfiledRequest.from_dict(json.loads(js))
-            self.redis.hset(bus.PENDING, req.id, js)
-            self.policy.add(req, now)
+            if self.redis.hsetnx(bus.PENDING, req.id, js):  # 0: already taken before a crash
+                self.policy.add(req, now)
+        self._trim(bus.INCOMING, len(msgs))
         return bool(msgs)
 
     def _take_completions(self, now: float, limit: int = 1000) -> bool:
-        msgs = self.redis.rpop(bus.COMPLETIONS, limit) or []
+        msgs = self._peek(bus.COMPLETIONS, limit)
         for js in msgs:
             ev = json.loads(js)
             fl = self.inflight.pop(ev["batch_id"], None)
-            self.redis.hdel(bus.INFLIGHT, ev["batch_id"])
             if fl is None:
+                self.redis.hdel(bus.INFLIGHT, ev["batch_id"])
                 continue  # a superseded copy finished after we re-queued it; its results are harmless
             if ev["type"] == "oom":
                 self._split_oom(fl.batch, ev.get("error", ""), now)
             elif ev["type"] == "failed":
                 self._fail(fl.batch.requests, "batch_failed", f"the worker failed this batch: {ev.get('error')}")
+            self.redis.hdel(bus.INFLIGHT, ev["batch_id"])
+        self._trim(bus.COMPLETIONS, len(msgs))
         return bool(msgs)
+
+    def _requeue(self, batches: list[Batch], now: float, replaces: str) -> None:
+        """Give batches back to the policy; their requests go back to ``pending`` in the same
+        transaction that retires the in-flight batch they came from, so a crash never loses them."""
+        pipe = self.redis.pipeline()
+        pipe.hset(bus.PENDING, mapping={r.id: bus.dumps(r.to_dict()) for b in batches for r in b.requests})
+        pipe.hdel(bus.INFLIGHT, replaces)
+        pipe.execute()
+        for b in batches:
+            self.policy.requeue(b, now)
 
     def _split_oom(self, batch: Batch, error: str, now: float) -> None:
         self.redis.hincrby(bus.STATS, "oom_splits", 1)
@@ -147,8 +169,7 @@ class BatcherService:
             return
         log.warning("batch %s (β=%d) ran out of memory; split into %d + %d and re-queued",
                     batch.id, batch.size, a.size, b.size)
-        for half in (a, b):
-            self.policy.requeue(half, now)
+        self._requeue([a, b], now, replaces=batch.id)
 
     def _check_lost(self, now: float) -> bool:
         """Re-queue batches whose instance died mid-batch (heartbeat gone)."""
@@ -160,17 +181,17 @@ class BatcherService:
                     lost.append((bid, owner))
         for bid, owner in lost:
             fl = self.inflight.pop(bid)
-            self.redis.hdel(bus.INFLIGHT, bid)
             self.redis.set(bus.claim_key(bid), bus.CANCELLED, ex=7 * 24 * 3600)  # a redelivery is a no-op
             self.redis.hincrby(bus.STATS, "requeues", 1)
             b = fl.batch
             if b.attempt + 1 > self.settings.max_requeues:
                 self._fail(b.requests, "worker_lost", f"instance {owner} died while running this batch, "
                            f"{b.attempt + 1} times; giving up")
+                self.redis.hdel(bus.INFLIGHT, bid)
                 continue
             log.warning("instance %s died running batch %s; re-queued (attempt %d)", owner, bid, b.attempt + 1)
-            self.policy.requeue(Batch(id=new_id("b"), requests=b.requests, created=b.created,
-                                      attempt=b.attempt + 1, splits=b.splits), now)
+            self._requeue([Batch(id=new_id("b"), requests=b.requests, created=b.created,
+                                 attempt=b.attempt + 1, splits=b.splits)], now, replaces=bid)
         return bool(lost)
 
     def _dispatch(self, now: float) -> bool:

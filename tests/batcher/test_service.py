@@ -127,3 +127,40 @@ def test_oom_completion_splits_and_a_single_fails(r, tmp_path):
     msg = json.loads(r.lpop(bus.result_key(single.requests[0].id)))
     assert msg["code"] == "out_of_memory" and "single request" in msg["error"]
     assert int(r.hget(bus.STATS, "oom_splits")) == 2
+
+
+def test_split_halves_survive_a_batcher_crash(r, tmp_path):
+    """Halves of an OOM batch live in Redis, not only in the batcher's memory."""
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent, policy="abp")
+    arrive(r, 0)
+    svc.step(now=1.0)  # q0 runs alone
+    for i in range(1, 5):
+        arrive(r, i)
+    svc.step(now=2.0)
+    r.lpush(bus.COMPLETIONS, json.dumps({"type": "done", "batch_id": sent[0].id}))
+    svc.step(now=3.0)  # q1..q4 dispatched as one batch
+    big = sent[-1]
+    assert big.size == 4
+    r.lpush(bus.COMPLETIONS, json.dumps({"type": "oom", "batch_id": big.id, "error": "CUDA out of memory"}))
+    svc._take_completions(4.0)  # split and re-queued, then the process dies before dispatching
+    assert r.hlen(bus.INFLIGHT) == 0 and set(r.hkeys(bus.PENDING)) == {"q1", "q2", "q3", "q4"}
+    again: list = []
+    svc2 = service(r, tmp_path, again, policy="abp")
+    svc2.step(now=5.0)
+    assert {q.id for b in again for q in b.requests} | {q.id for b in svc2.policy.waiting() for q in b.requests} \
+        == {"q1", "q2", "q3", "q4"}
+
+
+def test_a_message_read_before_a_crash_is_not_taken_twice(r, tmp_path):
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    arrive(r, 0)
+    svc.step(now=1.0)
+    arrive(r, 1)
+    r.hset(bus.PENDING, "q1", r.lindex(bus.INCOMING, -1))  # taken, then the process died before trimming
+    svc2 = service(r, tmp_path, [])
+    svc2.step(now=2.0)
+    assert svc2.policy.pending_requests() == 1 and r.llen(bus.INCOMING) == 0
