@@ -171,14 +171,25 @@ class BatcherService:
                     batch.id, batch.size, a.size, b.size)
         self._requeue([a, b], now, replaces=batch.id)
 
+    def _queued_ids(self) -> str:
+        """The pool's Celery queue as raw text (short: batches are sent only to idle instances)."""
+        return "".join(self.redis.lrange(bus.queue_for_pool(self.settings.pool), 0, -1))
+
     def _check_lost(self, now: float) -> bool:
-        """Re-queue batches whose instance died mid-batch (heartbeat gone)."""
-        lost = []
-        for bid in self.inflight:
+        """Re-queue batches whose instance died: mid-batch (claimed, heartbeat gone), or after
+        Celery delivered the task but before the worker claimed it (unclaimed for two heartbeat
+        TTLs and no longer waiting in the queue)."""
+        lost, queued = [], None
+        for bid, fl in self.inflight.items():
+            if self.redis.exists(bus.done_key(bid)):
+                continue
             owner = self.redis.get(bus.claim_key(bid))
             if owner and owner != bus.CANCELLED and not self.redis.exists(bus.alive_key(owner)):
-                if not self.redis.exists(bus.done_key(bid)):
-                    lost.append((bid, owner))
+                lost.append((bid, owner))
+            elif owner is None and now - fl.dispatched > 2 * self.settings.instance_ttl_s:
+                queued = self._queued_ids() if queued is None else queued
+                if bid not in queued:
+                    lost.append((bid, "(unclaimed)"))
         for bid, owner in lost:
             fl = self.inflight.pop(bid)
             self.redis.set(bus.claim_key(bid), bus.CANCELLED, ex=7 * 24 * 3600)  # a redelivery is a no-op

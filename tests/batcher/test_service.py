@@ -164,3 +164,18 @@ def test_a_message_read_before_a_crash_is_not_taken_twice(r, tmp_path):
     svc2 = service(r, tmp_path, [])
     svc2.step(now=2.0)
     assert svc2.policy.pending_requests() == 1 and r.llen(bus.INCOMING) == 0
+
+
+def test_batch_delivered_to_a_worker_that_died_before_claiming_it_is_requeued(r, tmp_path):
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent, instance_ttl_s=5)
+    arrive(r, 0)
+    svc.step(now=100.0)
+    first = sent[-1]
+    r.lpush(bus.queue_for_pool("default"), json.dumps({"headers": {"id": first.id}}))
+    svc.step(now=120.0)
+    assert len(sent) == 1  # still waiting in the Celery queue: not lost
+    r.delete(bus.queue_for_pool("default"))  # delivered to a worker that died before claiming
+    svc.step(now=121.0)
+    assert len(sent) == 2 and sent[-1].attempt == 1 and r.get(bus.claim_key(first.id)) == bus.CANCELLED
