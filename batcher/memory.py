@@ -39,19 +39,19 @@ class KVMemory:
     delta_bytes: int
     theta_bytes: int
 
+    @classmethod
+    def for_pool(cls, instances: Iterable[Any]) -> KVMemory:
+        """A pool's memory (InstanceInfo-like items): the largest Δ and the smallest Θ, because a
+        batch must fit whichever instance takes it."""
+        items = list(instances)
+        return cls(delta_bytes=max(i.delta_bytes for i in items), theta_bytes=min(i.theta_bytes for i in items))
+
     def mem(self, size: int, input_len: int, gen_len: int) -> int:
         """MEM(B) in bytes for a batch of ``size`` with L(B)=input_len and G(B)=gen_len."""
         return int(size) * (int(input_len) + int(gen_len)) * self.delta_bytes
 
     def fits(self, size: int, input_len: int, gen_len: int) -> bool:
         return self.mem(size, input_len, gen_len) <= self.theta_bytes
-
-    def fits_lengths(self, lengths: Iterable[tuple[int, int]]) -> bool:
-        """Whether requests given as (L(p), G(p)) pairs fit together in one batch."""
-        ls = list(lengths)
-        if not ls:
-            return True
-        return self.fits(len(ls), max(L for L, _ in ls), max(G for _, G in ls))
 
     def max_fixed_batch_size(self, max_input: int, max_gen: int) -> int:
         """The largest β that fits even when every member has the longest input and max_tokens.

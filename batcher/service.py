@@ -22,7 +22,7 @@ import redis
 
 from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
-from batcher.policies import Policy, PolicyContext, make_policy
+from batcher.policies import Policy, PolicyContext, make_policy, planning_memory
 from cohort import bus
 from cohort.logdb import finish_request, get_engine
 from cohort.settings import Settings, get_settings
@@ -52,16 +52,9 @@ class BatcherService:
     _last_refresh: float = 0.0
 
     # --- setup ----------------------------------------------------------------------------
-    def _planning_memory(self, memory: KVMemory) -> KVMemory:
-        """Θ the policy plans with: less the headroom, unless the policy never uses predictions (VS)."""
-        if self.settings.policy == "vs" or not self.settings.memory_headroom:
-            return memory
-        return KVMemory(memory.delta_bytes, int(memory.theta_bytes * (1.0 - self.settings.memory_headroom)))
-
     def _make_policy(self, memory: KVMemory) -> Policy:
         s = self.settings
-        ctx = PolicyContext(memory=self._planning_memory(memory), estimator=self.estimator,
-                            max_input_tokens=s.max_input_tokens,
+        ctx = PolicyContext(memory=memory, estimator=self.estimator, max_input_tokens=s.max_input_tokens,
                             max_tokens_limit=s.max_tokens_limit)
         return make_policy(s.policy, ctx, **s.policy_params())
 
@@ -76,13 +69,13 @@ class BatcherService:
             if self.redis.exists(bus.alive_key(name)):
                 alive[name] = info
         if alive:
-            memory = KVMemory(delta_bytes=max(i.delta_bytes for i in alive.values()),
-                              theta_bytes=min(i.theta_bytes for i in alive.values()))
+            memory = planning_memory(self.settings.policy, KVMemory.for_pool(alive.values()),
+                                     self.settings.memory_headroom)
             if self.policy is None:
                 self.policy = self._make_policy(memory)
                 self._recover(now)
-            elif self._planning_memory(memory) != self.policy.ctx.memory:
-                self.policy.set_memory(self._planning_memory(memory))
+            elif memory != self.policy.ctx.memory:
+                self.policy.set_memory(memory)
         if set(alive) != set(self.instances):
             log.info("instances in pool %s: %s", self.settings.pool, sorted(alive) or "none")
         self.instances = alive

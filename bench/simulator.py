@@ -27,7 +27,7 @@ import numpy as np
 
 from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
-from batcher.policies import PolicyContext, make_policy
+from batcher.policies import PolicyContext, make_policy, planning_memory
 from batcher.policies.base import BatchTimeModel
 from batcher.wma import total_wma
 from cohort.types import Batch, ProfiledRequest
@@ -102,12 +102,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     """
     t0 = time.perf_counter()
     base, _ = parse_policy(policy)
-    if not 0.0 <= headroom < 1.0:
-        raise ValueError("headroom must be in [0, 1)")
-    # VS sizes its batches for the worst case and never needs slack: it always plans with Θ
-    frac = 1.0 if base == "vs" else 1.0 - headroom
-    plan_memory = KVMemory(memory.delta_bytes, int(memory.theta_bytes * frac))
-    ctx = PolicyContext(memory=plan_memory, estimator=estimator or time_model,
+    ctx = PolicyContext(memory=planning_memory(base, memory, headroom), estimator=estimator or time_model,
                         max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens_limit)
     params = {"threshold": 200_000.0, **(params or {})}
     pol = make_policy(base, ctx, **params)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 
+from batcher.memory import KVMemory
 from cohort import bus
 from cohort.logdb import finish_request, record_request
 from cohort.settings import Settings
@@ -105,12 +106,11 @@ async def submit(app_state, sub: Submission) -> Outcome:
     alive = await app_state.pool.alive()
     if not alive:
         raise APIError(503, "no LLM instance is available yet; retry shortly", code="no_instance")
-    theta = min(i.theta_bytes for i in alive)
-    delta = max(i.delta_bytes for i in alive)
-    need = (input_tokens + sub.max_tokens) * delta
-    if need > theta:
-        raise APIError(400, f"prompt ({input_tokens} tokens) + max_tokens ({sub.max_tokens}) need {need} bytes "
-                       f"of KV cache; an instance has {theta}. Lower max_tokens or shorten the input.",
+    memory = KVMemory.for_pool(alive)
+    if not memory.fits(1, input_tokens, sub.max_tokens):
+        raise APIError(400, f"prompt ({input_tokens} tokens) + max_tokens ({sub.max_tokens}) need "
+                       f"{memory.mem(1, input_tokens, sub.max_tokens)} bytes of KV cache; an instance has "
+                       f"{memory.theta_bytes}. Lower max_tokens or shorten the input.",
                        code="context_length_exceeded", param="max_tokens")
     depth = await redis.llen(bus.INCOMING) + await redis.hlen(bus.PENDING)
     if depth >= s.max_pending:

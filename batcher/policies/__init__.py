@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from batcher.memory import KVMemory
 from batcher.policies.base import BatchTimeModel, Policy, PolicyContext
 from batcher.policies.s3 import S3Policy
 from batcher.policies.slo import ODBSPolicy, SLODBSPolicy, SLOODBSPolicy
@@ -37,6 +38,16 @@ POLICIES: dict[str, PolicyFactory] = {
 }
 
 
+def planning_memory(policy: str, memory: KVMemory, headroom: float) -> KVMemory:
+    """Θ a policy plans with: Θ·(1 − headroom), slack for under-predicted lengths. VS sizes its
+    batches for the worst case (max_tokens) and never needs slack: it always plans with Θ."""
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError("headroom must be in [0, 1)")
+    if policy == "vs" or not headroom:
+        return memory
+    return KVMemory(memory.delta_bytes, int(memory.theta_bytes * (1.0 - headroom)))
+
+
 def make_policy(name: str, ctx: PolicyContext, **params: Any) -> Policy:
     """Build a policy by name; ``params`` may carry settings a policy ignores (threshold, batch_size…)."""
     try:
@@ -47,4 +58,4 @@ def make_policy(name: str, ctx: PolicyContext, **params: Any) -> Policy:
 
 
 __all__ = ["POLICIES", "BatchTimeModel", "ODBSPolicy", "Policy", "PolicyContext", "S3Policy", "SLODBSPolicy",
-           "SLOODBSPolicy", "WMAPolicy", "make_policy"]
+           "SLOODBSPolicy", "WMAPolicy", "make_policy", "planning_memory"]
