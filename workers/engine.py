@@ -127,12 +127,15 @@ class Engine:
     @torch.inference_mode()
     def run(self, rows: Sequence[RowSpec], sampling: SamplingParams | None = None) -> BatchOutput:
         """Generate for the whole batch in one ``generate`` call; raises KVCacheOutOfMemory."""
-        sampling = sampling or SamplingParams()
+        enc = self.tokenizer([r.prompt for r in rows], return_tensors="pt", padding=True,
+                             add_special_tokens=self._special)
+        return self._run_ids(enc["input_ids"], enc["attention_mask"], rows, sampling or SamplingParams())
+
+    def _run_ids(self, input_ids: torch.Tensor, attention: torch.Tensor, rows: Sequence[RowSpec],
+                 sampling: SamplingParams) -> BatchOutput:
+        """``run`` on an already tokenized, left-padded batch."""
         tok = self.tokenizer
-        enc = tok([r.prompt for r in rows], return_tensors="pt", padding=True,
-                  add_special_tokens=self._special)
-        input_ids = enc["input_ids"].to(self.device)
-        attention = enc["attention_mask"].to(self.device)
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         prompt_len = input_ids.shape[1]
         stops = [r.stop_at for r in rows]
         max_new = max(stops)
@@ -177,9 +180,6 @@ class Engine:
     def run_shape(self, size: int, input_len: int, gen_len: int) -> float:
         """Wall seconds for a batch of ``size`` prompts of ``input_len`` tokens generating exactly
         ``gen_len`` tokens each (profiling the batch-time model)."""
-        vocab = [t for t in range(1000, 1000 + max(input_len, 1))]
-        prompt = self.tokenizer.decode(vocab[:input_len])
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"][:input_len]
-        prompt = self.tokenizer.decode(ids)
-        rows = [RowSpec(prompt, gen_len, gen_len) for _ in range(size)]
-        return self.run(rows).seconds
+        ids = torch.arange(1000, 1000 + input_len).remainder(len(self.tokenizer)).repeat(size, 1)
+        rows = [RowSpec("", gen_len, gen_len) for _ in range(size)]
+        return self._run_ids(ids, torch.ones_like(ids), rows, SamplingParams()).seconds

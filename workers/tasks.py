@@ -49,8 +49,7 @@ def run_batch(batch: dict[str, Any]) -> dict[str, Any]:
     emulate = rt.settings.emulate_lengths
     rows = [RowSpec(r.prompt, r.max_tokens, r.emulated_tokens if emulate else None) for r in b.requests]
     started = time.time()
-    base = {"batch_id": b.id, "instance": rt.name, "started": started, "size": b.size,
-            "batch": batch}
+    base = {"batch_id": b.id, "instance": rt.name, "started": started, "size": b.size}
     batch_row = {"id": b.id, "created": b.created, "started": started, "instance": rt.name,
                  "model": rt.settings.model, "size": b.size, "input_len": b.input_len,
                  "predicted_gen_len": b.predicted_gen_len, "attempt": b.attempt, "splits": b.splits}
@@ -59,9 +58,9 @@ def run_batch(batch: dict[str, Any]) -> dict[str, Any]:
     except KVCacheOutOfMemory as e:
         log.warning("batch %s (β=%d, L=%d, G'=%d) ran out of memory: %s", b.id, b.size, b.input_len,
                     b.predicted_gen_len, e)
-        _complete(rt, {**base, "type": "oom", "error": str(e), "finished": time.time()})
-        record_batch(rt.db, {**batch_row, "finished": time.time(), "oom": True,
-                             "batch_time_s": time.time() - started})
+        finished = time.time()
+        _complete(rt, {**base, "type": "oom", "error": str(e), "finished": finished})
+        record_batch(rt.db, {**batch_row, "finished": finished, "oom": True, "batch_time_s": finished - started})
         return {"batch_id": b.id, "oom": True}
     except Exception as e:  # anything else: fail the batch explicitly, never leave it hanging
         log.exception("batch %s failed", b.id)
