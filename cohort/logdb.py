@@ -8,7 +8,7 @@ idempotent upserts keyed by id: a re-delivered batch never writes a record twice
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -140,8 +140,3 @@ def finished_batches(engine: Engine, since: float = 0.0, include_oom: bool = Fal
     with engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(q.order_by(batches.c.finished))]
 
-
-def rows(engine: Engine, table: Table, ids: Iterable[str]) -> list[dict[str, Any]]:
-    ids = list(ids)
-    with engine.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(select(table).where(table.c.id.in_(ids)))]

@@ -18,6 +18,7 @@ from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.submit import PoolView
 from gateway.views import generate, health, openai
+from predictor.service import PredictorService
 
 log = logging.getLogger("cohort.gateway")
 
@@ -27,13 +28,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        from predictor.service import PredictorService
-
         st = app.state
         st.redis = aioredis.Redis.from_url(s.resolved_redis_url, decode_responses=True, max_connections=4096)
         st.pool = PoolView(s, st.redis)
         st.db = get_engine(s.database_url)
-        st.predictor = PredictorService(s)
         await run_in_threadpool(st.predictor.warmup)
         await run_in_threadpool(prompt_token_counts, ["warm up"], s.model)
         reloader = asyncio.create_task(_reload_loop(st.predictor))
@@ -43,12 +41,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         reloader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reloader
+        st.predictor.close()
         await st.redis.aclose()
 
     app = FastAPI(title="cohort", version="0.1.0", lifespan=lifespan,
                   description="Static-batch LLM serving: length prediction, WMA batching, HRRN dispatch.")
     app.state.settings = s
     app.state.metrics = GatewayMetrics()
+    app.state.predictor = PredictorService(s)  # cheap; the model loads in the lifespan (warmup)
     install_error_handlers(app)
     for view in (generate, openai, health):
         app.include_router(view.router)
@@ -56,21 +56,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         from gateway.admin import make_admin_router
         from gateway.views import admin_state
 
-        app.include_router(make_admin_router(s, _PredictorRef(app)))
+        app.include_router(make_admin_router(s, app.state.predictor))
         app.include_router(admin_state.router)
     else:
         log.warning("COHORT_ADMIN_TOKEN is not set: admin endpoints are disabled")
     return app
-
-
-class _PredictorRef:
-    """Resolves the app's PredictorService lazily (it is created in the lifespan, after routing)."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self._app = app
-
-    def __getattr__(self, name: str):
-        return getattr(self._app.state.predictor, name)
 
 
 async def _reload_loop(predictor) -> None:

@@ -25,23 +25,19 @@ class APIError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
         self.type = type_ or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
-
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None,
-               type_: str | None = None) -> dict:
-    e = APIError(status, message, code, param, type_)
-    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+    return JSONResponse(APIError(status, message, code, param).body(), status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}},
-                            status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
