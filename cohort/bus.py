@@ -1,9 +1,12 @@
 """The Redis protocol between gateway, batcher and workers: key names and message shapes.
 
 gateway  --LPUSH incoming-->  batcher   (a ProfiledRequest as JSON)
+gateway  --SET cancel:<id> + LPUSH cancels-->  batcher and worker (the client went away)
 batcher  --Celery queue per pool-->  worker  (a Batch as JSON)
-worker   --LPUSH completions-->  batcher (batch done / oom / failed, with measurements)
-worker|batcher  --RPUSH result:<request id>-->  gateway (the answer or an explicit failure)
+worker   --LPUSH completions-->  batcher (a CompletionEvent: outcome, measurements, continuations)
+worker|batcher  --XADD stream:<request id>-->  gateway (StreamEvents: deltas, then end or error)
+
+Message shapes are in cohort.protocol; this module owns the key names and the Redis operations.
 
 The batcher's state lives in Redis too (``pending``: waiting requests, ``inflight``: dispatched
 batches), so a restarted batcher picks up where the old one stopped.
@@ -11,9 +14,9 @@ batches), so a restarted batcher picks up where the old one stopped.
 
 from __future__ import annotations
 
-import json
-import time
-from typing import Any
+from collections.abc import Iterable
+
+from cohort.protocol import StreamEvent, dumps
 
 PREFIX = "cohort"
 INCOMING = f"{PREFIX}:incoming"
@@ -23,11 +26,20 @@ INFLIGHT = f"{PREFIX}:inflight"        # hash batch id -> {"batch": ..., "dispat
 INSTANCES = f"{PREFIX}:instances"      # hash instance name -> InstanceInfo JSON
 STATS = f"{PREFIX}:stats"              # hash of counters the gateway exports as metrics
 BATCHER_LOCK = f"{PREFIX}:batcher:lock"  # one active batcher
-RESULT_TTL_S = 3600
+CANCELS = f"{PREFIX}:cancels"          # list of cancelled request ids (the batcher drops them)
+STREAM_TTL_S = 3600
+CANCEL_TTL_S = 3600
+STREAM_FIELD = "e"                     # each stream entry carries one StreamEvent JSON in this field
 
 
-def result_key(request_id: str) -> str:
-    return f"{PREFIX}:result:{request_id}"
+def stream_key(request_id: str) -> str:
+    """A request's Redis Stream: its token deltas, then one end or error event."""
+    return f"{PREFIX}:stream:{request_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    """Present while a request is cancelled: the worker drops its row at the next step."""
+    return f"{PREFIX}:cancel:{request_id}"
 
 
 def alive_key(instance: str) -> str:
@@ -49,22 +61,32 @@ def queue_for_pool(pool: str) -> str:
     return f"{PREFIX}.pool.{pool}"
 
 
-CANCELLED = "cancelled"
+CANCELLED = "cancelled"  # a batch claim value: the batch was superseded, a redelivery is a no-op
+
+__all__ = ["dumps"]
 
 
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+def publish(pipe, request_id: str, event: StreamEvent) -> None:
+    """Queue one event on a request's stream in ``pipe`` (a pipeline: the worker sends every
+    row's events of a decode step in one round trip). Expiring, so abandoned streams go away."""
+    key = stream_key(request_id)
+    pipe.xadd(key, {STREAM_FIELD: event.to_json()})
+    pipe.expire(key, STREAM_TTL_S)
 
 
-def result_message(request_id: str, *, ok: bool, **fields: Any) -> str:
-    """What the gateway waits for: ``ok`` plus either the answer fields or ``error``/``code``."""
-    return dumps({"id": request_id, "ok": ok, "time": time.time(), **fields})
-
-
-def push_result(redis, request_id: str, message: str) -> None:
-    """Deliver one request's answer (sync client). Expiring, so abandoned answers don't pile up."""
-    key = result_key(request_id)
+def publish_now(redis, request_id: str, event: StreamEvent) -> None:
+    """``publish`` in its own pipeline (sync client)."""
     pipe = redis.pipeline()
-    pipe.rpush(key, message)
-    pipe.expire(key, RESULT_TTL_S)
+    publish(pipe, request_id, event)
     pipe.execute()
+
+
+def cancelled_ids(redis, request_ids: Iterable[str]) -> set[str]:
+    """Which of these requests were cancelled (one round trip)."""
+    ids = list(request_ids)
+    if not ids:
+        return set()
+    pipe = redis.pipeline()
+    for rid in ids:
+        pipe.exists(cancel_key(rid))
+    return {rid for rid, hit in zip(ids, pipe.execute(), strict=True) if hit}

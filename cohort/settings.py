@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -79,6 +80,17 @@ class Settings(BaseSettings):
     slo_l1: float | None = Field(default=None, description="SLO-ODBS scale L1 of the overrun term.")
     slo_l2: float | None = Field(default=None, description="SLO-ODBS scale L2 of the padding term (authors: 1.2).")
     slo_threshold: float | None = Field(default=None, description="SLO-ODBS join threshold (authors: 15000).")
+    execution: Literal["elastic", "static"] = Field(
+        default="elastic", description="elastic: each request is answered (and streamed) as it finishes, "
+        "finished rows leave the batch, and predicted-length policies plan memory with the batch's peak "
+        "KV over time. static: the papers' behaviour, every request answered when its whole batch ends, "
+        "planned with MEM(B) = β·(L(B)+G(B))·Δ.")
+    oom_recovery: Literal["preempt", "split"] = Field(
+        default="preempt", description="preempt: before a step would outgrow memory the worker evicts rows "
+        "(largest predicted remaining length first) and hands them back as continuations that keep their "
+        "generated tokens. split: Magnus's recovery, the whole batch is split in halves and both restart.")
+    max_preemptions: int = Field(default=8, ge=1, description="Rows preempted this many times are evicted "
+                                 "last, so every request keeps making progress.")
     batcher_tick_s: float = 0.02
     max_requeues: int = Field(default=3, description="Times a batch may be re-queued after a worker loss.")
     instance_ttl_s: float = Field(default=15.0, description="Worker heartbeat expiry: instance considered dead.")

@@ -7,7 +7,7 @@ Nothing here imports torch or redis, so the batcher and the simulator can use th
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -18,15 +18,42 @@ def new_id(prefix: str) -> str:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling parameters. Only requests with identical parameters may share a batch."""
+    """How one request samples. The worker applies them per row (transformers' logits
+    processors and warpers, a generator per seeded row), so requests with different sampling
+    parameters share a batch freely.
+
+    ``logit_bias`` maps token id → bias (JSON keys arrive as strings and are converted back).
+    ``stop`` strings end a row when its text contains one; the text is cut before the stop.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop: tuple[str, ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["logit_bias"] = {str(k): v for k, v in self.logit_bias}
+        d["stop"] = list(self.stop)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        d = dict(d or {})
+        bias = d.get("logit_bias") or {}
+        items = bias.items() if isinstance(bias, dict) else bias
+        d["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in items))
+        d["stop"] = tuple(d.get("stop") or ())
+        return cls(**d)
 
 
 @dataclass
@@ -54,12 +81,53 @@ class ProfiledRequest:
     emulated_tokens: int | None = None
     true_tokens: int | None = None
     predictor_version: str | None = None
+    predicted_upper: int | None = None
+    prompt_ids: list[int] | None = None
+    generated_ids: list[int] = field(default_factory=list)
+    preemptions: int = 0
+    first_token_at: float | None = None
+
+    # A *continuation* is a request that was preempted mid-generation (elastic execution): its
+    # ``prompt_ids`` are the original prompt's token ids and ``generated_ids`` what it produced
+    # (and streamed) so far; the worker resumes from ``prompt_ids + generated_ids`` without
+    # re-tokenizing text. The planning fields then describe what is *left*: ``input_tokens`` =
+    # len(prompt_ids) + len(generated_ids) (what the batch must prefill), ``predicted_tokens``,
+    # ``predicted_upper``, ``max_tokens``, ``emulated_tokens`` and ``true_tokens`` = the remaining
+    # tokens. ``first_token_at`` keeps the time of the answer's first token across preemptions.
 
     @property
     def batch_key(self) -> tuple[Any, ...]:
-        """Requests may share a batch only when this key is equal (same model, same sampling)."""
-        s = self.sampling
-        return (self.model, s.temperature, s.top_p, s.seed)
+        """Requests may share a batch only when this key is equal: the same model. Sampling is
+        applied per row by the worker, so it does not split batches."""
+        return (self.model,)
+
+    @property
+    def planned_tokens(self) -> int:
+        """The length memory planning uses: the upper quantile when the predictor gave one
+        (under-prediction is what overflows memory), else the point prediction."""
+        return self.predicted_upper if self.predicted_upper is not None else self.predicted_tokens
+
+    @property
+    def done_tokens(self) -> int:
+        """Tokens already generated for this request before this (continuation) run."""
+        return len(self.generated_ids)
+
+    def continuation(self, new_ids: list[int], first_token_at: float | None) -> ProfiledRequest:
+        """This request preempted after generating ``new_ids`` in the current run: the same id
+        and stream, resumed later from prompt + everything generated so far."""
+        if self.prompt_ids is None:
+            raise ValueError("a continuation needs the prompt's token ids")
+        k = len(new_ids)
+
+        def left(x: int | None) -> int | None:
+            return None if x is None else max(0, x - k)
+
+        return replace(
+            self, generated_ids=[*self.generated_ids, *new_ids], input_tokens=self.input_tokens + k,
+            predicted_tokens=max(1, self.predicted_tokens - k), predicted_upper=None if self.predicted_upper is None else max(1, self.predicted_upper - k),
+            max_tokens=self.max_tokens - k, emulated_tokens=left(self.emulated_tokens),
+            true_tokens=left(self.true_tokens), preemptions=self.preemptions + 1,
+            first_token_at=self.first_token_at or first_token_at)
 
     @property
     def deadline(self) -> float:
@@ -67,12 +135,14 @@ class ProfiledRequest:
         return self.arrival + self.slo_s if self.slo_s is not None else float("inf")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["sampling"] = self.sampling.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ProfiledRequest:
         d = dict(d)
-        d["sampling"] = SamplingParams(**(d.get("sampling") or {}))
+        d["sampling"] = SamplingParams.from_dict(d.get("sampling"))
         return cls(**d)
 
 

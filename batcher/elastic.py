@@ -1,0 +1,52 @@
+"""Elastic execution's two rules, shared by the worker, the policies and the simulator.
+
+Under elastic execution a finished row leaves its batch at once (its KV rows are dropped), so a
+batch's KV use is a profile over decode steps, not β·(L(B)+G(B)): with the rows' lengths sorted
+g_(1) ≥ g_(2) ≥ … the cache at step t holds (L(B)+t) tokens for each row still alive, and the
+peak over t is max_k k·(L(B)+g_(k)) (just before the k-th longest row leaves).
+
+When the next step would not fit, the worker evicts rows and hands them back as continuations;
+``eviction_order`` is the one rule for which rows go first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+def peak_kv_tokens(input_len: int, gen_lens: Iterable[int]) -> int:
+    """Peak KV tokens of a batch whose rows leave as they finish: max_k k·(L + g_(k))."""
+    peak = 0
+    for k, g in enumerate(sorted(gen_lens, reverse=True), start=1):
+        peak = max(peak, k * (input_len + g))
+    return peak
+
+
+def static_kv_tokens(input_len: int, gen_lens: Sequence[int]) -> int:
+    """KV tokens of a static batch that keeps every row until its longest ends: β·(L + G(B))."""
+    return len(gen_lens) * (input_len + max(gen_lens, default=0))
+
+
+def batch_kv_tokens(input_len: int, gen_lens: Sequence[int], elastic: bool) -> int:
+    """The KV tokens a batch needs at its peak under the given execution mode."""
+    return peak_kv_tokens(input_len, gen_lens) if elastic else static_kv_tokens(input_len, gen_lens)
+
+
+def next_step_kv_tokens(alive_rows: int, cache_len: int) -> int:
+    """KV tokens held after the next decode step: each alive row appends one to a cache of
+    ``cache_len`` (prompt padded to L(B), plus the steps run so far)."""
+    return alive_rows * (cache_len + 1)
+
+
+def eviction_order(remaining: Sequence[int], preemptions: Sequence[int], max_preemptions: int) -> list[int]:
+    """Row indices in the order to evict them when memory runs short.
+
+    Largest predicted remaining length first: it holds memory longest and frees the most for the
+    rows that are about to finish. Rows already preempted ``max_preemptions`` times go last so
+    every request keeps making progress; ties evict the later row (the earlier one was admitted
+    first).
+    """
+    def key(i: int) -> tuple[bool, int, int]:
+        return (preemptions[i] < max_preemptions, remaining[i], i)
+
+    return sorted(range(len(remaining)), key=key, reverse=True)

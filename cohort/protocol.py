@@ -1,0 +1,153 @@
+"""Typed messages between gateway, batcher and worker; each shape and each code has its owner here.
+
+gateway  → batcher : a ``ProfiledRequest`` (cohort.types) on ``incoming``; a cancelled request id on ``cancels``
+batcher  → worker  : a ``Batch`` (cohort.types) as the Celery task argument
+worker   → batcher : a ``CompletionEvent`` on ``completions`` (outcome, measurements, continuations)
+worker | batcher → gateway : ``StreamEvent``s on the request's Redis Stream (deltas, then one end or error)
+
+The JSON forms are what crosses Redis and Celery (JSON only, never pickle). Nothing here imports
+torch or redis.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from cohort.types import ProfiledRequest
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON: the one encoder for every message."""
+    return json.dumps(obj, separators=(",", ":"))
+
+
+class FailureCode(str, Enum):
+    """Why a request failed, and the HTTP status the gateway answers with."""
+
+    OUT_OF_MEMORY = "out_of_memory"   # a single request cannot fit the instance's KV memory
+    WORKER_LOST = "worker_lost"       # the instance died too many times running it
+    BATCH_FAILED = "batch_failed"     # the worker raised while running the batch
+    CANCELLED = "cancelled"           # the client went away; nobody reads the answer
+    TIMEOUT = "timeout"               # no answer within the gateway's request timeout
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_STATUS[self]
+
+    @classmethod
+    def parse(cls, value: str | None) -> FailureCode:
+        """A code from a message; anything unknown is a batch failure (500), never a crash."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.BATCH_FAILED
+
+
+_HTTP_STATUS = {FailureCode.OUT_OF_MEMORY: 507, FailureCode.WORKER_LOST: 503, FailureCode.BATCH_FAILED: 500,
+                FailureCode.CANCELLED: 499, FailureCode.TIMEOUT: 504}
+
+
+class FinishReason(str, Enum):
+    """Why a row stopped generating (OpenAI's ``finish_reason``)."""
+
+    STOP = "stop"        # EOS, a stop string, or its emulated length
+    LENGTH = "length"    # max_tokens reached
+
+
+class BatchOutcome(str, Enum):
+    """How a batch ended, as the worker reports it to the batcher."""
+
+    DONE = "done"        # every row finished, failed or was handed back as a continuation
+    OOM = "oom"          # split recovery only: the batch outgrew memory; the batcher splits it
+    FAILED = "failed"    # the worker raised; the batcher fails the rows still unanswered
+
+
+class StreamKind(str, Enum):
+    DELTA = "delta"
+    END = "end"
+    ERROR = "error"
+
+
+@dataclass
+class StreamEvent:
+    """One message on a request's stream.
+
+    ``delta``: ``text`` is new text (never a split multi-byte character), ``tokens`` the tokens
+    generated so far. ``end``: ``text`` is the whole answer, ``tokens`` its length, with
+    ``finish_reason``, the batch that finished it and the request's timings. ``error``: ``code``
+    (a FailureCode value) and ``message`` written for the client.
+    """
+
+    kind: StreamKind
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    code: str | None = None
+    message: str | None = None
+    batch_id: str | None = None
+    batch_size: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def delta(cls, text: str, tokens: int) -> StreamEvent:
+        return cls(StreamKind.DELTA, text=text, tokens=tokens)
+
+    @classmethod
+    def error(cls, code: FailureCode, message: str) -> StreamEvent:
+        return cls(StreamKind.ERROR, code=code.value, message=message)
+
+    @property
+    def final(self) -> bool:
+        return self.kind is not StreamKind.DELTA
+
+    def to_json(self) -> str:
+        d = {k: v for k, v in asdict(self).items() if v not in (None, "", {}) or k in ("kind", "tokens")}
+        d["kind"] = self.kind.value
+        return dumps(d)
+
+    @classmethod
+    def from_json(cls, js: str) -> StreamEvent:
+        d = json.loads(js)
+        d["kind"] = StreamKind(d["kind"])
+        return cls(**d)
+
+
+@dataclass
+class CompletionEvent:
+    """What the worker tells the batcher when it leaves a batch.
+
+    ``continuations``: rows preempted to make room (elastic execution); the batcher schedules
+    them like new requests. ``answered``: ids the worker already finished or failed itself.
+    """
+
+    batch_id: str
+    outcome: BatchOutcome
+    instance: str = ""
+    size: int = 0
+    started: float = 0.0
+    finished: float = 0.0
+    error: str | None = None
+    input_len: int = 0
+    gen_len: int = 0
+    seconds: float = 0.0
+    generated_tokens: list[int] = field(default_factory=list)
+    answered: list[str] = field(default_factory=list)
+    continuations: list[ProfiledRequest] = field(default_factory=list)
+    preemptions: int = 0
+    cancelled: int = 0
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["outcome"] = self.outcome.value
+        d["continuations"] = [r.to_dict() for r in self.continuations]
+        return dumps(d)
+
+    @classmethod
+    def from_json(cls, js: str) -> CompletionEvent:
+        d = json.loads(js)
+        d["outcome"] = BatchOutcome(d["outcome"])
+        d["continuations"] = [ProfiledRequest.from_dict(r) for r in d.get("continuations") or []]
+        return cls(**d)
