@@ -81,6 +81,14 @@ def publish_now(redis, request_id: str, event: StreamEvent) -> None:
     pipe.execute()
 
 
+def cancel(pipe, request_id: str) -> None:
+    """Queue the withdrawal of a request in ``pipe`` (sync or redis.asyncio pipeline; the caller
+    executes it): the cancel key tells the worker to drop the row at its next step, the id on
+    CANCELS tells the batcher to drop it from the waiting queue. Both in one round trip."""
+    pipe.set(cancel_key(request_id), "1", ex=CANCEL_TTL_S)
+    pipe.lpush(CANCELS, request_id)
+
+
 def cancelled_ids(redis, request_ids: Iterable[str]) -> set[str]:
     """Which of these requests were cancelled (one round trip)."""
     ids = list(request_ids)
