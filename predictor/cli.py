@@ -53,13 +53,16 @@ def train(
     representative: str = typer.Option("upper", help="lora: upper | lower | mid | mean."),
     length_hint: bool = typer.Option(True, help="lora: prefix the input length to the text."),
     cache: bool = typer.Option(True, help="magnus: use the on-disk embedding cache."),
+    calibration_frac: float = typer.Option(0.15, help="Share of the training rows held out of the fit "
+                                           "to calibrate the upper quantile (0: no upper bound)."),
+    level: float = typer.Option(0.9, help="Coverage level of the upper bound (q90 = 0.9)."),
 ) -> None:
     """Train a predictor on the 80 % split of each file and write a model directory with meta.json."""
     from cohort.datasets import load_split
     from predictor.buckets import parse_edges
     from predictor.data import records_to_items
     from predictor.registry import new_version_name
-    from predictor.training import fit_predictor
+    from predictor.training import fit_predictor, save_model
 
     if kind not in KINDS:
         raise typer.BadParameter(f"--kind must be one of {KINDS}")
@@ -77,7 +80,7 @@ def train(
                 "epochs": epochs, "batch_size": batch_size, "lr": lr, "max_length": max_length,
                 "edges": parse_edges(edges), "representative": representative, "length_hint": length_hint}
     model = fit_predictor(kind, items, y, cache_dir=_cache_dir(cache), encoder_path=s.encoder_path,
-                          show_progress=True, **opts)
+                          show_progress=True, calibration_frac=calibration_frac, level=level, **opts)
     seconds = time.perf_counter() - t0
     by_task: dict[str, int] = defaultdict(int)
     for r in recs:
@@ -87,7 +90,7 @@ def train(
                      "limit_per_file": limit_per_file, "per_task": dict(by_task), "tokenizer": s.model},
             "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in opts.items()},
             "train_seconds": round(seconds, 1)}
-    model.save(out, meta=meta)
+    save_model(model, out, meta=meta)
     typer.echo(json.dumps({"out": str(out), "kind": kind, "rows": len(items), "train_seconds": round(seconds, 1)}))
 
 
@@ -127,6 +130,7 @@ def evaluate(
 ) -> None:
     """Evaluate a model on the validation split: overall and per-task metrics, throughput."""
     from cohort.datasets import load_split
+    from predictor.conformal import coverage, predict_bounds
     from predictor.data import records_to_items
     from predictor.loading import load_predictor
     from predictor.metrics import all_metrics
@@ -142,9 +146,18 @@ def evaluate(
     items, y = records_to_items(recs, s.model)
     typer.echo(f"evaluating {m.kind} on {len(items)} validation rows", err=True)
     pred = predict_items(m, items, _cache_dir(cache))
+    _, upper = predict_bounds(m, items, pred)
     tasks = np.array([r.task for r in recs])
-    per_task = {t: all_metrics(y[tasks == t], pred[tasks == t]) for t in dict.fromkeys(tasks.tolist())}
-    result = {"model": str(model), "kind": m.kind, "representative": getattr(m, "representative", None), "overall": all_metrics(y, pred), "per_task": per_task}
+
+    def metrics(sel: np.ndarray) -> dict:
+        # q90_coverage: share of actual lengths ≤ the upper bound (None: the model has no bound).
+        return {**all_metrics(y[sel], pred[sel]),
+                "q90_coverage": None if upper is None else coverage(y[sel], upper[sel])}
+
+    per_task = {t: metrics(tasks == t) for t in dict.fromkeys(tasks.tolist())}
+    result = {"model": str(model), "kind": m.kind, "representative": getattr(m, "representative", None),
+              "level": None if m.conformal is None else m.conformal.level,
+              "overall": metrics(np.ones(len(y), dtype=bool)), "per_task": per_task}
     if throughput_n > 0:
         result.update(_throughput(m, items, throughput_n))
     else:
@@ -153,7 +166,8 @@ def evaluate(
     json_out.write_text(json.dumps(result, indent=2))
     if plot is not None:
         _plots(y, pred, tasks, plot, f"{m.kind} ({model.name})")
-    typer.echo(json.dumps({"overall": result["overall"], "predictions_per_s": result.get("predictions_per_s")}))
+    typer.echo(json.dumps({"overall": result["overall"], "predictions_per_s": result.get("predictions_per_s"),
+                           "q90_coverage_per_task": {t: v["q90_coverage"] for t, v in per_task.items()}}))
 
 
 def _plots(actual: np.ndarray, pred: np.ndarray, tasks: np.ndarray, out: Path, title: str) -> None:

@@ -39,6 +39,7 @@ PRED_REL = 0.10
 EST_ABS_S = 2.0
 EST_REL = 0.20
 MIN_ESTIMATOR_SAMPLES = 8
+SERVED_ONLY_ROWS = 500  # logged rows of the served model after which the shared warm start is dropped
 
 
 # --- selection rules (pure) ----------------------------------------------------------------------
@@ -174,6 +175,22 @@ def seed_predictor_store(settings: Settings, limit_per_file: int | None = 500) -
 
 
 # --- retraining ----------------------------------------------------------------------------------
+def training_rows(stored: Sequence[dict[str, Any]], served_model: str,
+                  served_only_rows: int | None = None) -> list[dict[str, Any]]:
+    """What the predictor trains on: the served model's own logged lengths, with the shared data
+    (reference answers written by *other* models) only as a warm start.
+
+    Output length depends on the model that writes it, so rows logged for another model are
+    dropped, and once ``served_only_rows`` logged rows of the served model exist the shared-data
+    rows are dropped too."""
+    limit = SERVED_ONLY_ROWS if served_only_rows is None else served_only_rows
+    logged = [d for d in stored if str(d.get("source", "")).startswith("log:")
+              and d.get("model") in (None, served_model)]
+    if len(logged) >= limit:
+        return logged
+    return [d for d in stored if not str(d.get("source", "")).startswith("log:")] + logged
+
+
 def _holdout_split(n: int, frac: float = 0.1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     idx = np.random.default_rng(seed).permutation(n)
     cut = int(round(n * frac)) if n >= 20 else 0
@@ -190,7 +207,7 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
     """
     from cohort.logdb import finished_requests, get_engine
     from predictor.metrics import all_metrics
-    from predictor.training import fit_predictor, predict_items
+    from predictor.training import fit_predictor, predict_items, save_model
 
     kind = kind or settings.predictor_kind
     if kind == "lora":  # bound the CPU time of a periodic retrain
@@ -203,17 +220,19 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
         seeded = seed_predictor_store(settings, seed_limit_per_file)
         since = float(load_state(settings).get("predictor_since", 0.0))
         rows = finished_requests(get_engine(settings.database_url), since)
-        picked = select_predictor_rows(rows)
+        served = [r for r in rows if r.get("model") in (None, settings.model)]
+        picked = select_predictor_rows(served)
         new = [{"instruction": r.get("instruction") or "", "user_input": r.get("user_input") or "",
                 "input_tokens": int(r.get("input_tokens") or 0), "target": float(r["actual_tokens"]),
-                "task": r.get("task"), "source": f"log:{r['id']}"} for r in picked]
+                "task": r.get("task"), "model": r.get("model") or settings.model,
+                "source": f"log:{r['id']}"} for r in picked]
         _append_jsonl(predictor_store(settings), new)
         last = max((float(r["finished"]) for r in rows if r.get("finished") is not None), default=since)
         if not new and not seeded and not force and reg.active():
             _save_state(settings, predictor_since=last)
             return {"version": reg.active(), "metrics": reg.meta(reg.active()).get("metrics"),
                     "n_added": 0, "n_train": None, "retrained": False}
-        data = _read_jsonl(predictor_store(settings))
+        data = training_rows(_read_jsonl(predictor_store(settings)), settings.model)
         if not data:
             _save_state(settings, predictor_since=last)
             return {"version": reg.active(), "metrics": None, "n_added": 0, "n_train": 0,
@@ -229,11 +248,17 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
             m = fit_predictor(kind, [items[i] for i in tr], y[tr], cache_dir=cache,
                               encoder_path=settings.encoder_path, **fit_options)
             metrics = all_metrics(y[ho], predict_items(m, [items[i] for i in ho], cache))
+        # The final model holds out its own calibration rows (fit_predictor), so its q90 bound is
+        # re-calibrated on every retrain, on the lengths the served model produced.
         model = fit_predictor(kind, items, y, cache_dir=cache, encoder_path=settings.encoder_path,
                               **fit_options)
         version, staging = reg.new_dir()
-        model.save(staging, meta={"data": {"rows": len(items), "added": len(new), "store": str(predictor_store(settings))},
-                                  "metrics": metrics, "train_seconds": round(time.perf_counter() - t0, 2)})
+        n_served = sum(1 for d in data if str(d.get("source", "")).startswith("log:"))
+        save_model(model, staging, meta={
+            "data": {"rows": len(items), "added": len(new), "served_rows": n_served,
+                     "served_model": settings.model, "warm_start_used": n_served < SERVED_ONLY_ROWS,
+                     "store": str(predictor_store(settings))},
+            "metrics": metrics, "train_seconds": round(time.perf_counter() - t0, 2)})
         reg.commit(version, staging)
         _save_state(settings, predictor_since=last)
         log.info("predictor retrained: %s (%d rows, %d new)", version, len(items), len(new))

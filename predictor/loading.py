@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from predictor.base import LengthPredictor
+from predictor.conformal import ConformalTable
 
 KINDS = ("magnus", "magnus_fast", "lora", "linear", "mean")
 
@@ -15,9 +16,16 @@ def predictor_kind(directory: str | Path) -> str:
 
 
 def load_predictor(directory: str | Path) -> LengthPredictor:
-    """magnus | magnus_fast | lora | linear | mean, dispatched on meta.json; heavy imports only when needed."""
+    """The saved predictor (dispatched on meta.json's kind) with its conformal table attached as
+    ``model.conformal`` (None for a model saved without one)."""
     directory = Path(directory)
-    kind = predictor_kind(directory)
+    model = _load_kind(directory, predictor_kind(directory))
+    model.conformal = ConformalTable.load(directory)
+    return model
+
+
+def _load_kind(directory: Path, kind: str) -> LengthPredictor:
+    """magnus | magnus_fast | lora | linear | mean | semantic; heavy imports only when needed."""
     if kind == "magnus":
         from predictor.magnus import MagnusPredictor
 

@@ -12,7 +12,8 @@ loaded in a background thread and swapped in with one assignment of a (model, ve
 so a batch always runs on one consistent model. Before any model exists (cold start) the
 prediction is ``max_tokens`` (memory-safe) or the number in ``settings.cold_start``.
 Predictions are clamped to [1, max_tokens]. A failing model never fails a request: it logs and
-answers with the cold-start value.
+answers with the cold-start value. ``predict_bounds`` also returns the model's conformal upper
+quantile (see ``predictor.conformal``), which the batcher plans memory with.
 """
 
 from __future__ import annotations
@@ -24,15 +25,25 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from cohort.settings import Settings
 from predictor.base import LengthPredictor, PredictItem
+from predictor.conformal import predict_bounds
 from predictor.registry import Registry
 
 log = logging.getLogger(__name__)
+
+
+class Prediction(NamedTuple):
+    """What the gateway puts on a request: the point value (grouping: WMA, buckets, HRRN) and the
+    upper quantile (memory planning; None when the model has no calibrated bound)."""
+
+    tokens: int
+    upper: int | None
+    version: str | None
 
 
 class PredictorService:
@@ -163,26 +174,43 @@ class PredictorService:
 
     def predict_many(self, items: Sequence[PredictItem]) -> tuple[np.ndarray | None, str | None]:
         """Synchronous batch prediction with the current model (None when cold)."""
+        point, _, version = self.predict_many_bounds(items)
+        return point, version
+
+    def predict_many_bounds(self, items: Sequence[PredictItem]
+                            ) -> tuple[np.ndarray | None, np.ndarray | None, str | None]:
+        """(point, upper quantile, version) for a batch; upper is None when the model has no
+        conformal table, both are None when cold."""
         model, version = self._current
         if model is None or not items:
-            return None, version
-        return np.asarray(model.predict(list(items)), dtype=float), version
+            return None, None, version
+        point, upper = predict_bounds(model, items)
+        return point, upper, version
 
     async def predict(self, item: PredictItem, max_tokens: int) -> tuple[int, str | None]:
-        """Predicted generation tokens, clamped to [1, max_tokens], and the model version (None = cold)."""
+        """Predicted generation tokens, clamped to [1, max_tokens], and the model version (None = cold).
+        Kept for callers that only group by the point value; memory planning wants ``predict_bounds``."""
+        p = await self.predict_bounds(item, max_tokens)
+        return p.tokens, p.version
+
+    async def predict_bounds(self, item: PredictItem, max_tokens: int) -> Prediction:
+        """Point prediction and upper quantile, both clamped to [1, max_tokens] (upper ≥ point).
+        Cold start: the cold value and ``max_tokens`` as the bound (nothing is known, so memory
+        planning must assume the worst); a model without a conformal table gives ``upper=None``."""
         self._maybe_reload_background()
         if self.model is None:
-            return self.cold_value(max_tokens), None
+            return Prediction(self.cold_value(max_tokens), max(1, int(max_tokens)), None)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._pending.append((item, fut))
         if self._runner is None or self._runner.done() or self._runner_loop is not loop:
             self._runner_loop = loop
             self._runner = loop.create_task(self._drain())
-        value, version = await fut
+        value, upper, version = await fut
         if value is None:
-            return self.cold_value(max_tokens), None
-        return self._clamp(value, max_tokens), version
+            return Prediction(self.cold_value(max_tokens), max(1, int(max_tokens)), None)
+        tokens = self._clamp(value, max_tokens)
+        return Prediction(tokens, None if upper is None else max(tokens, self._clamp(upper, max_tokens)), version)
 
     async def _drain(self) -> None:
         """Collect for ``max_wait_s``, then predict pending items in batches until none are left."""
@@ -193,15 +221,17 @@ class PredictorService:
             del self._pending[:self.max_batch]
             items = [it for it, _ in batch]
             try:
-                preds, version = await loop.run_in_executor(self._executor, self.predict_many, items)
+                preds, uppers, version = await loop.run_in_executor(self._executor, self.predict_many_bounds,
+                                                                    items)
             except Exception:
                 log.exception("prediction failed for a batch of %d; answering with cold start", len(items))
-                preds, version = None, None
+                preds, uppers, version = None, None, None
             self.batches_run += 1
             self.items_predicted += len(items)
             for i, (_, fut) in enumerate(batch):
                 if not fut.done():
-                    fut.set_result((None if preds is None else float(preds[i]), version))
+                    fut.set_result((None if preds is None else float(preds[i]),
+                                    None if uppers is None else float(uppers[i]), version))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -14,14 +14,51 @@ from typing import Any
 import numpy as np
 
 from predictor.base import LengthPredictor, PredictItem
+from predictor.conformal import DEFAULT_LEVEL, ConformalTable, calibration_split
+
+CALIBRATION_FRAC = 0.15
 
 
 def fit_predictor(kind: str, items: Sequence[PredictItem], targets: Sequence[float],
                   cache_dir: str | Path | None = None, encoder_path: str | None = None,
-                  show_progress: bool = False, **options: Any) -> LengthPredictor:
-    """A trained predictor of ``kind``. ``options`` go to the model (e.g. n_estimators for magnus;
-    base_model, max_examples, max_steps, epochs, edges, representative for lora)."""
+                  show_progress: bool = False, calibration_frac: float = CALIBRATION_FRAC,
+                  level: float = DEFAULT_LEVEL, **options: Any) -> LengthPredictor:
+    """A trained predictor of ``kind`` with its conformal table (``model.conformal``).
+
+    ``calibration_frac`` of the rows (seeded) are held out of the fit and used only to calibrate the
+    upper ``level`` quantile, so the bound is calibrated on rows the model never saw; with too few
+    rows to spare (or ``calibration_frac`` 0) the model trains on all rows and has no table.
+    ``options`` go to the model (e.g. n_estimators for magnus; base_model, max_examples, max_steps,
+    epochs, edges, representative for lora)."""
     y = np.asarray(targets, dtype=float)
+    fit_idx, cal_idx = calibration_split(len(items), calibration_frac)
+    if not len(cal_idx):
+        model = _fit_kind(kind, items, y, cache_dir, encoder_path, show_progress, **options)
+        model.conformal = None
+        return model
+    model = _fit_kind(kind, [items[i] for i in fit_idx], y[fit_idx], cache_dir, encoder_path,
+                      show_progress, **options)
+    cal_items = [items[i] for i in cal_idx]
+    model.conformal = ConformalTable.fit(cal_items, y[cal_idx], predict_items(model, cal_items, cache_dir),
+                                         level=level)
+    return model
+
+
+def save_model(model: LengthPredictor, directory: str | Path, meta: dict[str, Any] | None = None) -> None:
+    """Write the model directory: the model's own files and meta.json, plus its conformal table
+    (``conformal.json``) so the bound is versioned with the model it calibrates."""
+    table: ConformalTable | None = getattr(model, "conformal", None)
+    info = dict(meta or {})
+    if table is not None:
+        info["conformal"] = {"level": table.level, "groups": table.counts}
+    model.save(Path(directory), meta=info)
+    if table is not None:
+        table.save(directory)
+
+
+def _fit_kind(kind: str, items: Sequence[PredictItem], y: np.ndarray, cache_dir: str | Path | None,
+              encoder_path: str | None, show_progress: bool, **options: Any) -> LengthPredictor:
+    """Fit one predictor of ``kind`` on all of ``items`` (no calibration)."""
     if kind == "mean":
         from predictor.baselines import MeanPredictor
 

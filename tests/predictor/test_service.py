@@ -91,3 +91,28 @@ def test_failing_model_falls_back_to_cold(settings):
     svc = PredictorService(settings)
     svc._current = (Broken(), "vB")
     assert asyncio.run(svc.predict(_item(), 77)) == (77, None)
+
+
+def test_predict_bounds_point_and_upper(settings):
+    """A model with a conformal table: the service returns the point value and the upper quantile
+    (≥ point, ≤ max_tokens); ``predict`` keeps returning (point, version)."""
+    from predictor.conformal import GLOBAL, ConformalTable
+    from predictor.service import Prediction
+
+    model = MeanPredictor(40)
+    model.conformal = ConformalTable(level=0.9, quantiles={GLOBAL: float(np.log(2.0))})  # upper ≈ 2·(p+1)−1
+    svc = PredictorService(settings)
+    svc._current = (model, "vQ")
+    got = asyncio.run(svc.predict_bounds(_item(), 500))
+    assert got == Prediction(40, 81, "vQ")
+    assert asyncio.run(svc.predict_bounds(_item(), 60)) == Prediction(40, 60, "vQ")  # clamped
+    assert asyncio.run(svc.predict(_item(), 500)) == (40, "vQ")
+    model.conformal = None
+    assert asyncio.run(svc.predict_bounds(_item(), 500)) == Prediction(40, None, "vQ")
+
+
+def test_predict_bounds_cold_start_plans_for_max_tokens(settings):
+    svc = PredictorService(settings.model_copy(update={"cold_start": "64"}))
+    svc.warmup()
+    got = asyncio.run(svc.predict_bounds(_item(), 300))
+    assert (got.tokens, got.upper, got.version) == (64, 300, None)
