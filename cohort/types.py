@@ -123,7 +123,8 @@ class ProfiledRequest:
             return None if x is None else max(0, x - k)
 
         return replace(
-            self, generated_ids=[*self.generated_ids, *new_ids], input_tokens=self.input_tokens + k,
+            self, generated_ids=[*self.generated_ids, *new_ids],
+            input_tokens=len(self.prompt_ids) + len(self.generated_ids) + k,
             predicted_tokens=max(1, self.predicted_tokens - k), predicted_upper=None if self.predicted_upper is None else max(1, self.predicted_upper - k),
             max_tokens=self.max_tokens - k, emulated_tokens=left(self.emulated_tokens),
             true_tokens=left(self.true_tokens), preemptions=self.preemptions + 1,

@@ -1,0 +1,192 @@
+"""The decode loop on the built-in model (real HF model, real DynamicCache): greedy equals HF
+``generate``, rows leave as they finish, preemption keeps the work, stops, sampling, cancellation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cohort.protocol import FailureCode, FinishReason
+from cohort.settings import Settings
+from cohort.types import ProfiledRequest, SamplingParams
+from workers.decode import BatchRun, KVCacheOutOfMemory
+from workers.detokenize import IncrementalDetokenizer
+from workers.engine import Engine
+
+PROMPTS = ["Translate to French: good morning", "Hi", "a much longer prompt about static batching " * 4,
+           "Summarise: the cat sat on the mat"]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(Settings(profile_on_start=False))
+
+
+def req(i: int, prompt: str, max_tokens: int = 20, **kw) -> ProfiledRequest:
+    return ProfiledRequest(id=f"r{i}", prompt=prompt, input_tokens=len(prompt.split()), arrival=0.0,
+                           predicted_tokens=kw.pop("predicted", max_tokens), max_tokens=max_tokens, **kw)
+
+
+def run(engine: Engine, reqs, capacity=None, **kw) -> tuple[BatchRun, list]:
+    b = engine.start(reqs, **kw)
+    if capacity is not None:
+        b.capacity = capacity
+    return b, b.run_to_end()
+
+
+def by_id(outs, attr="finished"):
+    return {x.request.id: x for o in outs for x in getattr(o, attr)}
+
+
+def test_greedy_equals_hf_generate_token_for_token(engine):
+    reqs = [req(i, p, max_tokens=m) for i, (p, m) in enumerate(zip(PROMPTS, (24, 5, 16, 11), strict=True))]
+    _, outs = run(engine, reqs)
+    got = by_id(outs)
+    tok = engine.tokenizer
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+    ref = engine.model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id,
+                                eos_token_id=tok.eos_token_id)[:, enc["input_ids"].shape[1]:]
+    for i, r in enumerate(reqs):
+        want = ref[i].tolist()
+        if tok.eos_token_id in want:
+            want = want[:want.index(tok.eos_token_id)]
+        want = want[:r.max_tokens]
+        assert got[r.id].tokens == len(want)
+        assert got[r.id].text == tok.decode(want, skip_special_tokens=True)
+
+
+def test_rows_are_answered_when_they_finish_and_leave_the_batch(engine):
+    reqs = [req(i, p, max_tokens=30, emulated_tokens=n) for i, (p, n) in enumerate(zip(PROMPTS, (3, 17, 9, 30),
+                                                                                         strict=True))]
+    b = engine.start(reqs, emulate=True)
+    finished_at_step, sizes = {}, []
+    while not b.done:
+        out = b.step()
+        sizes.append(len(b.rows))
+        for f in out.finished:
+            finished_at_step[f.request.id] = (b.steps, f.tokens, f.finish_reason)
+    assert finished_at_step == {"r0": (3, 3, FinishReason.STOP), "r2": (9, 9, FinishReason.STOP),
+                                "r1": (17, 17, FinishReason.STOP), "r3": (30, 30, FinishReason.LENGTH)}
+    assert sizes[2] == 3 and sizes[8] == 2 and sizes[16] == 1  # the KV rows of finished requests are gone
+
+
+def test_static_execution_answers_everyone_at_the_end(engine):
+    reqs = [req(i, p, max_tokens=12, emulated_tokens=n) for i, (p, n) in enumerate(zip(PROMPTS[:2], (2, 12),
+                                                                                        strict=True))]
+    b = engine.start(reqs, emulate=True, elastic=False)
+    outs = b.run_to_end()
+    assert [len(o.finished) for o in outs] == [0] * 11 + [2]
+    assert all(len(b.rows) == 2 for _ in outs) and not any(o.deltas for o in outs)
+    assert {f.tokens for f in outs[-1].finished} == {2, 12}
+
+
+def test_deltas_stream_the_answer(engine):
+    b, outs = run(engine, [req(0, PROMPTS[0], max_tokens=15)])
+    streamed = "".join(d[1] for o in outs for d in o.deltas)
+    final = by_id(outs)["r0"].text
+    assert streamed == final and len([d for o in outs for d in o.deltas]) > 1
+    assert [d[2] for o in outs for d in o.deltas] == sorted(d[2] for o in outs for d in o.deltas)
+
+
+def test_preemption_hands_back_continuations_that_resume_where_they_stopped(engine):
+    reqs = [req(i, p, max_tokens=40, emulated_tokens=40, predicted=p_) for i, (p, p_) in
+            enumerate(zip(PROMPTS[:3], (40, 10, 35), strict=True))]
+    _, whole = run(engine, reqs, emulate=True)
+    reference = {k: v.text for k, v in by_id(whole).items()}
+    L = max(len(engine.prompt_ids(r.prompt)) for r in reqs)
+    capacity = 3 * (L + 12) * engine.delta_bytes  # room for ~12 steps of three rows
+    b, outs = run(engine, reqs, capacity=capacity, emulate=True)
+    evicted = [c for o in outs for c in o.evicted]
+    assert evicted and not any(o.failed for o in outs)
+    first = evicted[0]
+    assert first.id == "r0"  # largest predicted remaining goes first (batcher.elastic.eviction_order)
+    assert first.preemptions == 1 and first.generated_ids and first.prompt_ids
+    assert first.max_tokens == 40 - len(first.generated_ids) and first.input_tokens == len(first.prompt_ids) + \
+        len(first.generated_ids)
+    done = by_id(outs)
+    pending = list(evicted)
+    while pending:  # resume every continuation alone, like the batcher would
+        c = pending.pop()
+        _, more = run(engine, [c], emulate=True)
+        done.update(by_id(more))
+        pending += [x for o in more for x in o.evicted]
+    assert {k: v.text for k, v in done.items()} == reference  # the same answer as without preemption
+    assert all(v.tokens == 40 for v in done.values())
+
+
+def test_split_recovery_gives_the_batch_back(engine):
+    reqs = [req(i, p, max_tokens=60, emulated_tokens=60) for i, p in enumerate(PROMPTS[:2])]
+    b = engine.start(reqs, emulate=True, recovery="split")
+    b.capacity = 2 * 30 * engine.delta_bytes
+    with pytest.raises(KVCacheOutOfMemory):
+        b.run_to_end()
+
+
+def test_a_request_that_cannot_fit_alone_fails_explicitly(engine):
+    b, outs = run(engine, [req(0, PROMPTS[0], max_tokens=60, emulated_tokens=60)], emulate=True,
+                  capacity=20 * engine.delta_bytes)
+    failed = [f for o in outs for f in o.failed]
+    assert len(failed) == 1 and failed[0][1] is FailureCode.OUT_OF_MEMORY and b.done
+    assert not any(o.evicted for o in outs)
+
+
+def test_cancelled_rows_stop_at_the_next_step(engine):
+    reqs = [req(i, p, max_tokens=20, emulated_tokens=20) for i, p in enumerate(PROMPTS[:2])]
+    b = engine.start(reqs, emulate=True)
+    b.step()
+    b.cancel(["r1"])
+    b.step()
+    assert b.alive_ids() == ["r0"] and len(b.rows) == 1
+    outs = b.run_to_end()
+    assert set(by_id(outs)) == {"r0"}
+
+
+def test_stop_strings_cut_the_answer(engine):
+    _, outs = run(engine, [req(0, PROMPTS[3], max_tokens=30)])
+    full = by_id(outs)["r0"].text
+    assert len(full) > 6
+    stop = full[3:6]
+    _, outs = run(engine, [req(0, PROMPTS[3], max_tokens=30, sampling=SamplingParams(stop=(stop,)))])
+    res = by_id(outs)["r0"]
+    assert res.text == full[:full.index(stop)] and res.finish_reason is FinishReason.STOP
+    assert "".join(d[1] for o in outs for d in o.deltas) == res.text  # a stop string is never streamed
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=7, presence_penalty=0.5,
+                        frequency_penalty=0.3, repetition_penalty=1.1, logit_bias=((5, 2.0),))
+    alone = by_id(run(engine, [req(0, PROMPTS[0], sampling=sp)])[1])["r0"].text
+    mixed = by_id(run(engine, [req(1, PROMPTS[2]), req(0, PROMPTS[0], sampling=sp)])[1])["r0"].text
+    other_seed = by_id(run(engine, [req(0, PROMPTS[0], sampling=SamplingParams(temperature=0.9, seed=8))])[1])
+    assert alone == mixed and alone != other_seed["r0"].text
+
+
+def test_logit_bias_forces_a_token(engine):
+    tok_id = engine.tokenizer.convert_tokens_to_ids("cat")
+    sp = SamplingParams(logit_bias=((tok_id, 100.0),))
+    res = by_id(run(engine, [req(0, PROMPTS[1], max_tokens=4, sampling=sp)])[1])["r0"]
+    assert res.text.split() == ["cat"] * 4
+
+
+class ByteTokenizer:
+    """Token id = one UTF-8 byte: a multi-byte character spans several tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_never_splits_a_multibyte_character():
+    text = "naïve 東京 ✓"
+    detok = IncrementalDetokenizer(ByteTokenizer())
+    deltas = [detok.push(b) for b in text.encode()]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    raw = text.encode()
+    cut = raw.index("東".encode()) + 1  # preempted in the middle of a character
+    resumed = IncrementalDetokenizer(ByteTokenizer(), list(raw[:cut]))
+    rest = "".join(resumed.push(b) for b in raw[cut:])
+    assert rest == text[text.index("東"):]
+
+
+def test_profiling_times_exact_shapes(engine):
+    assert engine.run_shape(2, 16, 8) > 0
+    assert torch.is_inference_mode_enabled() is False

@@ -1,0 +1,88 @@
+"""Per-row sampling with transformers' own logits processors and warpers.
+
+Every row of a batch has its own ``SamplingParams``: its own processor list and, when seeded, a
+generator reseeded per position (seed, token index), so a seeded request gives the same tokens
+whatever batch it shares and however often it is preempted and resumed.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from cohort.types import SamplingParams
+
+_SEED_MOD = 2**63 - 1
+_SEED_STRIDE = 1_000_003
+
+
+class PresenceFrequencyPenalty(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the tokens generated so far (transformers
+    has only the multiplicative repetition penalty): logit −= presence·[count>0] + frequency·count."""
+
+    def __init__(self, presence: float, frequency: float, prompt_len: int) -> None:
+        self.presence, self.frequency, self.prompt_len = presence, frequency, prompt_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        generated = input_ids[:, self.prompt_len:]
+        if generated.shape[1] == 0:
+            return scores
+        counts = torch.zeros_like(scores)
+        counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
+
+
+def build_processors(p: SamplingParams, prompt_len: int) -> LogitsProcessorList:
+    """The processor chain for one row, in HF ``generate``'s order: penalties and biases, then
+    the warpers (temperature, top-k, top-p) when it samples."""
+    procs = LogitsProcessorList()
+    if p.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+    if p.presence_penalty or p.frequency_penalty:
+        procs.append(PresenceFrequencyPenalty(p.presence_penalty, p.frequency_penalty, prompt_len))
+    if p.logit_bias:
+        procs.append(SequenceBiasLogitsProcessor({(tok,): bias for tok, bias in p.logit_bias}))
+    if not p.greedy:
+        procs.append(TemperatureLogitsWarper(p.temperature))
+        if p.top_k:
+            procs.append(TopKLogitsWarper(p.top_k))
+        if p.top_p < 1.0:
+            procs.append(TopPLogitsWarper(p.top_p))
+    return procs
+
+
+class RowSampler:
+    """Picks one row's next token from its logits."""
+
+    def __init__(self, params: SamplingParams, prompt_len: int) -> None:
+        self.params = params
+        self.processors = build_processors(params, prompt_len)
+        self._gen: torch.Generator | None = None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits: the batch can take these rows' tokens in one vectorised op."""
+        return self.params.greedy and not self.processors
+
+    def sample(self, seq: torch.LongTensor, logits: torch.FloatTensor, position: int) -> int:
+        """``seq``: the row's tokens so far (1, n) incl. prompt; ``logits``: (1, vocab);
+        ``position``: index of the token being generated in the whole answer."""
+        scores = self.processors(seq, logits.float()) if self.processors else logits.float()
+        if self.params.greedy:
+            return int(scores.argmax(dim=-1))
+        probs = torch.softmax(scores, dim=-1)
+        gen = None
+        if self.params.seed is not None:
+            if self._gen is None:
+                self._gen = torch.Generator(device=probs.device)
+            self._gen.manual_seed((self.params.seed * _SEED_STRIDE + position) % _SEED_MOD)
+            gen = self._gen
+        return int(torch.multinomial(probs, 1, generator=gen))
