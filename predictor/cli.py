@@ -19,7 +19,7 @@ import typer
 
 app = typer.Typer(help="Length predictors: train, evaluate, register and roll back versions.", no_args_is_help=True)
 
-KINDS = ("magnus", "magnus_fast", "lora", "linear", "mean")
+KINDS = ("magnus", "magnus_fast", "semantic", "lora", "linear", "mean")
 
 
 def _settings():
@@ -34,7 +34,7 @@ def _cache_dir(use_cache: bool) -> Path | None:
 
 @app.command()
 def train(
-    kind: str = typer.Option(..., help="magnus | magnus_fast | lora | linear | mean"),
+    kind: str = typer.Option(..., help="magnus | magnus_fast | semantic | lora | linear | mean"),
     data: list[Path] = typer.Option(..., help="JSONL data files (shared-data format); repeat the option."),
     out: Path = typer.Option(..., help="Model directory to write."),
     limit_per_file: int | None = typer.Option(None, help="Use at most N training rows per file (seeded)."),
@@ -42,6 +42,9 @@ def train(
     min_samples_leaf: int = typer.Option(2, help="magnus: min samples per leaf."),
     max_depth: int | None = typer.Option(None, help="magnus: max tree depth."),
     max_features: float | None = typer.Option(None, help="magnus: share of features per split (default all)."),
+    max_iter: int = typer.Option(400, help="semantic: boosting iterations."),
+    learning_rate: float = typer.Option(0.08, help="semantic: boosting learning rate."),
+    max_leaf_nodes: int = typer.Option(63, help="semantic: leaves per tree."),
     base_model: str | None = typer.Option(None, help="lora: HF base model path (default: bundled MiniLM)."),
     max_examples: int | None = typer.Option(4000, help="lora: train on at most N examples."),
     max_steps: int | None = typer.Option(None, help="lora: at most N optimizer steps."),
@@ -75,6 +78,8 @@ def train(
     if kind in ("magnus", "magnus_fast"):
         opts = {"n_estimators": n_estimators, "min_samples_leaf": min_samples_leaf, "max_depth": max_depth,
                 "max_features": max_features}
+    elif kind == "semantic":
+        opts = {"max_iter": max_iter, "learning_rate": learning_rate, "max_leaf_nodes": max_leaf_nodes}
     elif kind == "lora":
         opts = {"base_model": base_model, "max_examples": max_examples, "max_steps": max_steps,
                 "epochs": epochs, "batch_size": batch_size, "lr": lr, "max_length": max_length,

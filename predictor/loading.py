@@ -8,7 +8,7 @@ from pathlib import Path
 from predictor.base import LengthPredictor
 from predictor.conformal import ConformalTable
 
-KINDS = ("magnus", "magnus_fast", "lora", "linear", "mean")
+KINDS = ("magnus", "magnus_fast", "semantic", "lora", "linear", "mean")
 
 
 def predictor_kind(directory: str | Path) -> str:
@@ -34,6 +34,10 @@ def _load_kind(directory: Path, kind: str) -> LengthPredictor:
         from predictor.magnus_fast import MagnusFastPredictor
 
         return MagnusFastPredictor.load(directory)
+    if kind == "semantic":
+        from predictor.semantic import SemanticPredictor
+
+        return SemanticPredictor.load(directory)
     if kind == "lora":
         from predictor.lora import LoraBucketPredictor
 

@@ -16,6 +16,8 @@ from predictor.features import magnus_features
 
 MODEL_FILE = "model.skops"
 META_FILE = "meta.json"
+APP_CACHE = 4096  # distinct application instructions kept (LRU)
+USER_CACHE = 16384  # distinct user texts kept (LRU, ~1.5 kB each)
 
 
 class MagnusPredictor:
@@ -32,18 +34,31 @@ class MagnusPredictor:
         self.model = RandomForestRegressor(n_estimators=n_estimators, max_depth=max_depth,
                                            min_samples_leaf=min_samples_leaf, n_jobs=-1, random_state=seed)
         self._app_cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._user_cache: OrderedDict[str, np.ndarray] = OrderedDict()
 
-    def _app_vectors(self, instructions: Sequence[str]) -> np.ndarray:
-        missing = list(dict.fromkeys(t for t in instructions if t not in self._app_cache))
+    def _cached(self, cache: OrderedDict[str, np.ndarray], texts: Sequence[str], limit: int) -> np.ndarray:
+        """Sentence vectors of ``texts``, encoding only the distinct texts the LRU ``cache`` lacks.
+        The encoder is deterministic, so a cached vector gives the identical prediction."""
+        missing = list(dict.fromkeys(t for t in texts if t not in cache))
         if missing:
             for text, vec in zip(missing, encode(missing, self.encoder_path), strict=True):
-                self._app_cache[text] = vec
-            while len(self._app_cache) > 4096:
-                self._app_cache.popitem(last=False)
-        return np.stack([self._app_cache[t] for t in instructions])
+                cache[text] = vec
+        out = np.stack([cache[t] for t in texts])
+        for t in dict.fromkeys(texts):
+            cache.move_to_end(t)
+        while len(cache) > limit:
+            cache.popitem(last=False)
+        return out
+
+    def _app_vectors(self, instructions: Sequence[str]) -> np.ndarray:
+        """Application instructions repeat with every request: one encode per distinct instruction."""
+        return self._cached(self._app_cache, instructions, APP_CACHE)
 
     def features(self, items: Sequence[PredictItem], show_progress: bool = False) -> np.ndarray:
-        user = encode([it.user_input for it in items], self.encoder_path, show_progress=show_progress)
+        if show_progress:  # a bulk run (training): plain encode with a progress bar, no LRU churn
+            user = encode([it.user_input for it in items], self.encoder_path, show_progress=True)
+        else:  # repeated user texts (retries, templated inputs) are encoded once
+            user = self._cached(self._user_cache, [it.user_input for it in items], USER_CACHE)
         app = self._app_vectors([it.instruction for it in items])
         return magnus_features(user, app, np.array([it.input_tokens for it in items]))
 

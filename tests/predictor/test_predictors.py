@@ -12,10 +12,10 @@ from predictor.training import fit_predictor, predict_items
 
 
 @pytest.mark.data
-@pytest.mark.parametrize("kind", ["mean", "linear", "magnus", "magnus_fast"])
+@pytest.mark.parametrize("kind", ["mean", "linear", "magnus", "magnus_fast", "semantic"])
 def test_train_save_load_predict(kind, small_items, emb_cache, tmp_path):
     tr_items, tr_y, va_items, va_y = small_items
-    model = fit_predictor(kind, tr_items, tr_y, cache_dir=emb_cache, n_estimators=20)
+    model = fit_predictor(kind, tr_items, tr_y, cache_dir=emb_cache, n_estimators=20, max_iter=30)
     pred = predict_items(model, va_items, emb_cache)
     assert pred.shape == (len(va_items),) and np.all(pred >= 1)
     model.save(tmp_path / kind, meta={"data": "test"})
@@ -70,10 +70,11 @@ def test_cli_train_eval_register(data_paths, tmp_path, monkeypatch):
         runner = CliRunner()
         data = [a for p in data_paths for a in ("--data", str(p))]
         r = runner.invoke(app, ["train", "--kind", "linear", *data, "--out", str(tmp_path / "lin"),
-                                "--limit-per-file", "50"])
+                                "--limit-per-file", "100"])
         assert r.exit_code == 0, r.output
         meta = json.loads((tmp_path / "lin" / "meta.json").read_text())
-        assert meta["kind"] == "linear" and meta["data"]["rows"] == 150 and meta["version"].startswith("v")
+        assert meta["kind"] == "linear" and meta["data"]["rows"] == 300 and meta["version"].startswith("v")
+        assert meta["conformal"]["level"] == 0.9 and meta["conformal"]["groups"]["*"] == 45  # 15 % held out
         out = tmp_path / "eval.json"
         r = runner.invoke(app, ["eval", "--model", str(tmp_path / "lin"), *data, "--json", str(out),
                                 "--limit-per-file", "20", "--plot", str(tmp_path / "plots"),
@@ -81,7 +82,9 @@ def test_cli_train_eval_register(data_paths, tmp_path, monkeypatch):
         assert r.exit_code == 0, r.output
         res = json.loads(out.read_text())
         assert set(res["overall"]) == {"n", "mae", "rmse", "pearson", "kendall_tau", "bucket_accuracy",
-                                       "acc_within_50", "acc_within_100"}
+                                       "acc_within_50", "acc_within_100", "q90_coverage"}
+        assert 0.0 <= res["overall"]["q90_coverage"] <= 1.0
+        assert all(0.0 <= v["q90_coverage"] <= 1.0 for v in res["per_task"].values())
         assert res["overall"]["n"] == 60 and set(res["per_task"]) == {"mt_zh_en", "td", "ct_java_cs"}
         assert res["predictions_per_s"] > 0
         assert (tmp_path / "plots" / "pred_vs_actual.png").is_file()
@@ -122,3 +125,27 @@ def test_lora_on_causal_lm_base(tmp_path):
     np.testing.assert_allclose(again.predict(items[:5]), pred)
     again.set_representative("upper")
     assert set(again.predict(items[:5]).tolist()) <= {2.0 ** k - 1 for k in range(3, 12)}
+
+
+@pytest.mark.data
+def test_magnus_vector_cache_identical_predictions(small_items, emb_cache, tmp_path, monkeypatch):
+    """Faithful Magnus encodes each distinct instruction / user text once: a repeated request is
+    answered from the cache without touching the encoder, with the identical prediction."""
+    import predictor.magnus as magnus_mod
+
+    tr_items, tr_y, va_items, _ = small_items
+    model = fit_predictor("magnus", tr_items, tr_y, cache_dir=emb_cache, n_estimators=10)
+    model.save(tmp_path / "m")
+    fresh = load_predictor(tmp_path / "m")
+    first = fresh.predict(va_items[:8])
+    assert len(fresh._app_cache) == len({it.instruction for it in va_items[:8]})
+    assert len(fresh._user_cache) == len({it.user_input for it in va_items[:8]})
+
+    def no_encoder(*args, **kwargs):
+        raise AssertionError("the encoder ran for a cached text")
+
+    monkeypatch.setattr(magnus_mod, "encode", no_encoder)
+    np.testing.assert_array_equal(fresh.predict(va_items[:8]), first)
+    np.testing.assert_array_equal(fresh.predict(va_items[7::-1]), first[::-1])
+    # ... and equal to the batch (cached-feature) path used for evaluation
+    np.testing.assert_allclose(first, predict_items(model, va_items[:8], emb_cache), rtol=1e-4)
