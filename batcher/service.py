@@ -4,7 +4,10 @@ batch to the pool's Celery queue only when an instance of the pool is idle.
 Its state sits in Redis (``pending`` requests, ``inflight`` batches), so a restart recovers it.
 It also watches for lost work: a batch whose instance stopped heart-beating is re-queued (up to
 ``max_requeues`` times, then its requests fail explicitly); an OOM batch is split in two and both
-halves go back to the waiting queue; an OOM batch of one fails with a clear error.
+halves go back to the waiting queue; an OOM batch of one fails with a clear error. Under
+elastic execution the worker answers rows itself as they finish and hands preempted rows back as
+continuations, which wait here like new requests (same id, same stream). A request the gateway
+cancelled is dropped from the waiting set and from any batch before it is dispatched.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import Policy, PolicyContext, make_policy, planning_memory
 from cohort import bus
 from cohort.logdb import finish_request, get_engine
+from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent
 from cohort.settings import Settings, get_settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest, new_id
 
@@ -55,7 +59,7 @@ class BatcherService:
     def _make_policy(self, memory: KVMemory) -> Policy:
         s = self.settings
         ctx = PolicyContext(memory=memory, estimator=self.estimator, max_input_tokens=s.max_input_tokens,
-                            max_tokens_limit=s.max_tokens_limit)
+                            max_tokens_limit=s.max_tokens_limit, elastic=s.execution == "elastic")
         return make_policy(s.policy, ctx, **s.policy_params())
 
     def refresh_instances(self, now: float) -> None:
@@ -103,6 +107,7 @@ class BatcherService:
         if self.policy is None:
             return False  # no instance has registered yet: requests wait in Redis
         busy = self._take_arrivals(now)
+        busy |= self._take_cancels()
         busy |= self._take_completions(now)
         busy |= self._check_lost(now)
         busy |= self._dispatch(now)
@@ -126,21 +131,50 @@ class BatcherService:
         self._trim(bus.INCOMING, len(msgs))
         return bool(msgs)
 
+    def _take_cancels(self, limit: int = 1000) -> bool:
+        """Requests whose client went away: out of the waiting set now, out of their batch at
+        dispatch (``_dispatch`` filters on the cancel keys), out of a running batch by the worker."""
+        msgs = self._peek(bus.CANCELS, limit)
+        if msgs:
+            gone = [rid for rid in msgs if self.redis.hdel(bus.PENDING, rid)]
+            if gone:
+                self.redis.hincrby(bus.STATS, "cancelled_waiting", len(gone))
+                log.info("dropped %d cancelled request(s) from the waiting queue", len(gone))
+        self._trim(bus.CANCELS, len(msgs))
+        return bool(msgs)
+
     def _take_completions(self, now: float, limit: int = 1000) -> bool:
         msgs = self._peek(bus.COMPLETIONS, limit)
         for js in msgs:
-            ev = json.loads(js)
-            fl = self.inflight.pop(ev["batch_id"], None)
+            ev = CompletionEvent.from_json(js)
+            fl = self.inflight.pop(ev.batch_id, None)
             if fl is None:
-                self.redis.hdel(bus.INFLIGHT, ev["batch_id"])
+                self.redis.hdel(bus.INFLIGHT, ev.batch_id)
                 continue  # a superseded copy finished after we re-queued it; its results are harmless
-            if ev["type"] == "oom":
-                self._split_oom(fl.batch, ev.get("error", ""), now)
-            elif ev["type"] == "failed":
-                self._fail(fl.batch.requests, "batch_failed", f"the worker failed this batch: {ev.get('error')}")
-            self.redis.hdel(bus.INFLIGHT, ev["batch_id"])
+            rest = [r for r in fl.batch.requests if r.id not in set(ev.answered)]
+            if ev.outcome is BatchOutcome.OOM:
+                self._split_oom(fl.batch, rest, now)
+            elif ev.outcome is BatchOutcome.FAILED:
+                back = {c.id for c in ev.continuations}
+                self._fail([r for r in rest if r.id not in back], FailureCode.BATCH_FAILED,
+                           f"the worker failed this batch: {ev.error}")
+            if ev.continuations:
+                self.redis.hincrby(bus.STATS, "preemptions", len(ev.continuations))
+                self._requeue_requests(ev.continuations, now, replaces=ev.batch_id)
+            else:
+                self.redis.hdel(bus.INFLIGHT, ev.batch_id)
         self._trim(bus.COMPLETIONS, len(msgs))
         return bool(msgs)
+
+    def _requeue_requests(self, requests: list[ProfiledRequest], now: float, replaces: str) -> None:
+        """Preempted rows wait again like new requests (their arrival time kept, so HRRN and
+        FCFS still see how long they have waited); same transaction rule as ``_requeue``."""
+        pipe = self.redis.pipeline()
+        pipe.hset(bus.PENDING, mapping={r.id: bus.dumps(r.to_dict()) for r in requests})
+        pipe.hdel(bus.INFLIGHT, replaces)
+        pipe.execute()
+        for r in requests:
+            self.policy.add(r, now)
 
     def _requeue(self, batches: list[Batch], now: float, replaces: str) -> None:
         """Give batches back to the policy; their requests go back to ``pending`` in the same
@@ -152,13 +186,19 @@ class BatcherService:
         for b in batches:
             self.policy.requeue(b, now)
 
-    def _split_oom(self, batch: Batch, error: str, now: float) -> None:
+    def _split_oom(self, batch: Batch, rest: list[ProfiledRequest], now: float) -> None:
+        """Split recovery: the rows not yet answered, in two halves, both restart."""
         self.redis.hincrby(bus.STATS, "oom_splits", 1)
+        if not rest:
+            self.redis.hdel(bus.INFLIGHT, batch.id)
+            return
+        batch = Batch(id=batch.id, requests=rest, created=batch.created, attempt=batch.attempt, splits=batch.splits)
         try:
             a, b = split_batch(batch)
         except UnsplittableBatch as e:
-            self._fail(batch.requests, "out_of_memory",
+            self._fail(batch.requests, FailureCode.OUT_OF_MEMORY,
                        f"{e}; input {batch.input_len} tokens + max_tokens {batch.requests[0].max_tokens}")
+            self.redis.hdel(bus.INFLIGHT, batch.id)
             return
         log.warning("batch %s (β=%d) ran out of memory; split into %d + %d and re-queued",
                     batch.id, batch.size, a.size, b.size)
@@ -189,14 +229,33 @@ class BatcherService:
             self.redis.hincrby(bus.STATS, "requeues", 1)
             b = fl.batch
             if b.attempt + 1 > self.settings.max_requeues:
-                self._fail(b.requests, "worker_lost", f"instance {owner} died while running this batch, "
+                self._fail(b.requests, FailureCode.WORKER_LOST, f"instance {owner} died while running this batch, "
                            f"{b.attempt + 1} times; giving up")
                 self.redis.hdel(bus.INFLIGHT, bid)
                 continue
-            log.warning("instance %s died running batch %s; re-queued (attempt %d)", owner, bid, b.attempt + 1)
-            self._requeue([Batch(id=new_id("b"), requests=b.requests, created=b.created,
+            rest = self._resume_points(b.requests)
+            log.warning("instance %s died running batch %s; %d of %d request(s) re-queued (attempt %d)", owner,
+                        bid, len(rest), b.size, b.attempt + 1)
+            if not rest:
+                self.redis.hdel(bus.INFLIGHT, bid)
+                continue
+            self._requeue([Batch(id=new_id("b"), requests=rest, created=b.created,
                                  attempt=b.attempt + 1, splits=b.splits)], now, replaces=bid)
         return bool(lost)
+
+    def _resume_points(self, requests: list[ProfiledRequest]) -> list[ProfiledRequest]:
+        """A lost batch's rows as they stand on their streams: answered rows are left out (never
+        answered twice) and rows that streamed tokens resume after them (the client already has
+        that text) instead of starting again."""
+        progress = bus.stream_progress(self.redis, [r.id for r in requests])
+        rest = []
+        for r in requests:
+            final, ids = progress[r.id]
+            if final:
+                continue
+            sent = ids[len(r.generated_ids):] if ids[:len(r.generated_ids)] == r.generated_ids else []
+            rest.append(r.continuation(sent, None) if sent else r)
+        return rest
 
     def _dispatch(self, now: float) -> bool:
         sent = False
@@ -204,6 +263,12 @@ class BatcherService:
             batch = self.policy.pop(now)
             if batch is None:
                 break
+            gone = bus.cancelled_ids(self.redis, [r.id for r in batch.requests])
+            if gone:  # withdrawn while it waited: never reaches a worker
+                self.redis.hdel(bus.PENDING, *gone)
+                batch.requests = [r for r in batch.requests if r.id not in gone]
+                if not batch.requests:
+                    continue
             self._send(batch, now)
             sent = True
         return sent
@@ -226,13 +291,15 @@ class BatcherService:
         log.info("dispatched batch %s: β=%d L=%d G'=%d", batch.id, batch.size, batch.input_len,
                  batch.predicted_gen_len)
 
-    def _fail(self, requests: list[ProfiledRequest], code: str, message: str) -> None:
+    def _fail(self, requests: list[ProfiledRequest], code: FailureCode, message: str) -> None:
         """Answer each request with an explicit error; nothing accepted is ever dropped silently."""
+        if not requests:
+            return
         self.redis.hincrby(bus.STATS, "requests_failed", len(requests))
         db = get_engine(self.settings.database_url)
         for r in requests:  # record first, then answer: a client that sees the error finds the record
             finish_request(db, r.id, status="failed", error=message)
-            bus.push_result(self.redis, r.id, bus.result_message(r.id, ok=False, code=code, error=message))
+            bus.publish_now(self.redis, r.id, StreamEvent.error(code, message))
             self.redis.hdel(bus.PENDING, r.id)
         log.error("failed %d request(s): %s", len(requests), message)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from cohort.protocol import StreamEvent, dumps
+from cohort.protocol import StreamEvent, StreamKind, dumps
 
 PREFIX = "cohort"
 INCOMING = f"{PREFIX}:incoming"
@@ -98,3 +98,22 @@ def cancelled_ids(redis, request_ids: Iterable[str]) -> set[str]:
     for rid in ids:
         pipe.exists(cancel_key(rid))
     return {rid for rid, hit in zip(ids, pipe.execute(), strict=True) if hit}
+
+
+def stream_progress(redis, request_ids: Iterable[str]) -> dict[str, tuple[bool, list[int]]]:
+    """For each request: whether its stream already holds a final event, and the token ids its
+    deltas carried (what a client has been sent). One round trip; streams are short."""
+    ids = list(request_ids)
+    pipe = redis.pipeline()
+    for rid in ids:
+        pipe.xrange(stream_key(rid))
+    out: dict[str, tuple[bool, list[int]]] = {}
+    for rid, entries in zip(ids, pipe.execute(), strict=True):
+        final, tokens = False, []
+        for _, fields in entries:
+            ev = StreamEvent.from_json(fields[STREAM_FIELD])
+            final |= ev.final
+            if ev.kind is StreamKind.DELTA:
+                tokens.extend(ev.ids)
+        out[rid] = (final, tokens)
+    return out

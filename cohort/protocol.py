@@ -90,10 +90,14 @@ class StreamEvent:
     batch_id: str | None = None
     batch_size: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def delta(cls, text: str, tokens: int) -> StreamEvent:
-        return cls(StreamKind.DELTA, text=text, tokens=tokens)
+    def delta(cls, text: str, tokens: int, ids: list[int] | None = None) -> StreamEvent:
+        """``ids``: the token ids generated since the previous delta (text may be empty while a
+        character or a possible stop string is incomplete). A stream's delta ids, in order, are
+        the answer's tokens: a batch re-run after a lost worker resumes from them."""
+        return cls(StreamKind.DELTA, text=text, tokens=tokens, ids=list(ids or []))
 
     @classmethod
     def error(cls, code: FailureCode, message: str) -> StreamEvent:
@@ -104,7 +108,7 @@ class StreamEvent:
         return self.kind is not StreamKind.DELTA
 
     def to_json(self) -> str:
-        d = {k: v for k, v in asdict(self).items() if v not in (None, "", {}) or k in ("kind", "tokens")}
+        d = {k: v for k, v in asdict(self).items() if v not in (None, "", {}, []) or k in ("kind", "tokens")}
         d["kind"] = self.kind.value
         return dumps(d)
 

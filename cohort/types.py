@@ -115,8 +115,6 @@ class ProfiledRequest:
     def continuation(self, new_ids: list[int], first_token_at: float | None) -> ProfiledRequest:
         """This request preempted after generating ``new_ids`` in the current run: the same id
         and stream, resumed later from prompt + everything generated so far."""
-        if self.prompt_ids is None:
-            raise ValueError("a continuation needs the prompt's token ids")
         k = len(new_ids)
 
         def left(x: int | None) -> int | None:
@@ -124,7 +122,8 @@ class ProfiledRequest:
 
         return replace(
             self, generated_ids=[*self.generated_ids, *new_ids],
-            input_tokens=len(self.prompt_ids) + len(self.generated_ids) + k,
+            input_tokens=(self.input_tokens if self.prompt_ids is None
+                          else len(self.prompt_ids) + len(self.generated_ids)) + k,
             predicted_tokens=max(1, self.predicted_tokens - k), predicted_upper=None if self.predicted_upper is None else max(1, self.predicted_upper - k),
             max_tokens=self.max_tokens - k, emulated_tokens=left(self.emulated_tokens),
             true_tokens=left(self.true_tokens), preemptions=self.preemptions + 1,

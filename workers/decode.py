@@ -54,7 +54,8 @@ class RowResult:
 class StepOutput:
     """What one step produced: text deltas, finished rows, continuations, failures."""
 
-    deltas: list[tuple[ProfiledRequest, str, int]] = field(default_factory=list)
+    deltas: list[tuple[ProfiledRequest, str, int, list[int]]] = field(default_factory=list)
+    # (request, new text, tokens generated so far, the new token ids: the stream is a checkpoint)
     finished: list[RowResult] = field(default_factory=list)
     evicted: list[ProfiledRequest] = field(default_factory=list)
     failed: list[tuple[ProfiledRequest, FailureCode, str]] = field(default_factory=list)
@@ -75,6 +76,7 @@ class _Row:
         self.first_token_at = req.first_token_at
         self.sent = len(self.detok.text()) if req.generated_ids else 0  # chars streamed so far
         self.pending = ""                                             # decoded, held back for stops
+        self.unsent_ids: list[int] = []                               # generated, not yet on the stream
         self.done: RowResult | None = None
 
     @property
@@ -311,6 +313,7 @@ class BatchRun:
             self._finish(row, FinishReason.STOP, now, out)
             return
         row.new_ids.append(tok)
+        row.unsent_ids.append(tok)
         if row.first_token_at is None:
             row.first_token_at = now
         row.pending += row.detok.push(tok)
@@ -330,10 +333,17 @@ class BatchRun:
         self._send(row, len(row.pending) - keep, out)
 
     def _send(self, row: _Row, n: int, out: StepOutput) -> None:
-        if n > 0 and self.elastic:
-            out.deltas.append((row.req, row.pending[:n], row.total_tokens))
-            row.sent += n
-            row.pending = row.pending[n:]
+        """Stream the first ``n`` pending characters with every token id not yet streamed (a
+        delta may carry ids and no text: held-back text still records the tokens)."""
+        if not self.elastic:
+            return
+        text = row.pending[:max(0, n)]
+        if not text and not row.unsent_ids:
+            return
+        out.deltas.append((row.req, text, row.total_tokens, row.unsent_ids))
+        row.unsent_ids = []
+        row.sent += len(text)
+        row.pending = row.pending[len(text):]
 
     def _flush(self, row: _Row, out: StepOutput) -> None:
         self._send(row, len(row.pending), out)

@@ -1,8 +1,11 @@
-"""The batch task. Idempotent by batch id: a redelivered or superseded batch is skipped.
+"""The batch task: drives the decode loop and reports each step. Idempotent by batch id: a
+redelivered or superseded batch is skipped.
 
-Outcomes go back explicitly: every request gets an answer or an error on its result key, and
-the batcher gets a completion event (done / oom / failed) so it can free the instance, split an
-OOM batch, or fail its requests.
+Every step's events go out in one Redis pipeline: text deltas and final answers on the
+requests' streams, and the cancel-key checks for the rows still running. A finished request is
+recorded in the log DB before its answer is published. When the batch ends the batcher gets a
+``CompletionEvent``: which rows were answered here, and the continuations of preempted rows (or,
+under split recovery, that the batch outgrew memory).
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from typing import Any
 
 from cohort import bus
 from cohort.logdb import finish_request, record_batch
-from cohort.types import Batch
+from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, StreamKind
+from cohort.types import Batch, ProfiledRequest
 from workers import runtime
 from workers.celery_app import celery_app
-from workers.engine import KVCacheOutOfMemory, RowSpec
+from workers.decode import BatchRun, KVCacheOutOfMemory, RowResult, StepOutput
 
 log = logging.getLogger(__name__)
 CLAIM_TTL_S = 7 * 24 * 3600
@@ -32,11 +36,75 @@ def _claim(rt: runtime.Runtime, batch_id: str) -> bool:
     return r.get(bus.claim_key(batch_id)) == rt.name
 
 
-def _complete(rt: runtime.Runtime, event: dict[str, Any]) -> None:
+def _complete(rt: runtime.Runtime, event: CompletionEvent) -> None:
     pipe = rt.redis.pipeline()
-    pipe.set(bus.done_key(event["batch_id"]), event["type"], ex=CLAIM_TTL_S)
-    pipe.lpush(bus.COMPLETIONS, bus.dumps(event))
+    pipe.set(bus.done_key(event.batch_id), event.outcome.value, ex=CLAIM_TTL_S)
+    pipe.lpush(bus.COMPLETIONS, event.to_json())
     pipe.execute()
+
+
+def _end_event(res: RowResult, b: Batch, started: float) -> StreamEvent:
+    req = res.request
+    first = res.first_token_at if res.first_token_at is not None else res.finished_at
+    return StreamEvent(StreamKind.END, text=res.text, tokens=res.tokens, finish_reason=res.finish_reason.value,
+                       batch_id=b.id, batch_size=b.size,
+                       timings={"queued_s": max(0.0, started - req.arrival), "first_token_s": first - req.arrival,
+                                "run_s": res.finished_at - started, "total_s": res.finished_at - req.arrival})
+
+
+class _Reporter:
+    """Publishes one step's output and remembers what the batcher must hear about."""
+
+    def __init__(self, rt: runtime.Runtime, batch: Batch, started: float) -> None:
+        self.rt, self.batch, self.started = rt, batch, started
+        self.answered: list[str] = []
+        self.continuations: list[ProfiledRequest] = []
+        self.tokens: dict[str, int] = {}
+        self.cancelled = 0
+
+    def step(self, out: StepOutput, run: BatchRun) -> None:
+        for res in out.finished:  # the record first: a client that sees the answer finds it
+            self._record(res)
+        for req, _code, message in out.failed:
+            finish_request(self.rt.db, req.id, status="failed", error=message)
+        alive = run.alive_ids()
+        pipe = self.rt.redis.pipeline(transaction=False)
+        for req, text, n, ids in out.deltas:
+            bus.publish(pipe, req.id, StreamEvent.delta(text, n, ids))
+        for res in out.finished:
+            bus.publish(pipe, res.request.id, _end_event(res, self.batch, self.started))
+            self.answered.append(res.request.id)
+            self.tokens[res.request.id] = res.tokens
+        for req, code, message in out.failed:
+            bus.publish(pipe, req.id, StreamEvent.error(code, message))
+            self.answered.append(req.id)
+        for rid in alive:
+            pipe.exists(bus.cancel_key(rid))
+        replies = pipe.execute()
+        cancelled = [rid for rid, hit in zip(alive, replies[len(replies) - len(alive):], strict=True) if hit]
+        if cancelled:
+            run.cancel(cancelled)
+            self.cancelled += len(cancelled)
+            self.answered.extend(cancelled)
+            log.info("batch %s: %d cancelled request(s) dropped", self.batch.id, len(cancelled))
+        self.continuations.extend(out.evicted)
+
+    def _record(self, res: RowResult) -> None:
+        req = res.request
+        finish_request(self.rt.db, req.id, status="done", actual_tokens=res.tokens, batch_id=self.batch.id,
+                       queued_s=max(0.0, self.started - req.arrival), run_s=res.finished_at - self.started,
+                       total_s=res.finished_at - req.arrival, finished=res.finished_at)
+
+    def fail_rest(self, code: FailureCode, message: str) -> None:
+        """The batch raised: every row not yet answered gets an explicit error now."""
+        pipe = self.rt.redis.pipeline(transaction=False)
+        handed_back = {c.id for c in self.continuations}
+        for req in self.batch.requests:
+            if req.id not in self.answered and req.id not in handed_back:
+                finish_request(self.rt.db, req.id, status="failed", error=message)
+                bus.publish(pipe, req.id, StreamEvent.error(code, message))
+                self.answered.append(req.id)
+        pipe.execute()
 
 
 @celery_app.task(name="cohort.run_batch", acks_late=True)
@@ -46,39 +114,41 @@ def run_batch(batch: dict[str, Any]) -> dict[str, Any]:
     if not _claim(rt, b.id):
         log.info("batch %s: already done, cancelled or claimed elsewhere; skipped", b.id)
         return {"batch_id": b.id, "skipped": True}
-    emulate = rt.settings.emulate_lengths
-    rows = [RowSpec(r.prompt, r.max_tokens, r.emulated_tokens if emulate else None) for r in b.requests]
     started = time.time()
-    base = {"batch_id": b.id, "instance": rt.name, "started": started, "size": b.size}
+    t0 = time.perf_counter()
+    run = rt.engine.start(b.requests)
+    rep = _Reporter(rt, b, started)
+    base = dict(batch_id=b.id, instance=rt.name, size=b.size, started=started)
     batch_row = {"id": b.id, "created": b.created, "started": started, "instance": rt.name,
                  "model": rt.settings.model, "size": b.size, "input_len": b.input_len,
                  "predicted_gen_len": b.predicted_gen_len, "attempt": b.attempt, "splits": b.splits}
     try:
-        out = rt.engine.run(rows, b.requests[0].sampling)
+        while not run.done:
+            rep.step(run.step(), run)
     except KVCacheOutOfMemory as e:
         log.warning("batch %s (β=%d, L=%d, G'=%d) ran out of memory: %s", b.id, b.size, b.input_len,
                     b.predicted_gen_len, e)
         finished = time.time()
-        _complete(rt, {**base, "type": "oom", "error": str(e), "finished": finished})
+        _complete(rt, CompletionEvent(outcome=BatchOutcome.OOM, error=str(e), finished=finished,
+                                      answered=rep.answered, **base))
         record_batch(rt.db, {**batch_row, "finished": finished, "oom": True, "batch_time_s": finished - started})
         return {"batch_id": b.id, "oom": True}
     except Exception as e:  # anything else: fail the batch explicitly, never leave it hanging
         log.exception("batch %s failed", b.id)
-        _complete(rt, {**base, "type": "failed", "error": f"{type(e).__name__}: {e}", "finished": time.time()})
+        rep.fail_rest(FailureCode.BATCH_FAILED, "the worker failed while running this request's batch")
+        _complete(rt, CompletionEvent(outcome=BatchOutcome.FAILED, error=f"{type(e).__name__}: {e}",
+                                      finished=time.time(), answered=rep.answered,
+                                      continuations=rep.continuations, **base))
         return {"batch_id": b.id, "failed": True}
+    seconds = time.perf_counter() - t0
     finished = time.time()
-    for req, text, n in zip(b.requests, out.texts, out.generated_tokens, strict=True):
-        bus.push_result(rt.redis, req.id, bus.result_message(
-            req.id, ok=True, text=text, generated_tokens=n, predicted_tokens=req.predicted_tokens,
-            input_tokens=req.input_tokens, batch={"id": b.id, "size": b.size},
-            timings={"queued_s": started - req.arrival, "run_s": out.seconds, "total_s": finished - req.arrival}))
-    _complete(rt, {**base, "type": "done", "finished": finished, "input_len": out.input_len,
-                   "gen_len": out.gen_len, "seconds": out.seconds,
-                   "generated_tokens": out.generated_tokens})
-    record_batch(rt.db, {**batch_row, "finished": finished, "actual_gen_len": max(out.generated_tokens),
-                         "batch_time_s": out.seconds, "peak_mem_bytes": out.peak_mem_bytes, "oom": False})
-    for req, n in zip(b.requests, out.generated_tokens, strict=True):
-        finish_request(rt.db, req.id, status="done", actual_tokens=n, batch_id=b.id,
-                       queued_s=started - req.arrival, run_s=out.seconds, total_s=finished - req.arrival,
-                       finished=finished)
-    return {"batch_id": b.id, "seconds": out.seconds}
+    generated = [rep.tokens.get(r.id, 0) for r in b.requests]
+    _complete(rt, CompletionEvent(outcome=BatchOutcome.DONE, finished=finished, input_len=run.input_len,
+                                  gen_len=run.steps, seconds=seconds, generated_tokens=generated,
+                                  answered=rep.answered, continuations=rep.continuations,
+                                  preemptions=len(rep.continuations), cancelled=rep.cancelled, **base))
+    record_batch(rt.db, {**batch_row, "finished": finished, "actual_gen_len": max(generated, default=0),
+                         "batch_time_s": seconds, "peak_mem_bytes": run.peak_kv_bytes, "oom": False})
+    if rep.continuations:
+        log.info("batch %s: %d row(s) preempted and handed back with their tokens", b.id, len(rep.continuations))
+    return {"batch_id": b.id, "seconds": seconds}

@@ -9,6 +9,7 @@ import redis
 
 from batcher.service import BatcherService
 from cohort import bus
+from cohort.protocol import BatchOutcome, CompletionEvent, StreamEvent, StreamKind
 from cohort.settings import Settings
 from cohort.types import InstanceInfo, ProfiledRequest
 from predictor.estimator import AnalyticBatchTime
@@ -36,6 +37,15 @@ def arrive(r, i: int, L: int = 10, G: int = 10, t: float = 0.0) -> ProfiledReque
     return req
 
 
+def complete(r, batch_id: str, outcome: str = "done", **kw) -> None:
+    """What a worker sends when it leaves a batch."""
+    r.lpush(bus.COMPLETIONS, CompletionEvent(batch_id, BatchOutcome(outcome), **kw).to_json())
+
+
+def events(r, request_id: str) -> list[StreamEvent]:
+    return [StreamEvent.from_json(f[bus.STREAM_FIELD]) for _, f in r.xrange(bus.stream_key(request_id))]
+
+
 def service(r, tmp_path, sent: list, **kw) -> BatcherService:
     s = Settings(database_url=f"sqlite:///{tmp_path}/log.db", policy=kw.pop("policy", "magnus"),
                  wma_threshold=1e9, **kw)
@@ -56,7 +66,7 @@ def test_nothing_is_dispatched_without_an_idle_instance(r, tmp_path):
     svc.step(now=3.0)
     assert len(sent) == 1  # the only instance is busy: the batch keeps growing
     assert svc.policy.pending_requests() == 5 and r.hlen(bus.PENDING) == 5
-    r.lpush(bus.COMPLETIONS, json.dumps({"type": "done", "batch_id": sent[0].id}))
+    complete(r, sent[0].id)
     svc.step(now=4.0)
     assert len(sent) == 2 and sent[1].size == 5 and r.hlen(bus.PENDING) == 0
 
@@ -77,7 +87,7 @@ def test_restarted_batcher_recovers_pending_and_inflight(r, tmp_path):
     svc2.step(now=3.0)
     assert set(svc2.inflight) == set(svc.inflight) and svc2.policy.pending_requests() == 3
     assert again == []  # still busy
-    r.lpush(bus.COMPLETIONS, json.dumps({"type": "done", "batch_id": next(iter(svc.inflight))}))
+    complete(r, next(iter(svc.inflight)))
     svc2.step(now=4.0)
     assert len(again) == 1 and {q.id for q in again[0].requests} == {"q4", "q5", "q6"}
 
@@ -100,8 +110,8 @@ def test_lost_worker_batch_is_requeued_then_failed_after_the_cap(r, tmp_path):
     r.delete(bus.alive_key("w2"))
     register(r, "w3")
     svc.step(now=3.0)
-    msg = json.loads(r.lpop(bus.result_key("q0")))
-    assert msg["ok"] is False and msg["code"] == "worker_lost"
+    (ev,) = events(r, "q0")
+    assert ev.kind is StreamKind.ERROR and ev.code == "worker_lost"
 
 
 def test_oom_completion_splits_and_a_single_fails(r, tmp_path):
@@ -113,17 +123,17 @@ def test_oom_completion_splits_and_a_single_fails(r, tmp_path):
     svc.step(now=1.0)
     b = sent[-1]
     assert b.size == 3
-    r.lpush(bus.COMPLETIONS, json.dumps({"type": "oom", "batch_id": b.id, "error": "CUDA out of memory"}))
+    complete(r, b.id, "oom", error="CUDA out of memory")
     svc.step(now=2.0)
     assert [x.size for x in sent[1:]] == [2]  # one instance: the first half runs, the second waits
-    r.lpush(bus.COMPLETIONS, json.dumps({"type": "done", "batch_id": sent[1].id}))
+    complete(r, sent[1].id)
     svc.step(now=3.0)
     single = sent[-1]
     assert single.size == 1
-    r.lpush(bus.COMPLETIONS, json.dumps({"type": "oom", "batch_id": single.id, "error": "CUDA out of memory"}))
+    complete(r, single.id, "oom", error="CUDA out of memory")
     svc.step(now=4.0)
-    msg = json.loads(r.lpop(bus.result_key(single.requests[0].id)))
-    assert msg["code"] == "out_of_memory" and "single request" in msg["error"]
+    (ev,) = events(r, single.requests[0].id)
+    assert ev.code == "out_of_memory" and "single request" in ev.message
     assert int(r.hget(bus.STATS, "oom_splits")) == 2
 
 
@@ -137,11 +147,11 @@ def test_split_halves_survive_a_batcher_crash(r, tmp_path):
     for i in range(1, 5):
         arrive(r, i)
     svc.step(now=2.0)
-    r.lpush(bus.COMPLETIONS, json.dumps({"type": "done", "batch_id": sent[0].id}))
+    complete(r, sent[0].id)
     svc.step(now=3.0)  # q1..q4 dispatched as one batch
     big = sent[-1]
     assert big.size == 4
-    r.lpush(bus.COMPLETIONS, json.dumps({"type": "oom", "batch_id": big.id, "error": "CUDA out of memory"}))
+    complete(r, big.id, "oom", error="CUDA out of memory")
     svc._take_completions(4.0)  # split and re-queued, then the process dies before dispatching
     assert r.hlen(bus.INFLIGHT) == 0 and set(r.hkeys(bus.PENDING)) == {"q1", "q2", "q3", "q4"}
     again: list = []
@@ -177,3 +187,63 @@ def test_batch_delivered_to_a_worker_that_died_before_claiming_it_is_requeued(r,
     r.delete(bus.queue_for_pool("default"))  # delivered to a worker that died before claiming
     svc.step(now=121.0)
     assert len(sent) == 2 and sent[-1].attempt == 1 and r.get(bus.claim_key(first.id)) == bus.CANCELLED
+
+
+def test_continuations_wait_again_and_answered_rows_are_not_split(r, tmp_path):
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent, policy="abp")
+    for i in range(3):
+        arrive(r, i)
+    svc.step(now=1.0)
+    b = sent[-1]
+    q2 = b.requests[2]
+    cont = q2.continuation([7, 8, 9], 1.5)
+    complete(r, b.id, answered=["q0", "q1"], continuations=[cont])
+    svc.step(now=2.0)
+    again = sent[-1]
+    assert [q.id for q in again.requests] == ["q2"] and again.requests[0].generated_ids == [7, 8, 9]
+    assert again.requests[0].preemptions == 1 and int(r.hget(bus.STATS, "preemptions")) == 1
+    assert r.hlen(bus.INFLIGHT) == 1
+    complete(r, again.id, "oom", error="x", answered=[])  # split recovery only splits unanswered rows
+    svc.step(now=3.0)
+    (ev,) = events(r, "q2")
+    assert ev.code == "out_of_memory"
+
+
+def test_cancelled_requests_never_reach_a_worker(r, tmp_path):
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    arrive(r, 0)
+    svc.step(now=1.0)  # q0 runs; q1, q2 wait
+    arrive(r, 1)
+    arrive(r, 2)
+    svc.step(now=2.0)
+    r.set(bus.cancel_key("q1"), "1")
+    r.lpush(bus.CANCELS, "q1")
+    svc.step(now=3.0)
+    assert not r.hexists(bus.PENDING, "q1") and r.hexists(bus.PENDING, "q2")
+    complete(r, sent[0].id, answered=["q0"])
+    svc.step(now=4.0)
+    assert [q.id for q in sent[-1].requests] == ["q2"]
+
+
+def test_a_lost_batch_resumes_from_its_streams(r, tmp_path):
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    for i in range(3):
+        arrive(r, i)
+    svc.step(now=1.0)
+    first = sent[-1]
+    bus.publish_now(r, "q0", StreamEvent(StreamKind.END, text="done", tokens=2))   # answered before the crash
+    bus.publish_now(r, "q1", StreamEvent.delta("ab", 2, [11, 12]))                # half streamed
+    r.set(bus.claim_key(first.id), "w1")
+    r.delete(bus.alive_key("w1"))
+    register(r, "w2")
+    svc.step(now=2.0)
+    again = {q.id: q for q in sent[-1].requests}
+    assert set(again) == {"q1", "q2"}  # q0 is never answered twice
+    assert again["q1"].generated_ids == [11, 12] and again["q1"].max_tokens == 62
+    assert again["q2"].generated_ids == []
