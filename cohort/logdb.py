@@ -46,7 +46,7 @@ requests = Table(
     Column("actual_tokens", Integer),
     Column("emulated_tokens", Integer),
     Column("slo_s", Float),
-    Column("status", String(16), nullable=False, default="queued"),  # queued|done|failed
+    Column("status", String(16), nullable=False, default="queued"),  # queued|done|failed|cancelled|timeout
     Column("error", Text),
     Column("batch_id", String(64)),
     Column("queued_s", Float),

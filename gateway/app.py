@@ -15,7 +15,7 @@ from cohort.logdb import get_engine
 from cohort.settings import Settings, get_settings
 from cohort.tokenizer import prompt_token_counts
 from gateway.errors import install_error_handlers
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import CountRequests, GatewayMetrics
 from gateway.submit import PoolView
 from gateway.views import generate, health, openai
 from predictor.service import PredictorService
@@ -49,6 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = s
     app.state.metrics = GatewayMetrics()
     app.state.predictor = PredictorService(s)  # cheap; the model loads in the lifespan (warmup)
+    app.add_middleware(CountRequests, metrics=app.state.metrics)
     install_error_handlers(app)
     for view in (generate, openai, health):
         app.include_router(view.router)

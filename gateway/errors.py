@@ -45,7 +45,7 @@ def install_error_handlers(app: FastAPI) -> None:
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         param = ".".join(loc) or None
-        msg = first.get("msg", "invalid request")
+        msg = first.get("msg", "invalid request").removeprefix("Value error, ")  # our validators' text
         if first.get("type") == "json_invalid":
             msg, param = "request body is not valid JSON", None
         elif param:

@@ -1,11 +1,26 @@
 """Prometheus metrics. Queue, in-flight and instance gauges are read from Redis at scrape time,
-so the one /metrics endpoint shows the batcher's and workers' side too."""
+so the one /metrics endpoint shows the batcher's and workers' side too.
+
+Token latencies are named after vLLM's (``time_to_first_token_seconds``,
+``inter_token_latency_seconds``, ``request_queue_time_seconds``, ``e2e_request_latency_seconds``)
+so dashboards built for it read ours. TTFT, inter-token and end-to-end latency are measured at the
+gateway, from the HTTP request's arrival, as the client sees them; queue time is the worker's
+(the end event's ``timings.queued_s``).
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cohort import bus
+
+# The generation routes and their ``endpoint`` label.
+ENDPOINTS = {"/v1/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5,
+                  5, 10)
 
 
 class GatewayMetrics:
@@ -14,11 +29,28 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("cohort_requests_total", "Requests by endpoint and status code",
+        self.requests = Counter("cohort_requests_total", "Generation requests by endpoint and HTTP status sent "
+                                "(a stream that fails after its headers counts as 200; see failures)",
                                 ["endpoint", "status"], registry=r)
-        self.latency = Histogram("cohort_request_latency_seconds", "End-to-end latency of answered requests",
-                                 ["endpoint"], registry=r,
-                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.latency = Histogram("cohort_e2e_request_latency_seconds",
+                                 "Answered requests: HTTP arrival to the answer's end", ["endpoint"], registry=r,
+                                 buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram("cohort_time_to_first_token_seconds",
+                              "HTTP arrival to the first token's text at the gateway", ["endpoint"], registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("cohort_inter_token_latency_seconds",
+                             "Time between a request's successive tokens at the gateway (a delta carrying k "
+                             "tokens counts as one observation of gap/k)", ["endpoint"], registry=r,
+                             buckets=_TOKEN_BUCKETS)
+        self.queue_time = Histogram("cohort_request_queue_time_seconds",
+                                    "Arrival to the start of the batch that answered (worker-measured)",
+                                    ["endpoint"], registry=r, buckets=_LATENCY_BUCKETS)
+        self.cancelled = Counter("cohort_requests_cancelled_total",
+                                 "Requests withdrawn before their answer: client disconnect or gateway timeout",
+                                 ["endpoint", "reason"], registry=r)
+        self.failures = Counter("cohort_request_failures_total",
+                                "Requests that failed after admission, by failure code", ["endpoint", "code"],
+                                registry=r)
         self.predicted_tokens = Histogram("cohort_predicted_tokens", "Predicted generation length",
                                           registry=r, buckets=(8, 16, 32, 64, 128, 256, 512, 1024, 2048))
         self.generated_tokens = Counter("cohort_generated_tokens_total", "Tokens generated", registry=r)
@@ -35,3 +67,35 @@ class GatewayMetrics:
         for k, v in (await redis.hgetall(bus.STATS)).items():
             self.counters.labels(event=k).set(float(v))
         return generate_latest(self.registry)
+
+
+class CountRequests:
+    """ASGI middleware: counts every generation request by the HTTP status it was sent with.
+
+    A middleware rather than a count in each view, because validation errors (400) are answered
+    before a view runs, and so every status is counted in one place."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = ENDPOINTS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+
+        started = False
+
+        async def counting_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:  # answered 500 by the outermost handler, outside this middleware
+            if not started:
+                self.metrics.requests.labels(endpoint, "500").inc()
+            raise

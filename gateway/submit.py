@@ -1,4 +1,5 @@
-"""The one path every generation endpoint takes: validate, predict, enqueue, wait for the answer.
+"""The one path every generation endpoint takes in: validate, predict, enqueue (``admit``).
+The answer is then read from the request's stream by gateway.relay.
 
 Admission control happens before anything is written: a request that can never fit an instance,
 a full queue (429) or no live instance (503) is refused up front, so an accepted request is
@@ -16,15 +17,13 @@ from starlette.concurrency import run_in_threadpool
 
 from batcher.memory import KVMemory
 from cohort import bus
-from cohort.logdb import finish_request, record_request
+from cohort.logdb import record_request
 from cohort.settings import Settings
-from cohort.tokenizer import build_prompt, prompt_token_counts
+from cohort.tokenizer import build_prompt, load_tokenizer, prompt_token_counts
 from cohort.types import InstanceInfo, ProfiledRequest, SamplingParams, new_id
 from gateway.errors import APIError
+from gateway.relay import Ticket
 from predictor.base import PredictItem
-
-# Which HTTP status a failure reported by the batcher or worker becomes.
-FAILURE_STATUS = {"out_of_memory": 507, "worker_lost": 503, "batch_failed": 500}
 
 
 @dataclass
@@ -38,16 +37,6 @@ class Submission:
     sampling: SamplingParams = SamplingParams()
     emulated_tokens: int | None = None
     task: str | None = None
-
-
-@dataclass
-class Outcome:
-    request: ProfiledRequest
-    text: str
-    generated_tokens: int
-    batch_id: str
-    batch_size: int
-    timings: dict
 
 
 class PoolView:
@@ -70,19 +59,14 @@ class PoolView:
         return self._alive
 
 
-async def wait_result(redis, request_id: str, timeout_s: float, slice_s: float = 2.0):
-    """BLPOP the answer in short slices: a blocking read longer than the client's socket
-    timeout (5 s by default in redis-py 8) would fail as a timeout on our side."""
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        got = await redis.blpop([bus.result_key(request_id)], timeout=min(slice_s, max(left, 0.01)))
-        if got is not None:
-            return got
-    return None
+def _vocab_size(model: str) -> int:
+    return len(load_tokenizer(model))
 
 
-async def submit(app_state, sub: Submission) -> Outcome:
-    """Run one request through the system and return its outcome, or raise APIError."""
+async def admit(app_state, sub: Submission, endpoint: str, received: float | None = None) -> Ticket:
+    """Validate, predict and enqueue one request, or raise APIError (nothing written then).
+    ``received``: when the HTTP request arrived (``time.monotonic()``), for TTFT and latency."""
+    received = time.monotonic() if received is None else received
     s: Settings = app_state.settings
     redis = app_state.redis
     if not (sub.instruction or sub.user_input):
@@ -98,6 +82,11 @@ async def submit(app_state, sub: Submission) -> Outcome:
         if sub.emulated_tokens > sub.max_tokens:
             raise APIError(400, "emulated_tokens cannot exceed max_tokens", code="invalid_value",
                            param="emulated_tokens")
+    if sub.sampling.logit_bias:
+        vocab = await run_in_threadpool(_vocab_size, s.model)
+        if (top := max(t for t, _ in sub.sampling.logit_bias)) >= vocab:
+            raise APIError(400, f"logit_bias names token {top}; the model's vocabulary has {vocab} tokens",
+                           code="invalid_value", param="logit_bias")
     prompt = build_prompt(sub.instruction, sub.user_input)
     (input_tokens,) = await run_in_threadpool(prompt_token_counts, [prompt], s.model)
     if input_tokens > s.max_input_tokens:
@@ -131,16 +120,4 @@ async def submit(app_state, sub: Submission) -> Outcome:
         "emulated_tokens": sub.emulated_tokens, "slo_s": sub.slo_s, "status": "queued"})
     await redis.lpush(bus.INCOMING, bus.dumps(req.to_dict()))
     app_state.metrics.predicted_tokens.observe(req.predicted_tokens)
-
-    got = await wait_result(redis, req.id, s.request_timeout_s)
-    if got is None:
-        await run_in_threadpool(finish_request, app_state.db, req.id, status="failed",
-                                error="gateway timed out waiting for the result")
-        raise APIError(504, f"no result within {s.request_timeout_s:.0f} s; the request may still run",
-                       code="timeout")
-    msg = json.loads(got[1])
-    if not msg["ok"]:
-        code = msg.get("code", "batch_failed")
-        raise APIError(FAILURE_STATUS.get(code, 500), msg.get("error", "the request failed"), code=code)
-    return Outcome(req, msg["text"], msg["generated_tokens"], msg["batch"]["id"], msg["batch"]["size"],
-                   msg["timings"])
+    return Ticket(req, endpoint, received, deadline=time.monotonic() + s.request_timeout_s)

@@ -6,23 +6,22 @@ import time
 
 from fastapi import APIRouter, Request
 
-from cohort.types import SamplingParams
+from gateway.relay import Relay
 from gateway.schemas import GenerateRequest, GenerateResponse
-from gateway.submit import Submission, submit
+from gateway.submit import Submission, admit
 
 router = APIRouter()
 
 
 @router.post("/v1/generate", response_model=GenerateResponse)
 async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+    received = time.monotonic()
     st = request.app.state
-    t0 = time.perf_counter()
-    out = await submit(st, Submission(
+    ticket = await admit(st, Submission(
         instruction=body.instruction, user_input=body.input, max_tokens=body.max_tokens,
-        slo_s=body.slo_seconds, sampling=SamplingParams(body.temperature, body.top_p, body.seed),
-        emulated_tokens=body.emulated_tokens, task=body.task))
-    st.metrics.latency.labels("generate").observe(time.perf_counter() - t0)
-    st.metrics.generated_tokens.inc(out.generated_tokens)
-    return GenerateResponse(id=out.request.id, text=out.text, generated_tokens=out.generated_tokens,
-                            predicted_tokens=out.request.predicted_tokens,
-                            batch={"id": out.batch_id, "size": out.batch_size}, timings=out.timings)
+        slo_s=body.slo_seconds, sampling=body.sampling(), emulated_tokens=body.emulated_tokens,
+        task=body.task), "generate", received)
+    ans = await Relay(st, ticket, request.is_disconnected).collect()
+    return GenerateResponse(id=ticket.request.id, text=ans.text, generated_tokens=ans.tokens,
+                            predicted_tokens=ticket.request.predicted_tokens, finish_reason=ans.finish_reason,
+                            batch={"id": ans.batch_id, "size": ans.batch_size}, timings=ans.timings)

@@ -1,0 +1,169 @@
+"""Following an admitted request to its answer: text as it is generated, then the end — or a
+failure, or a withdrawal when the client leaves or the deadline passes.
+
+Streaming and non-streaming requests take the same path (``Relay.texts``); a non-streaming one
+just keeps the end event's whole text (``Relay.collect``). So both are measured alike (TTFT,
+inter-token latency, queue time, end-to-end latency) and both are withdrawn alike.
+
+Replays: a request whose worker died is re-run, and a re-run from the start publishes deltas the
+client already has. ``tokens`` (the count so far) tells them apart: a delta that does not advance
+past what was relayed is dropped. At the end the relayed text is reconciled with the end event's
+whole text: a missing tail is relayed before the finish, so what a client concatenates is the
+answer whenever the relayed text is a prefix of it (always, for greedy decoding).
+
+Withdrawal (``withdraw``) happens exactly once per request that ends without a final event,
+whatever ended it: the reader's deadline or disconnect check, or the consumer closing or
+cancelling the iterator (Starlette cancels a streaming response whose client went away).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import anyio
+from starlette.concurrency import run_in_threadpool
+
+from cohort import bus
+from cohort.logdb import finish_request
+from cohort.protocol import FailureCode, FinishReason, StreamEvent, StreamKind
+from cohort.types import ProfiledRequest
+from gateway.errors import APIError
+from gateway.stream import Withdrawn, read_events
+
+log = logging.getLogger("cohort.gateway")
+
+# The ``reason`` label of the cancelled-requests counter.
+CANCEL_REASONS = {FailureCode.CANCELLED: "disconnect", FailureCode.TIMEOUT: "timeout"}
+
+
+@dataclass
+class Ticket:
+    """An admitted, enqueued request and the clocks its answer is measured against
+    (``time.monotonic()`` instants)."""
+
+    request: ProfiledRequest
+    endpoint: str
+    received: float   # the HTTP request arrived: TTFT and end-to-end latency start here
+    deadline: float   # the gateway gives up and withdraws the request
+
+
+@dataclass
+class Answer:
+    """The end of a request's stream."""
+
+    text: str
+    tokens: int
+    finish_reason: str
+    batch_id: str
+    batch_size: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_event(cls, ev: StreamEvent) -> Answer:
+        return cls(ev.text, ev.tokens, ev.finish_reason or FinishReason.STOP.value, ev.batch_id or "",
+                   ev.batch_size or 0, dict(ev.timings))
+
+
+async def withdraw(app_state, ticket: Ticket, code: FailureCode) -> None:
+    """Tell the batcher and the worker to drop the request, record why in the log DB, count it."""
+    rid = ticket.request.id
+    pipe = app_state.redis.pipeline()
+    bus.cancel(pipe, rid)
+    await pipe.execute()
+    error = ("the client disconnected" if code is FailureCode.CANCELLED
+             else f"no answer within {app_state.settings.request_timeout_s:g} s")
+    await run_in_threadpool(finish_request, app_state.db, rid, status=code.value, error=error)
+    app_state.metrics.cancelled.labels(ticket.endpoint, CANCEL_REASONS[code]).inc()
+
+
+def _withdrawn_error(code: FailureCode, timeout_s: float) -> APIError:
+    if code is FailureCode.TIMEOUT:
+        return APIError(code.http_status, f"no answer within {timeout_s:g} s; the request was withdrawn",
+                        code=code.value)
+    return APIError(code.http_status, "the client disconnected", code=code.value)
+
+
+class Relay:
+    """One request's answer as it arrives. Iterate ``texts()`` once (or ``collect()``)."""
+
+    def __init__(self, app_state, ticket: Ticket,
+                 disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
+        self.st, self.ticket, self.disconnected = app_state, ticket, disconnected
+        self.sent = ""              # text relayed so far
+        self.sent_tokens = 0        # tokens that text stands for
+        self.answer: Answer | None = None
+        self._settled = False       # the request ended: answered, failed or withdrawn
+        self._last_at: float | None = None
+
+    async def texts(self) -> AsyncIterator[str]:
+        """New text in order; ``self.answer`` is set when it ends. Raises APIError when the
+        request fails or is withdrawn (499 client gone, 504 deadline)."""
+        t, m = self.ticket, self.st.metrics
+        try:
+            async for ev in read_events(self.st.redis, t.request.id, t.deadline, self.disconnected):
+                if ev.kind is StreamKind.DELTA:
+                    if ev.tokens > self.sent_tokens and ev.text:
+                        self._observe_tokens(ev.tokens)
+                        self.sent, self.sent_tokens = self.sent + ev.text, ev.tokens
+                        yield ev.text
+                    continue
+                self._settled = True
+                if ev.kind is StreamKind.ERROR:
+                    code = FailureCode.parse(ev.code)
+                    m.failures.labels(t.endpoint, code.value).inc()
+                    raise APIError(code.http_status, ev.message or "the request failed", code=code.value)
+                answer = Answer.from_event(ev)
+                if answer.text.startswith(self.sent):
+                    if tail := answer.text[len(self.sent):]:
+                        self._observe_tokens(answer.tokens)
+                        self.sent, self.sent_tokens = answer.text, answer.tokens
+                        yield tail
+                else:
+                    log.warning("request %s: relayed text is not a prefix of its answer (a sampled re-run "
+                                "after a worker loss?)", t.request.id)
+                self._finish(answer)
+                return
+        except Withdrawn as w:
+            self._settled = True
+            await withdraw(self.st, t, w.code)
+            raise _withdrawn_error(w.code, self.st.settings.request_timeout_s) from None
+        finally:
+            await self.abandon()  # closed or cancelled by the consumer: the client went away
+
+    async def abandon(self) -> None:
+        """Withdraw the request as cancelled unless it already ended; safe to call more than once
+        and from a cancelled task (shielded: Starlette cancels a stream whose client left)."""
+        if self._settled:
+            return
+        self._settled = True
+        with anyio.CancelScope(shield=True):
+            try:
+                await withdraw(self.st, self.ticket, FailureCode.CANCELLED)
+            except Exception:  # never mask why the consumer stopped
+                log.exception("request %s: withdrawal failed", self.ticket.request.id)
+
+    async def collect(self) -> Answer:
+        """Read to the end (a non-streaming request)."""
+        async for _ in self.texts():
+            pass
+        assert self.answer is not None
+        return self.answer
+
+    def _observe_tokens(self, tokens: int) -> None:
+        now, t, m = time.monotonic(), self.ticket, self.st.metrics
+        if self._last_at is None:
+            m.ttft.labels(t.endpoint).observe(now - t.received)
+        else:
+            m.itl.labels(t.endpoint).observe((now - self._last_at) / max(1, tokens - self.sent_tokens))
+        self._last_at = now
+
+    def _finish(self, answer: Answer) -> None:
+        t, m = self.ticket, self.st.metrics
+        self.answer = answer
+        m.latency.labels(t.endpoint).observe(time.monotonic() - t.received)
+        if "queued_s" in answer.timings:
+            m.queue_time.labels(t.endpoint).observe(answer.timings["queued_s"])
+        m.generated_tokens.inc(answer.tokens)

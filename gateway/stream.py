@@ -1,0 +1,57 @@
+"""Reading one request's Redis Stream: its StreamEvents in order, up to and including the final one.
+
+Why slices: a blocking XREAD longer than the Redis client's socket timeout (5 s by default in
+redis-py 8) fails as a timeout on our side, and between slices the gateway checks whether the
+client is still there. A slice returns as soon as an event arrives, so slicing adds no latency
+to the tokens themselves.
+
+The reader owns the two reasons a request stops being wanted before its answer: the deadline
+passed (``FailureCode.TIMEOUT``) or the client disconnected (``FailureCode.CANCELLED``); it raises
+``Withdrawn`` and leaves what to do about it to the caller (gateway.relay withdraws the request).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from cohort import bus
+from cohort.protocol import FailureCode, StreamEvent
+
+SLICE_S = 1.0  # longest single blocking read: bounds how late a disconnect is noticed
+
+
+class Withdrawn(Exception):
+    """The request was given up before its final event: ``code`` is CANCELLED or TIMEOUT."""
+
+    def __init__(self, code: FailureCode) -> None:
+        super().__init__(code.value)
+        self.code = code
+
+
+async def read_events(redis, request_id: str, deadline: float,
+                      disconnected: Callable[[], Awaitable[bool]] | None = None,
+                      slice_s: float = SLICE_S) -> AsyncIterator[StreamEvent]:
+    """The request's events in order, ending after the first final (end/error) one.
+
+    ``deadline`` is a ``time.monotonic()`` instant; ``disconnected`` is polled between slices.
+    The stream is deleted once its final event is read: nobody reads it again, and an answered
+    request should not hold its deltas in Redis for the stream's whole TTL.
+    """
+    key, last = bus.stream_key(request_id), "0"
+    while True:
+        if disconnected is not None and await disconnected():
+            raise Withdrawn(FailureCode.CANCELLED)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Withdrawn(FailureCode.TIMEOUT)
+        got = await redis.xread({key: last}, block=max(1, int(min(slice_s, left) * 1000)))
+        for _, entries in got or ():
+            for entry_id, fields in entries:
+                last = entry_id
+                event = StreamEvent.from_json(fields[bus.STREAM_FIELD])
+                if event.final:
+                    await redis.delete(key)
+                    yield event
+                    return
+                yield event

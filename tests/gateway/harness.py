@@ -1,0 +1,94 @@
+"""A real gateway app (real admission, predictor in cold start, tokenizer, SQLite log DB) over
+fakeredis, and a fake worker that answers by writing StreamEvents into the request's stream —
+exactly what the real worker publishes, so the gateway side is tested without a Redis service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+from fakeredis import aioredis
+
+from cohort import bus
+from cohort.logdb import get_engine
+from cohort.protocol import FinishReason, StreamEvent, StreamKind
+from cohort.settings import Settings
+from cohort.types import InstanceInfo, ProfiledRequest
+from gateway.app import create_app
+from gateway.submit import PoolView
+
+THETA, DELTA = 1 << 30, 2048
+
+
+def settings(tmp: Path, **kw) -> Settings:
+    return Settings(_env_file=None, data_dir=tmp / "var", database_url=f"sqlite:///{tmp}/log.db",
+                    cold_start="max_tokens", **kw)
+
+
+@asynccontextmanager
+async def gateway(tmp: Path, **kw):
+    """(app, client, redis): the app's state set up as its lifespan would, on fakeredis, with one
+    live instance registered."""
+    app = create_app(settings(tmp, **kw))
+    st = app.state
+    st.redis = aioredis.FakeRedis(decode_responses=True)
+    st.pool = PoolView(st.settings, st.redis)
+    st.db = get_engine(st.settings.database_url)
+    info = InstanceInfo("i0", st.settings.pool, st.settings.model, THETA, DELTA)
+    await st.redis.hset(bus.INSTANCES, "i0", json.dumps(info.to_dict()))
+    await st.redis.set(bus.alive_key("i0"), "1")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as client:
+        yield app, client, st.redis
+    st.predictor.close()
+    await st.redis.aclose()
+
+
+async def next_request(redis, timeout_s: float = 10.0) -> ProfiledRequest:
+    """The next request the gateway enqueued (what the batcher would receive)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        js = await redis.rpop(bus.INCOMING)
+        if js:
+            return ProfiledRequest.from_dict(json.loads(js))
+        await asyncio.sleep(0.01)
+    raise TimeoutError("no request was enqueued")
+
+
+async def publish(redis, request_id: str, event: StreamEvent) -> None:
+    pipe = redis.pipeline()
+    bus.publish(pipe, request_id, event)
+    await pipe.execute()
+
+
+def end(text: str, tokens: int, reason: FinishReason = FinishReason.STOP) -> StreamEvent:
+    return StreamEvent(StreamKind.END, text=text, tokens=tokens, finish_reason=reason.value, batch_id="b-1",
+                       batch_size=3, timings={"queued_s": 0.25, "first_token_s": 0.3, "run_s": 0.5,
+                                              "total_s": 0.75})
+
+
+async def worker(redis, pieces: Sequence[str], final: StreamEvent | None = None, gap_s: float = 0.01,
+                 reason: FinishReason = FinishReason.STOP) -> ProfiledRequest:
+    """Answer the next request: one delta per piece, then ``final`` (default: the end event of
+    the concatenated pieces)."""
+    req = await next_request(redis)
+    for i, piece in enumerate(pieces, 1):
+        await asyncio.sleep(gap_s)
+        await publish(redis, req.id, StreamEvent.delta(piece, i))
+    await asyncio.sleep(gap_s)
+    await publish(redis, req.id, final or end("".join(pieces), len(pieces), reason))
+    return req
+
+
+def sse_data(body: str) -> list[dict | str]:
+    """The data payloads of an SSE body, JSON-decoded (``[DONE]`` kept as the string)."""
+    out: list[dict | str] = []
+    for block in body.split("\n\n"):
+        if block.startswith("data: "):
+            data = block.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out

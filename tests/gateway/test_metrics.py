@@ -1,0 +1,40 @@
+"""Token-latency histograms, queue time, end-to-end latency and request counts by endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway.harness import gateway, worker
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_stream_latencies_and_counts(tmp_path):
+    async def scenario():
+        async with gateway(tmp_path) as (_, client, redis):
+            w = asyncio.create_task(worker(redis, ["a", "b", "c", "d"], gap_s=0.05))
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "stream": True})
+            await w
+            bad = await client.post("/v1/chat/completions", json={"messages": []})
+            return r, bad, (await client.get("/metrics")).text
+
+    r, bad, text = asyncio.run(scenario())
+    assert r.status_code == 200 and bad.status_code == 400
+    m = _samples(text)
+    chat = (("endpoint", "chat"),)
+    assert m[("cohort_time_to_first_token_seconds_count", chat)] == 1
+    assert m[("cohort_time_to_first_token_seconds_sum", chat)] >= 0.05
+    assert m[("cohort_inter_token_latency_seconds_count", chat)] == 3       # 4 deltas, 3 gaps
+    assert m[("cohort_inter_token_latency_seconds_sum", chat)] >= 3 * 0.04
+    assert m[("cohort_request_queue_time_seconds_sum", chat)] == 0.25        # the end event's timings
+    assert m[("cohort_e2e_request_latency_seconds_count", chat)] == 1
+    assert m[("cohort_e2e_request_latency_seconds_sum", chat)] >= m[("cohort_time_to_first_token_seconds_sum", chat)]
+    assert m[("cohort_generated_tokens_total", ())] == 4
+    assert m[("cohort_requests_total", (("endpoint", "chat"), ("status", "200")))] == 1
+    assert m[("cohort_requests_total", (("endpoint", "chat"), ("status", "400")))] == 1
