@@ -1,5 +1,6 @@
-"""A batch that outgrows the instance's KV memory is split in two and both halves re-run;
-a single request that cannot fit fails with a clear error (never loops)."""
+"""The papers' mode (static execution, split recovery): a batch that outgrows the instance's KV
+memory is split in two and both halves re-run; a single request that cannot fit fails with a
+clear error (never loops). tests/e2e/test_preemption.py runs the same scenario elastically."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.e2e
 DELTA = 2048  # bytes/token of the built-in model (2 · 4 layers · 2 kv heads · 32 · fp32)
 # The instance advertises 20 MB but only 600 tokens of KV really fit: predicted lengths say a
 # batch fits, the real run outgrows memory — the situation OOM recovery exists for.
-STACK_ENV = {"COHORT_POLICY": "magnus", "COHORT_WMA_THRESHOLD": "1e12",
+STACK_ENV = {"COHORT_POLICY": "magnus", "COHORT_WMA_THRESHOLD": "1e12", "COHORT_EXECUTION": "static",
+             "COHORT_OOM_RECOVERY": "split",
              "COHORT_KV_BUDGET_BYTES": str(600 * DELTA), "COHORT_THETA_OVERRIDE_BYTES": "20000000"}
 
 
@@ -50,6 +52,6 @@ def test_single_request_that_cannot_fit_fails_clearly(stack):
                                                       "emulated_tokens": 700}, timeout=120)
     assert r.status_code == 507, r.text
     err = r.json()["error"]
-    assert err["code"] == "out_of_memory" and "single request" in err["message"]
+    assert err["code"] == "out_of_memory" and "KV memory" in err["message"]
     con = sqlite3.connect(stack.db_path)
     assert con.execute("SELECT COUNT(*) FROM requests WHERE status = 'failed'").fetchone()[0] == 1
