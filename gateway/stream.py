@@ -35,8 +35,8 @@ async def read_events(redis, request_id: str, deadline: float,
     """The request's events in order, ending after the first final (end/error) one.
 
     ``deadline`` is a ``time.monotonic()`` instant; ``disconnected`` is polled between slices.
-    The stream is deleted once its final event is read: nobody reads it again, and an answered
-    request should not hold its deltas in Redis for the stream's whole TTL.
+    The stream is left in place (it expires with its TTL): the batcher reads a lost batch's
+    streams to tell answered rows from unanswered ones (``bus.stream_progress``).
     """
     key, last = bus.stream_key(request_id), "0"
     while True:
@@ -50,8 +50,6 @@ async def read_events(redis, request_id: str, deadline: float,
             for entry_id, fields in entries:
                 last = entry_id
                 event = StreamEvent.from_json(fields[bus.STREAM_FIELD])
-                if event.final:
-                    await redis.delete(key)
-                    yield event
-                    return
                 yield event
+                if event.final:
+                    return
