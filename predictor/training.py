@@ -25,13 +25,14 @@ def fit_predictor(kind: str, items: Sequence[PredictItem], targets: Sequence[flo
                   level: float = DEFAULT_LEVEL, **options: Any) -> LengthPredictor:
     """A trained predictor of ``kind`` with its conformal table (``model.conformal``).
 
-    ``calibration_frac`` of the rows (seeded) are held out of the fit and used only to calibrate the
-    upper ``level`` quantile, so the bound is calibrated on rows the model never saw; with too few
+    ``calibration_frac`` of each task's rows (seeded; see ``calibration_split``) are held out of the
+    fit and used only to calibrate the upper ``level`` quantile, so the bound is calibrated on rows
+    the model never saw; with too few
     rows to spare (or ``calibration_frac`` 0) the model trains on all rows and has no table.
     ``options`` go to the model (e.g. n_estimators for magnus; base_model, max_examples, max_steps,
     epochs, edges, representative for lora)."""
     y = np.asarray(targets, dtype=float)
-    fit_idx, cal_idx = calibration_split(len(items), calibration_frac)
+    fit_idx, cal_idx = calibration_split(items, calibration_frac)
     if not len(cal_idx):
         model = _fit_kind(kind, items, y, cache_dir, encoder_path, show_progress, **options)
         model.conformal = None

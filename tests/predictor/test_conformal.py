@@ -75,11 +75,16 @@ def test_save_load_roundtrip(tmp_path):
     assert ConformalTable.load(tmp_path / "missing") is None
 
 
-def test_calibration_split_is_disjoint_and_seeded():
-    fit, cal = calibration_split(1000, 0.15)
-    assert len(cal) == 150 and not set(fit) & set(cal) and len(fit) + len(cal) == 1000
-    assert (calibration_split(1000, 0.15)[1] == cal).all()
-    assert len(calibration_split(50, 0.15)[1]) == 0  # too few rows to spare: no calibration
+def test_calibration_split_is_stratified_disjoint_and_seeded():
+    items = ([PredictItem("a", "x", 1, "big")] * 3000 + [PredictItem("d", "x", 1, "mid")] * 1000 + [PredictItem("b", "x", 1, "small")] * 400
+             + [PredictItem("c", "x", 1, "tiny")] * 50)
+    fit, cal = calibration_split(items, 0.15)
+    assert not set(fit) & set(cal) and len(fit) + len(cal) == len(items)
+    tasks = [items[i].task for i in cal]
+    # big: 15 %; mid: raised to 200; small: raised towards 200 but capped at 30 %; tiny: none
+    assert tasks.count("big") == 450 and tasks.count("mid") == 200 and tasks.count("small") == 120 and tasks.count("tiny") == 0
+    assert (calibration_split(items, 0.15)[1] == cal).all()
+    assert len(calibration_split(items, 0.0)[1]) == 0
 
 
 class _Const:
@@ -105,7 +110,7 @@ def test_fit_predictor_calibrates_on_held_out_rows(tmp_path):
     y = np.round(2.0 * x * np.exp(rng.normal(0, 0.3, n)))
     items = [PredictItem("Summarise.", "w " * int(k), int(k), "sum") for k in x]
     model = fit_predictor("linear", items, y)
-    assert model.conformal is not None and model.conformal.counts[task_key("sum")] == 150
+    assert model.conformal is not None and model.conformal.counts[task_key("sum")] == 200
     save_model(model, tmp_path / "m")
     again = load_predictor(tmp_path / "m")
     assert again.conformal == model.conformal

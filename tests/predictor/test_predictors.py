@@ -74,7 +74,7 @@ def test_cli_train_eval_register(data_paths, tmp_path, monkeypatch):
         assert r.exit_code == 0, r.output
         meta = json.loads((tmp_path / "lin" / "meta.json").read_text())
         assert meta["kind"] == "linear" and meta["data"]["rows"] == 300 and meta["version"].startswith("v")
-        assert meta["conformal"]["level"] == 0.9 and meta["conformal"]["groups"]["*"] == 45  # 15 % held out
+        assert meta["conformal"]["level"] == 0.9 and meta["conformal"]["groups"]["*"] == 90  # 30 per task held out
         out = tmp_path / "eval.json"
         r = runner.invoke(app, ["eval", "--model", str(tmp_path / "lin"), *data, "--json", str(out),
                                 "--limit-per-file", "20", "--plot", str(tmp_path / "plots"),
