@@ -96,6 +96,15 @@ class _Row:
         return req.continuation(list(self.new_ids), self.first_token_at)
 
 
+def _rollback(cache: DynamicCache, length: int) -> None:
+    """Undo a failed step: the layers that ran before the error already appended to the cache,
+    the later ones did not, so each layer is cut back to ``length`` on its own."""
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - length
+        if extra > 0:
+            layer.crop(-extra)
+
+
 class BatchRun:
     """Runs one batch step by step; ``step()`` until ``done``. Raises KVCacheOutOfMemory only
     under split recovery."""
@@ -267,7 +276,7 @@ class BatchRun:
                                  past_key_values=self.cache, use_cache=True)
                 break
             except torch.cuda.OutOfMemoryError as e:
-                self.cache.crop(self.cache_len)  # undo the layers that already appended this step
+                _rollback(self.cache, self.cache_len)
                 torch.cuda.empty_cache()
                 self._oom_evict(out, str(e))
                 if not self.rows:

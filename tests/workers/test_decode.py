@@ -190,3 +190,33 @@ def test_detokenizer_never_splits_a_multibyte_character():
 def test_profiling_times_exact_shapes(engine):
     assert engine.run_shape(2, 16, 8) > 0
     assert torch.is_inference_mode_enabled() is False
+
+
+class OOMAfterForward:
+    """The real model, but a decode step with more than ``rows`` rows raises CUDA's OOM error
+    *after* the layers appended to the cache (as a real OOM in a late layer would)."""
+
+    def __init__(self, model, rows: int, from_step: int) -> None:
+        self.model, self.rows, self.from_step, self.calls = model, rows, from_step, 0
+
+    def __call__(self, **kw):
+        out = self.model(**kw)
+        self.calls += 1
+        if self.calls > self.from_step and kw["input_ids"].shape[0] > self.rows:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return out
+
+
+def test_cuda_oom_inside_a_step_rolls_the_cache_back_and_preempts(engine):
+    reqs = [req(i, p, max_tokens=20, emulated_tokens=20, predicted=n) for i, (p, n) in
+            enumerate(zip(PROMPTS[:3], (20, 5, 10), strict=True))]
+    _, whole = run(engine, reqs, emulate=True)
+    b = engine.start(reqs, emulate=True)
+    b.model = OOMAfterForward(engine.model, rows=2, from_step=6)
+    outs = b.run_to_end()
+    evicted = [c for o in outs for c in o.evicted]
+    assert [c.id for c in evicted] == ["r0"] and len(evicted[0].generated_ids) == 6  # prefill + 5 steps
+    finished = by_id(outs)
+    assert {k: v.text for k, v in finished.items()} == {k: by_id(whole)[k].text for k in ("r1", "r2")}
+    (rest,) = by_id(run(engine, evicted, emulate=True)[1]).values()
+    assert rest.text == by_id(whole)["r0"].text and rest.tokens == 20
