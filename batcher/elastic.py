@@ -14,12 +14,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 
+def peak_and_rank(input_len: int, gen_lens: Iterable[int]) -> tuple[int, int]:
+    """(max_k k·(L + g_(k)), the smallest k reaching it): the peak and where it occurs (the
+    incremental planner ``batcher.memory.KVPlan`` keeps both)."""
+    peak, at = 0, 0
+    for k, g in enumerate(sorted(gen_lens, reverse=True), start=1):
+        v = k * (input_len + g)
+        if v > peak:
+            peak, at = v, k
+    return peak, at
+
+
 def peak_kv_tokens(input_len: int, gen_lens: Iterable[int]) -> int:
     """Peak KV tokens of a batch whose rows leave as they finish: max_k k·(L + g_(k))."""
-    peak = 0
-    for k, g in enumerate(sorted(gen_lens, reverse=True), start=1):
-        peak = max(peak, k * (input_len + g))
-    return peak
+    return peak_and_rank(input_len, gen_lens)[0]
 
 
 def static_kv_tokens(input_len: int, gen_lens: Sequence[int]) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from batcher.memory import KVMemory
+from batcher.memory import KVMemory, KVPlan
 from cohort.types import Batch, ProfiledRequest
 
 
@@ -33,6 +33,13 @@ class PolicyContext:
     estimator: BatchTimeModel
     max_input_tokens: int = 2048
     max_tokens_limit: int = 2048
+    # True under elastic execution (finished rows leave their batch): predicted-length policies
+    # then size batches by their KV peak instead of β·(L(B)+G(B)) (``KVMemory.plan``).
+    elastic: bool = False
+
+    def plan(self) -> KVPlan:
+        """An empty batch under this pool's Θ and execution mode: the one memory rule."""
+        return self.memory.plan(self.elastic)
 
 
 class Policy(ABC):

@@ -7,8 +7,9 @@ batches as bin packing under the memory limit. Here, whenever an instance is idl
 2. sort them by predicted bucket, largest first ([0,8), [8,16), [16,32), …, [1024,2048), as
    the UELLM/S3 predictors discretise), ties by G' then L(p), largest first (the "decreasing"
    of FFD: long requests set G(B), short ones fill the gaps);
-3. first-fit: each request goes into the first bin where MEM(bin ∪ {p}) ≤ Θ (predicted
-   lengths), else opens a bin;
+3. first-fit: each request goes into the first bin that still fits Θ with it (the memory rule
+   of ``batcher.memory`` on planned lengths: MEM under static execution, the KV peak under
+   elastic), else opens a bin;
 4. dispatch the bin that holds the oldest waiting request (FCFS over bins: no request starves,
    and the packing still decides who rides along with it). ``order="hrrn"`` (registered as
    ``s3-hrrn``, our attempt to beat Magnus) instead dispatches the bin with the highest
@@ -25,6 +26,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from itertools import islice
 
+from batcher.memory import KVPlan
 from batcher.policies.base import Policy, PolicyContext, pick_hrrn
 from cohort.types import Batch, ProfiledRequest, new_id
 
@@ -57,36 +59,36 @@ class S3Policy(Policy):
         self._pending[req.id] = req
 
     def pack(self, reqs: list[ProfiledRequest]) -> list[list[ProfiledRequest]]:
-        """FFD of ``reqs`` (one batch key) into bins under Θ, bins in the order they were opened."""
-        mem = self.ctx.memory
-        theta, delta = mem.theta_bytes, mem.delta_bytes
+        """FFD of ``reqs`` (one batch key) into bins under Θ, bins in the order they were opened.
+
+        Order and buckets use predicted lengths; "fits" is the memory rule on planned lengths
+        (``PolicyContext.plan``)."""
         edges = self.edges
         order = sorted(reqs, key=lambda r: (bucket_of(r.predicted_tokens, edges), r.predicted_tokens,
                                             r.input_tokens), reverse=True)
         bins: list[list[ProfiledRequest]] = []
-        shape: list[list[int]] = []   # per bin [size, L(B), G(B)]
+        plans: list[KVPlan] = []
         open_bins: list[int] = []     # bins that may still accept something
         for r in order:
-            L, G = r.input_tokens, r.predicted_tokens
-            placed = False
-            still_open = []
-            for k in open_bins:
-                s = shape[k]
-                if not placed:
-                    nL, nG = max(s[1], L), max(s[2], G)
-                    if (s[0] + 1) * (nL + nG) * delta <= theta:
-                        bins[k].append(r)
-                        s[0], s[1], s[2] = s[0] + 1, nL, nG
-                        placed = True
-                # a bin that cannot take even a request with L ≤ L(B), G ≤ G(B) is full for good
-                if (s[0] + 1) * (s[1] + s[2]) * delta <= theta:
-                    still_open.append(k)
-            if not placed:
+            L, P = r.input_tokens, r.planned_tokens
+            pos = 0
+            while pos < len(open_bins):
+                plan = plans[open_bins[pos]]
+                if plan.fits_with(L, P):
+                    bins[open_bins[pos]].append(r)
+                    plan.add(L, P)
+                    break
+                pos += 1
+            else:
+                pos, plan = len(open_bins), self.ctx.plan()
+                plan.add(L, P)
                 bins.append([r])
-                shape.append([1, L, G])
-                if 2 * (L + G) * delta <= theta:
-                    still_open.append(len(bins) - 1)
-            open_bins = still_open
+                plans.append(plan)
+                open_bins.append(len(bins) - 1)
+            # only the bin that grew can have become full: one that cannot take even a request with
+            # L ≤ L(B) and one planned token is closed for good
+            if not plan.fits_with(plan.L, 1):
+                del open_bins[pos]
         return bins
 
     def pop(self, now: float) -> Batch | None:

@@ -4,11 +4,13 @@ Offline, the algorithm sorts the pending requests by SLO ascending (ties: predic
 makes one greedy pass: candidate q joins the current batch c (n members, O_c its largest
 predicted length) if c is empty, or if
 
-    w1·T_l + w2·T_o ≤ Threshold   and   MEM(c ∪ {q}) ≤ Θ,
+    w1·T_l + w2·T_o ≤ Threshold   and   c ∪ {q} fits Θ,
     T_o = |G'(q) − O_c| · (n + 1) · L2                      (output-length dissimilarity: padding)
     T_l = L1 · Σ_{p ∈ c∪{q}} max(0, T̂(c ∪ {q}) − slack(p))   (predicted SLO overrun, seconds)
 
 otherwise c is closed and q opens the next batch. Closed batches run earliest-deadline first.
+"Fits" is the memory rule of ``batcher.memory`` on planned lengths (MEM(c ∪ {q}) ≤ Θ under
+static execution, the KV peak under elastic execution).
 
 Online (this class): when an instance is idle, the pass runs over all pending requests with
 slack(p) = deadline(p) − now. A request's SLO *now* is its remaining slack, so "SLO ascending"
@@ -80,8 +82,8 @@ class SLOODBSPolicy(Policy):
         pend = self._pending
         head = pend[0][3]
         key = head.batch_key
-        mem = self.ctx.memory
-        theta, delta = mem.theta_bytes, mem.delta_bytes
+        plan = self.ctx.plan()
+        plan.add(head.input_tokens, head.planned_tokens)
         est = self.ctx.estimator.estimate
         w1, w2, l1, l2, thr = self.w1, self.w2, self.l1, self.l2, self.threshold
         cap = self.max_batch_size
@@ -97,7 +99,7 @@ class SLOODBSPolicy(Policy):
             if cap is not None and n >= cap:
                 break
             L, G = max(L_c, q.input_tokens), max(O_c, q.predicted_tokens)
-            if (n + 1) * (L + G) * delta > theta:
+            if not plan.fits_with(q.input_tokens, q.planned_tokens):
                 break
             total = 0.0
             if w2:
@@ -112,6 +114,7 @@ class SLOODBSPolicy(Policy):
                 break
             pos.append(j)
             members.append(q)
+            plan.add(q.input_tokens, q.planned_tokens)
             L_c, O_c = L, G
             slacks.append(q.deadline - now)
             prefix.append(prefix[-1] + slacks[-1])

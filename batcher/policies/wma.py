@@ -1,8 +1,10 @@
 """WMA-driven adaptive batch assembly (Magnus) and the policies built on it: GLP, ABP, Magnus.
 
 On arrival of p, for every waiting batch B with p's key compute WMA(B ∪ {p}) with predicted
-lengths, infinite when MEM(B ∪ {p}) > Θ (or β would pass a fixed cap); take the minimum φ; if
-φ < Φ insert p there, else open a new batch.
+lengths, infinite when B ∪ {p} does not fit Θ (or β would pass a fixed cap); take the minimum φ;
+if φ < Φ insert p there, else open a new batch. "Fits" is the one memory rule
+(``batcher.memory``) on planned lengths: MEM(B) under static execution, the KV peak under
+elastic execution.
 
 WMA of member p simplifies to G_B·L_B + T(G_B) − (G_p·L_p + T(G_p)) with T(x) = x(x+1)/2,
 so WMA(B) = G_B·L_B + T(G_B) − min_p (G_p·L_p + T(G_p)): each batch keeps three numbers and an
@@ -13,6 +15,10 @@ overload, so those numbers also live in NumPy columns (L, G, min useful, size, k
 arrival) and one insertion is a handful of vectorised operations over all open batches; HRRN
 reads the same columns instead of recomputing max/min over every member of every batch.
 Behaviour (including ties: the first batch in opening order wins) is the same as the loop.
+Under elastic planning the columns also hold each batch's KV peak and planned-length range, and
+``batcher.memory.grow_bounds`` settles most batches at once; the few it cannot settle are
+tested exactly (``KVPlan.fits_with``, the batch's sorted planned lengths) in φ order, stopping
+at the first that fits.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batcher.memory import KVPlan, grow_bounds
 from batcher.policies.base import Policy, PolicyContext
 from cohort.types import Batch, ProfiledRequest, new_id
 
@@ -40,6 +47,7 @@ class _Open:
     L: int
     G: int
     min_useful: int
+    plan: KVPlan | None = None
 
     def wma_with(self, L: int, G: int) -> tuple[int, int, int]:
         L_B, G_B = max(self.L, L), max(self.G, G)
@@ -51,7 +59,9 @@ class WMAPolicy(Policy):
 
     name = "abp"
 
-    _COLS = ("L", "G", "mu", "size", "key", "oldest")
+    # WMA (predicted lengths): L, G, min useful; memory (planned lengths): P = largest, pmin =
+    # smallest, peak KV tokens and its rank kpk; size, batch key id, oldest arrival.
+    _COLS = ("L", "G", "mu", "size", "key", "oldest", "P", "pmin", "peak", "kpk")
 
     def __init__(self, ctx: PolicyContext, threshold: float, max_batch_size: int | None = None,
                  order: str = "fcfs") -> None:
@@ -73,38 +83,63 @@ class WMAPolicy(Policy):
             self._c[c] = b
 
     def add(self, req: ProfiledRequest, now: float) -> None:
-        L, G = req.input_tokens, req.predicted_tokens
+        L, G, P = req.input_tokens, req.predicted_tokens, req.planned_tokens
         u = _useful(L, G)
         kid = self._keys.setdefault(req.batch_key, len(self._keys))
         k = len(self._open)
         c = self._c
         if k:
-            mem = self.ctx.memory
             size = c["size"][:k]
             L_B = np.maximum(c["L"][:k], L)
             G_B = np.maximum(c["G"][:k], G)
             phi = G_B * L_B + G_B * (G_B + 1) // 2 - np.minimum(c["mu"][:k], u)
-            ok = (c["key"][:k] == kid) & ((size + 1) * (L_B + G_B) * mem.delta_bytes <= mem.theta_bytes)
+            sure, may = grow_bounds(self.ctx.memory.theta_tokens, self.ctx.elastic, size, c["L"][:k], c["P"][:k],
+                                    c["pmin"][:k], c["peak"][:k], c["kpk"][:k], L, P, np.maximum, np.minimum)
+            ok = (c["key"][:k] == kid) & may & (phi < self.threshold)
             if self.max_batch_size is not None:
                 ok &= size < self.max_batch_size
-            if ok.any():
-                phi = np.where(ok, phi, np.iinfo(np.int64).max)
-                j = int(np.argmin(phi))
-                if phi[j] < self.threshold:
-                    ob = self._open[j]
-                    ob.batch.requests.append(req)
-                    ob.L, ob.G = int(L_B[j]), int(G_B[j])
-                    ob.min_useful = min(ob.min_useful, u)
-                    c["L"][j], c["G"][j], c["mu"][j] = ob.L, ob.G, ob.min_useful
-                    c["size"][j] += 1
-                    c["oldest"][j] = min(c["oldest"][j], req.arrival)
-                    return
+            j = self._choose(np.flatnonzero(ok), phi, sure, L, P)
+            if j is not None:
+                ob = self._open[j]
+                ob.batch.requests.append(req)
+                ob.L, ob.G = int(L_B[j]), int(G_B[j])
+                ob.min_useful = min(ob.min_useful, u)
+                plan = ob.plan or self.ctx.plan()
+                plan.add(L, P)
+                ob.plan = plan
+                c["L"][j], c["G"][j], c["mu"][j] = ob.L, ob.G, ob.min_useful
+                c["size"][j] += 1
+                c["oldest"][j] = min(c["oldest"][j], req.arrival)
+                self._set_plan(j, plan)
+                return
         if k == len(c["L"]):
             self._grow()
             c = self._c
-        self._open.append(_Open(Batch(id=new_id("b"), requests=[req], created=now), L, G, u))
+        plan = self.ctx.plan()
+        plan.add(L, P)
+        self._open.append(_Open(Batch(id=new_id("b"), requests=[req], created=now), L, G, u, plan))
         c["L"][k], c["G"][k], c["mu"][k], c["size"][k], c["key"][k] = L, G, u, 1, kid
         c["oldest"][k] = req.arrival
+        self._set_plan(k, plan)
+
+    def _set_plan(self, j: int, plan: KVPlan) -> None:
+        c = self._c
+        c["P"][j], c["pmin"][j], c["peak"][j], c["kpk"][j] = plan.lens[-1], plan.lens[0], plan.peak, plan.k_peak
+
+    def _choose(self, cand: np.ndarray, phi: np.ndarray, sure: np.ndarray, L: int, P: int) -> int | None:
+        """The batch with the smallest φ (ties: opening order) among ``cand`` that the new request
+        fits: ``sure`` ones need no test; the undecided ones before the first sure one in φ order
+        get the exact test."""
+        if not len(cand):
+            return None
+        order = cand[np.argsort(phi[cand], kind="stable")]
+        surely = sure[order]
+        first = int(np.argmax(surely)) if surely.any() else len(order)
+        for j in order[:first]:
+            plan = self._open[j].plan
+            if plan is not None and plan.fits_with(L, P):
+                return int(j)
+        return int(order[first]) if first < len(order) else None
 
     def _remove(self, i: int) -> Batch:
         k = len(self._open)

@@ -94,13 +94,14 @@ def test_insertion_respects_theta():
     assert [x.size for x in p.open_batches()] == [5, 1]
 
 
-def test_insertion_never_mixes_sampling_or_models():
+def test_insertion_never_mixes_models_but_mixes_sampling():
+    """Sampling is applied per row by the worker (batch_key is the model only)."""
     p = WMAPolicy(ctx(), threshold=1e12)
     p.add(req(10, 10), 0)
     p.add(req(10, 10, temperature=0.7), 0)
     p.add(req(10, 10, model="other"), 0)
     p.add(req(10, 10), 0)
-    assert sorted(x.size for x in p.open_batches()) == [1, 1, 2]
+    assert sorted(x.size for x in p.open_batches()) == [1, 3]
 
 
 def test_glp_caps_batch_size():

@@ -40,7 +40,7 @@ def test_pop_dispatches_the_bin_of_the_oldest_request():
 def test_never_mixes_keys_and_respects_theta():
     p = make_policy("s3", ctx(theta_tokens=60))
     p.add(req(10, 10, arrival=0.0), 0.0)
-    p.add(req(10, 10, arrival=0.5, temperature=0.7), 0.5)
+    p.add(req(10, 10, arrival=0.5, model="other"), 0.5)
     for t in (1.0, 2.0, 3.0):
         p.add(req(10, 10, arrival=t), t)
     b = p.pop(4.0)

@@ -76,7 +76,7 @@ def test_requeued_batch_runs_earliest_deadline_first():
 
 def test_requests_of_other_keys_are_skipped_not_closing():
     p = make_policy("slo-odbs", ctx())
-    a, other, b = req(10, 10, 0.0, slo=1.0), req(10, 10, 0.0, slo=2.0, temperature=0.5), req(10, 10, 0.0, slo=3.0)
+    a, other, b = req(10, 10, 0.0, slo=1.0), req(10, 10, 0.0, slo=2.0, model="other"), req(10, 10, 0.0, slo=3.0)
     for r in (a, other, b):
         p.add(r, 0.0)
     assert [r.id for r in p.pop(0.0).requests] == [a.id, b.id]
