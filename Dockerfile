@@ -10,6 +10,7 @@ RUN if ! command -v python3 >/dev/null; then apt-get update && apt-get install -
 WORKDIR /app
 RUN python3 -m pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/${TORCH_INDEX}
 COPY pyproject.toml README.md ./
+COPY launch launch
 COPY cohort cohort
 COPY gateway gateway
 COPY predictor predictor

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from cohort.stack import EmbeddedRedis, Stack, free_port
+from launch.stack import EmbeddedRedis, Stack, free_port
 
 
 def parse_env(pairs: list[str] | None) -> dict[str, str]:

@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "cohort/tiny-random-llama"
@@ -129,16 +129,6 @@ class Settings(BaseSettings):
         default=500, description="First retraining: rows per Magnus task from ../shared/data's train split "
         "to start the training set with (0: start from the log DB only).")
     estimator_retrain_every_s: float = 120.0
-
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, v: str) -> str:
-        """Fail at start-up, not when the first instance registers, on a misspelt policy."""
-        from batcher.policies import POLICIES
-
-        if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}; choose one of {sorted(POLICIES)}")
-        return v
 
     def policy_params(self) -> dict:
         """Everything a policy factory may take; each policy picks what it uses."""

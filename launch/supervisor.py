@@ -13,7 +13,7 @@ import signal
 import time
 
 from cohort.settings import get_settings
-from cohort.stack import EmbeddedRedis, Stack
+from launch.stack import EmbeddedRedis, Stack
 
 log = logging.getLogger("cohort.serve")
 
