@@ -29,7 +29,7 @@ from batcher.policies import Policy, PolicyContext, make_policy, planning_memory
 from cohort import bus
 from cohort.logdb import finish_request, get_engine
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent
-from cohort.settings import Settings, get_settings
+from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest, new_id
 
 log = logging.getLogger("cohort.batcher")
@@ -49,10 +49,10 @@ class BatcherService:
     settings: Settings
     redis: redis.Redis
     estimator: object
+    send_task: Callable[[Batch], None]  # hands a batch to the pool's queue (workers.celery_app.batch_sender)
     policy: Policy | None = None
     inflight: dict[str, Inflight] = field(default_factory=dict)
     instances: dict[str, InstanceInfo] = field(default_factory=dict)
-    send_task: Callable[[Batch], None] | None = None  # default: the pool's Celery queue
     _last_refresh: float = 0.0
 
     # --- setup ----------------------------------------------------------------------------
@@ -281,13 +281,7 @@ class BatcherService:
         pipe.hincrby(bus.STATS, "batches_dispatched", 1)
         pipe.execute()
         self.inflight[batch.id] = Inflight(batch, now)
-        if self.send_task is not None:
-            self.send_task(batch)
-        else:
-            from workers.celery_app import celery_app
-
-            celery_app.send_task("cohort.run_batch", args=[payload], task_id=batch.id,
-                                 queue=bus.queue_for_pool(self.settings.pool))
+        self.send_task(batch)
         log.info("dispatched batch %s: β=%d L=%d G'=%d", batch.id, batch.size, batch.input_len,
                  batch.predicted_gen_len)
 
@@ -310,15 +304,14 @@ def _acquire_lock(r: redis.Redis, me: str) -> None:
         time.sleep(1.0)
 
 
-def run_batcher(settings: Settings | None = None) -> None:
-    """The batcher process's main loop."""
-    s = settings or get_settings()
+def run_batcher(settings: Settings, estimator: object, send_task: Callable[[Batch], None]) -> None:
+    """The batcher process's main loop; the entry point injects the batch-time estimator and the
+    Celery sender (the batcher itself knows neither the predictor package nor Celery)."""
+    s = settings
     r = redis.Redis.from_url(s.resolved_redis_url, decode_responses=True)
-    from predictor.estimator_service import EstimatorService
-
     me = f"{socket.gethostname()}-{os.getpid()}"
     _acquire_lock(r, me)
-    svc = BatcherService(s, r, EstimatorService(s))
+    svc = BatcherService(s, r, estimator, send_task)
     log.info("batcher %s active: policy=%s Φ=%.0f pool=%s", me, s.policy, s.wma_threshold, s.pool)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))

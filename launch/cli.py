@@ -15,6 +15,8 @@ from cohort.settings import Settings, get_settings
 from deployer.cli import app as deploy_app
 from launch.supervisor import serve_all
 from predictor.cli import app as predictor_app
+from predictor.estimator_service import EstimatorService
+from workers.celery_app import batch_sender
 from workers.cli import app as worker_app
 
 app = typer.Typer(help="cohort: static-batch scheduling for LLM serving.", no_args_is_help=True,
@@ -60,7 +62,8 @@ def gateway(host: str | None = None, port: int | None = None) -> None:
 def batcher() -> None:
     """Run the batcher: assemble batches and dispatch one whenever an instance is idle."""
     _logging()
-    run_batcher(checked_settings())
+    s = checked_settings()
+    run_batcher(s, EstimatorService(s), batch_sender(s))
 
 
 def main() -> None:

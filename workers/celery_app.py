@@ -6,10 +6,13 @@ to a second worker; it is set in the broker, result-backend and app options (SPE
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from celery import Celery
 
 from cohort.bus import queue_for_pool
-from cohort.settings import get_settings
+from cohort.settings import Settings, get_settings
+from cohort.types import Batch
 
 
 def make_celery() -> Celery:
@@ -49,3 +52,14 @@ def make_celery() -> Celery:
 
 
 celery_app = make_celery()
+
+
+def batch_sender(settings: Settings) -> Callable[[Batch], None]:
+    """How the batcher hands a batch to its pool: the run_batch task on the pool's queue, with the
+    batch id as the task id (a redelivery is recognised by it)."""
+    queue = queue_for_pool(settings.pool)
+
+    def send(batch: Batch) -> None:
+        celery_app.send_task("cohort.run_batch", args=[batch.to_dict()], task_id=batch.id, queue=queue)
+
+    return send

@@ -1,11 +1,12 @@
-"""The batcher service on a real Redis, with the Celery send replaced by a recorder."""
+"""The batcher service on an in-memory Redis (fakeredis: the same commands, no server), with
+the Celery send replaced by a recorder. The e2e tests run it against a real Redis."""
 
 from __future__ import annotations
 
 import json
 
+import fakeredis
 import pytest
-import redis
 
 from batcher.service import BatcherService
 from cohort import bus
@@ -13,15 +14,11 @@ from cohort.protocol import BatchOutcome, CompletionEvent, StreamEvent, StreamKi
 from cohort.settings import Settings
 from cohort.types import InstanceInfo, ProfiledRequest
 from predictor.estimator import AnalyticBatchTime
-from tests.e2e.stack import redis_url_for_test
 
 
 @pytest.fixture
-def r(tmp_path):
-    url, close = redis_url_for_test(tmp_path)
-    client = redis.Redis.from_url(url, decode_responses=True)
-    yield client
-    close()
+def r():
+    return fakeredis.FakeRedis(decode_responses=True)
 
 
 def register(r, name: str, theta: int = 10**9, delta: int = 1, alive: bool = True) -> None:
