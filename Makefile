@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench-sim clean
+.PHONY: install serve test test-unit lint bench-sim clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Every test that needs no service (no Redis, PostgreSQL or spawned stack): the fast loop.
+test-unit: install
+	$(BIN)/python -m pytest -q -m "not e2e"
 
 lint: install
 	$(BIN)/ruff check .

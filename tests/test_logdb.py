@@ -39,7 +39,7 @@ def _pg_url():
     return url, drop
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.e2e)])
 def db(request, tmp_path):
     if request.param == "sqlite":
         yield get_engine(f"sqlite:///{tmp_path}/log.db")
