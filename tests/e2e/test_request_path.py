@@ -94,10 +94,12 @@ def test_openai_completions_chat_and_stream(stack):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["role"] == "assistant"
         assert r.json()["usage"]["completion_tokens"] == 3
-        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True, "ignore_eos": True})
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True, "ignore_eos": True,
+                                             "stream_options": {"include_usage": True}})
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [e.removeprefix("data: ") for e in r.text.strip().split("\n\n")]
-        assert events[-1] == "[DONE]" and json.loads(events[0])["usage"]["completion_tokens"] == 2
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 2
+        assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("body,param", [
@@ -129,7 +131,8 @@ def test_metrics_expose_queue_and_batches(stack):
     r = httpx.post(f"{stack.url}/v1/generate", json={"input": "count me", "max_tokens": 2}, timeout=120)
     assert r.status_code == 200, r.text
     text = httpx.get(f"{stack.url}/metrics").text
-    assert "cohort_requests_total" in text or "cohort_request_latency_seconds" in text
+    assert 'cohort_requests_total{endpoint="generate",status="200"}' in text
+    assert 'cohort_e2e_request_latency_seconds_count{endpoint="generate"}' in text
     assert 'cohort_batcher_events{event="batches_dispatched"}' in text
     assert "cohort_instances_alive 1.0" in text
 
