@@ -4,14 +4,15 @@ clear error (never loops). tests/e2e/test_preemption.py runs the same scenario e
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 
 import httpx
 import pytest
 
+from tests.e2e.scenarios import KV_BYTES_PER_TOKEN, behind_a_blocker
+
 pytestmark = pytest.mark.e2e
-DELTA = 2048  # bytes/token of the built-in model (2 · 4 layers · 2 kv heads · 32 · fp32)
+DELTA = KV_BYTES_PER_TOKEN
 # The instance advertises 20 MB but only 600 tokens of KV really fit: predicted lengths say a
 # batch fits, the real run outgrows memory — the situation OOM recovery exists for.
 STACK_ENV = {"COHORT_POLICY": "magnus", "COHORT_WMA_THRESHOLD": "1e12", "COHORT_EXECUTION": "static",
@@ -26,17 +27,7 @@ def test_oom_batch_is_split_and_every_request_answered(stack):
     bodies = [{"instruction": "Echo.", "input": f"item {i}", "max_tokens": 50, "emulated_tokens": 50}
               for i in range(16)]
 
-    async def scenario():
-        async with httpx.AsyncClient(base_url=stack.url, timeout=300) as c:
-            first = asyncio.create_task(c.post("/v1/generate", json=blocker))
-            for _ in range(200):  # until the blocker is running
-                if stack.redis.hlen("cohort:inflight"):
-                    break
-                await asyncio.sleep(0.02)
-            rest = await asyncio.gather(*(c.post("/v1/generate", json=b) for b in bodies))
-            return await first, rest
-
-    first, responses = asyncio.run(scenario())
+    first, responses = behind_a_blocker(stack, blocker, bodies)
     assert first.status_code == 200 and first.json()["generated_tokens"] == 300
     assert [r.status_code for r in responses] == [200] * 16, [r.text for r in responses]
     assert all(r.json()["generated_tokens"] == 50 for r in responses)

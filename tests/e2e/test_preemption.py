@@ -4,13 +4,13 @@ request gets exactly its tokens, nothing restarts, and a request too big even al
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 
 import httpx
 import pytest
 
-from tests.e2e.test_oom_recovery import DELTA
+from tests.e2e.scenarios import KV_BYTES_PER_TOKEN as DELTA
+from tests.e2e.scenarios import behind_a_blocker
 
 pytestmark = pytest.mark.e2e
 STACK_ENV = {"COHORT_POLICY": "magnus", "COHORT_WMA_THRESHOLD": "1e12", "COHORT_EXECUTION": "elastic",
@@ -23,17 +23,7 @@ def test_overflowing_batch_preempts_rows_and_keeps_their_tokens(stack):
     bodies = [{"instruction": "Echo.", "input": f"item {i}", "max_tokens": 50 + i, "emulated_tokens": 50 + i}
               for i in range(16)]
 
-    async def scenario():
-        async with httpx.AsyncClient(base_url=stack.url, timeout=300) as c:
-            first = asyncio.create_task(c.post("/v1/generate", json=blocker))
-            for _ in range(200):
-                if stack.redis.hlen("cohort:inflight"):
-                    break
-                await asyncio.sleep(0.02)
-            rest = await asyncio.gather(*(c.post("/v1/generate", json=b) for b in bodies))
-            return await first, rest
-
-    first, responses = asyncio.run(scenario())
+    first, responses = behind_a_blocker(stack, blocker, bodies)
     assert first.status_code == 200 and first.json()["generated_tokens"] == 300
     assert [r.status_code for r in responses] == [200] * 16, [r.text for r in responses]
     assert [r.json()["generated_tokens"] for r in responses] == [50 + i for i in range(16)]
