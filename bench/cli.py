@@ -6,6 +6,12 @@ live`` replays that workload against a running stack. Both write
 ``{"config": {...}, "policies": {name: {metrics}}}``; with several rates, the top level holds the
 last rate and ``by_rate`` holds every rate. A table of ratios against ``vs`` goes to stdout and
 ``--plot DIR`` draws throughput and latency against rate, one line per policy.
+
+``bench sim`` compares execution modes side by side: ``--execution static,elastic`` runs every
+policy under both, or a name carries its own, ``magnus@static`` (the paper: static batches,
+split-and-restart on overflow) next to ``magnus@elastic`` (rows leave as they finish, overflow
+preempts rows as continuations); keys in the JSON are ``POLICY[+oracle]@EXECUTION``
+(``bench.simulator.parse_run``).
 """
 
 from __future__ import annotations
@@ -39,18 +45,31 @@ def _instance(gpu: str, model: str, theta_bytes: int | None, reserve_frac: float
                     theta_override=theta_bytes)
 
 
-def ratio_table(policies: dict[str, dict[str, float]], base: str = "vs") -> str:
-    """Throughput, latency and SLO attainment, and their ratios against ``base``."""
-    head = (f"{'policy':18s} {'req/s':>8s} {'x' + base:>7s} {'mean lat':>9s} {'x' + base:>7s} "
-            f"{'p99 lat':>9s} {'SLO att':>8s} {'batch':>7s} {'OOM':>5s} {'failed':>6s}")
+def base_key(policies: dict[str, Any], policy: str = "vs") -> str:
+    """The first result key of ``policy`` (``vs``, ``vs@static``, ``vs@elastic``…), else ``policy``."""
+    return next((k for k in policies if k == policy or k.startswith(policy + "@")), policy)
+
+
+def ratio_table(policies: dict[str, dict[str, float]], base: str = "vs", versus: str | None = None) -> str:
+    """Throughput, latency and SLO attainment, their ratios against ``base`` (and ``versus``),
+    OOM splits, preemptions and the share of decoded tokens thrown away."""
+    refs = [base] + ([versus] if versus else [])
+    widths = [len(r) + 4 for r in refs]
+    cols = "".join(f" {'thr/' + r:>{w}s} {'lat/' + r:>{w}s}" for r, w in zip(refs, widths, strict=True))
+    head = (f"{'policy':26s} {'req/s':>8s} {'mean lat':>9s}{cols} {'p99 lat':>9s} {'TTFT':>8s} {'SLO att':>8s} "
+            f"{'batch':>7s} {'OOM':>5s} {'preempt':>7s} {'wasted':>7s} {'failed':>6s}")
     lines = [head, "-" * len(head)]
-    b = policies.get(base)
     for name, m in policies.items():
-        rt = m["request_throughput"] / b["request_throughput"] if b and b["request_throughput"] else math.nan
-        rl = m["mean_latency_s"] / b["mean_latency_s"] if b and b["mean_latency_s"] else math.nan
-        lines.append(f"{name:18s} {m['request_throughput']:8.2f} {rt:7.2f} {m['mean_latency_s']:9.2f} {rl:7.2f} "
-                     f"{m['p99_latency_s']:9.2f} {m['slo_attainment']:8.3f} {m['mean_batch_size']:7.1f} "
-                     f"{m['oom_splits']:5d} {m['failed']:6d}")
+        ratios = ""
+        for r, w in zip(refs, widths, strict=True):
+            b = policies.get(r)
+            rt = m["request_throughput"] / b["request_throughput"] if b and b["request_throughput"] else math.nan
+            rl = m["mean_latency_s"] / b["mean_latency_s"] if b and b["mean_latency_s"] else math.nan
+            ratios += f" {rt:{w}.2f} {rl:{w}.2f}"
+        lines.append(f"{name:26s} {m['request_throughput']:8.2f} {m['mean_latency_s']:9.2f}{ratios} "
+                     f"{m['p99_latency_s']:9.2f} {m.get('mean_ttft_s', math.nan):8.2f} {m['slo_attainment']:8.3f} "
+                     f"{m['mean_batch_size']:7.1f} {m['oom_splits']:5d} {m.get('preemptions', 0):7d} "
+                     f"{m.get('wasted_token_frac', 0.0):7.3f} {m['failed']:6d}")
     return "\n".join(lines)
 
 
@@ -87,6 +106,34 @@ def plot_sweep(by_rate: dict[str, dict[str, Any]], out: Path) -> list[Path]:
     return paths
 
 
+def plot_runs(policies: dict[str, dict[str, float]], out: Path, name: str = "compare.png") -> Path:
+    """One rate, many runs (e.g. static vs elastic): bars of throughput, mean latency and TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    keys = list(policies)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 0.35 * len(keys) + 1.8), sharey=True)
+    for ax, (metric, label) in zip(axes, (("request_throughput", "request throughput (req/s)"),
+                                          ("mean_latency_s", "mean latency (s, log)"),
+                                          ("mean_ttft_s", "mean TTFT (s, log)")), strict=True):
+        vals = [policies[k].get(metric, math.nan) for k in keys]
+        ax.barh(range(len(keys)), vals, color=["tab:orange" if "@elastic" in k else "tab:blue" for k in keys])
+        ax.set_xlabel(label)
+        if metric != "request_throughput":
+            ax.set_xscale("log")
+        ax.grid(alpha=0.3, axis="x")
+    axes[0].set_yticks(range(len(keys)), keys, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.tight_layout()
+    p = out / name
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p
+
+
 def _write(result: dict[str, Any], json_out: Path | None, plot: Path | None) -> None:
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +141,8 @@ def _write(result: dict[str, Any], json_out: Path | None, plot: Path | None) -> 
         typer.echo(f"wrote {json_out}", err=True)
     if plot:
         by_rate = result.get("by_rate") or {str(result["config"]["rate"]): {"policies": result["policies"]}}
-        for p in plot_sweep(by_rate, plot):
+        paths = plot_sweep(by_rate, plot) if len(by_rate) > 1 else [plot_runs(result["policies"], plot)]
+        for p in paths:
             typer.echo(f"wrote {p}", err=True)
 
 
@@ -102,7 +150,14 @@ def _write(result: dict[str, Any], json_out: Path | None, plot: Path | None) -> 
 def sim(
     data: list[Path] = typer.Option(None, help="Shared-data JSONL files (repeat); default: the 8 Magnus tasks."),
     predictor: str = typer.Option("oracle", help="Predictor model dir (cohort predictor train), or 'oracle'."),
-    policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated; NAME+oracle feeds true lengths."),
+    policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated NAME[+oracle][@EXECUTION[/RECOVERY]]; "
+                                 "+oracle feeds true lengths; without @ a name runs under every --execution."),
+    execution: str = typer.Option("elastic", help="Comma-separated execution modes: static (rows stay until the "
+                                  "longest ends, the papers) | elastic (rows leave as they finish)."),
+    oom_recovery: str = typer.Option(None, help="split | preempt for every run without /RECOVERY (default: the "
+                                     "mode's own, split for static, preempt for elastic)."),
+    max_preemptions: int = typer.Option(8, help="Rows preempted this often are evicted last."),
+    versus: str = typer.Option(None, help="A second reference run for the ratio table, e.g. magnus+oracle@static."),
     rate: str = typer.Option("40", help="Request rate(s) in req/s, comma-separated for a sweep."),
     instances: int = typer.Option(8, help="LLM instances."),
     requests: int = typer.Option(10_000, help="Requests per run."),
@@ -128,12 +183,16 @@ def sim(
     """Simulate every policy on the same seeded workload; print ratios vs VS; write JSON/plots."""
     from tqdm import tqdm
 
-    from bench.simulator import parse_policy, simulate
+    from bench.simulator import parse_policy, parse_run, simulate
     from bench.workload import ORACLE, WorkloadConfig, build_rows, make_workload
 
-    names = [p.strip() for p in policies.split(",") if p.strip()]
-    for name in names:
-        parse_policy(name)
+    modes = [x.strip() for x in execution.split(",") if x.strip()]
+    try:
+        runs = [(name, *run) for p in policies.split(",") if (name := p.strip())
+                for run in parse_run(name, modes, oom_recovery)]
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    names = [name for name, *_ in runs]
     files = _files(data)
     inst = _instance(gpu, model, theta_bytes, reserve_frac, step_overhead_s)
     if batch_time:
@@ -161,21 +220,24 @@ def sim(
         lists = {False: wl.requests(oracle=False), True: wl.requests(oracle=True)}
         results: dict[str, Any] = {}
         sim_info: dict[str, Any] = {}
-        for name in names:
+        for name, key, ex, rec in runs:
             _, oracle = parse_policy(name)
-            with tqdm(total=requests, desc=f"{name} @ {r:g} req/s", unit="req", leave=False) as bar:
-                res = simulate(lists[oracle], name, inst.memory, tm, instances=instances,
+            with tqdm(total=requests, desc=f"{key} @ {r:g} req/s", unit="req", leave=False) as bar:
+                res = simulate(lists[oracle], key, inst.memory, tm, instances=instances,
                                max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens,
-                               params=params, progress=bar.update, headroom=headroom)
-            results[name] = res.metrics
-            sim_info[name] = {"wall_s": round(res.wall_s, 3), "batches": res.batches,
-                              "sim_time_s": res.sim_time_s, **{k: v for k, v in res.extra.items() if k != "params"}}
+                               params=params, progress=bar.update, headroom=headroom, execution=ex,
+                               oom_recovery=rec, max_preemptions=max_preemptions)
+            results[key] = res.metrics
+            sim_info[key] = {"wall_s": round(res.wall_s, 3), "batches": res.batches,
+                             "sim_time_s": res.sim_time_s, **{k: v for k, v in res.extra.items() if k != "params"}}
         config = {"runner": "sim", "workload": wc.to_dict(), "instances": instances,
                   "instance": inst.describe(), "time_model": tm_desc, "policy_params": params,
-                  "max_input_tokens": max_input_tokens, "headroom": headroom, "rate": r, "sim": sim_info}
+                  "max_input_tokens": max_input_tokens, "headroom": headroom, "rate": r,
+                  "execution": modes, "oom_recovery": oom_recovery, "max_preemptions": max_preemptions,
+                  "sim": sim_info}
         by_rate[f"{r:g}"] = {"config": config, "policies": results}
         typer.echo(f"\nrate {r:g} req/s, {requests} requests, {instances} instances, predictor {predictor}")
-        typer.echo(ratio_table(results))
+        typer.echo(ratio_table(results, base_key(results), versus))
     last = by_rate[f"{rates[-1]:g}"]
     out: dict[str, Any] = {"config": last["config"], "policies": last["policies"]}
     if len(rates) > 1:
@@ -253,7 +315,7 @@ def live(
             cfg["live"][name] = {"wall_s": round(res.wall_s, 2), "errors": res.errors, "batches": res.batches}
             typer.echo(f"\n{name}: rate {r:g} req/s, {requests} requests; errors {res.errors}")
         by_rate[f"{r:g}"] = {"config": cfg, "policies": results}
-        typer.echo(ratio_table(results))
+        typer.echo(ratio_table(results, base_key(results)))
     last = by_rate[f"{rates[-1]:g}"]
     out: dict[str, Any] = {"config": last["config"], "policies": last["policies"]}
     if len(rates) > 1:
@@ -266,5 +328,5 @@ def live(
             prev.setdefault("by_rate", {}).setdefault(k, {"config": v["config"], "policies": {}})
             prev["by_rate"][k]["policies"].update(v["policies"])
         out = prev
-        typer.echo(ratio_table(out["policies"]))
+        typer.echo(ratio_table(out["policies"], base_key(out["policies"])))
     _write(out, json_out or merge, plot)

@@ -1,15 +1,30 @@
 """Discrete-event simulation of N LLM instances fed by one batching policy.
 
-Events are arrivals (the workload's Poisson trace) and batch completions. After every event,
-while an instance is idle and the policy has work, ``policy.pop(now)`` chooses a batch —
-exactly the live batcher's contract (nothing is handed out before an instance is free).
+Events are arrivals (the workload's Poisson trace), batch ends and preempted rows coming back.
+After every event, while an instance is idle and the policy has work, ``policy.pop(now)``
+chooses a batch — exactly the live batcher's contract (nothing is handed out before an instance
+is free).
 
-A batch runs for ``time_model.estimate(β, L(B), G(B))`` with the batch's *true* G(B) (the
-static batch decodes until its longest member ends). If MEM(B) with true lengths exceeds Θ
-the batch runs out of memory at the decode step where β·(L(B)+g)·Δ passes Θ: the instance is
-busy until then, then the batch is split in halves (``batcher.oom.split_batch``) and both are
-re-queued; a batch of one that cannot fit fails its request. Every request therefore ends
-either completed or failed, and ``completed + failed`` equals the requests sent.
+How a batch runs is ``bench.execution.run_batch`` with the requests' *true* lengths:
+
+* ``execution="static"`` (the papers): the batch decodes until its longest member ends, for
+  ``time_model.estimate(β, L(B), G(B))``; every member is answered then.
+* ``execution="elastic"``: each row is answered when its own tokens are done and leaves; the
+  batch's time sums the model's decode steps with the alive β (formula in ``bench.execution``).
+
+When the true KV would pass Θ at a step:
+
+* ``oom_recovery="split"`` (Magnus): the instance is busy until that step, then the rows still
+  running are split in halves (``batcher.oom.split_batch``) and both restart from zero; a batch
+  of one that cannot fit fails its request.
+* ``oom_recovery="preempt"``: rows are evicted (``batcher.elastic.eviction_order``) before the
+  step and re-enter the policy as continuations (``ProfiledRequest.continuation``: the tokens
+  done are kept, L(p) grows by them, the remaining lengths shrink); a row that cannot take a
+  step even alone fails.
+
+The policies plan for the same execution (``PolicyContext.elastic``). Every request ends either
+completed or failed, and ``completed + failed`` equals the requests sent. The defaults (static,
+split) reproduce the earlier simulator exactly.
 
 Pure Python/NumPy: the policies are the live batcher's own classes.
 """
@@ -20,7 +35,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -29,20 +44,49 @@ from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import PolicyContext, make_policy, planning_memory
 from batcher.policies.base import BatchTimeModel
-from batcher.wma import total_wma
+from batcher.wma import total_wma, wma_gen
+from bench.execution import EXECUTIONS, RECOVERIES, BatchRun, run_batch
 from cohort.types import Batch, ProfiledRequest
 
 METRICS = ("request_throughput", "valid_token_throughput", "total_token_throughput", "mean_latency_s",
-           "p50_latency_s", "p99_latency_s", "slo_attainment", "total_wma", "mean_batch_size",
-           "oom_splits", "completed", "failed")
+           "p50_latency_s", "p99_latency_s", "mean_ttft_s", "p50_ttft_s", "p99_ttft_s", "slo_attainment",
+           "total_wma", "mean_batch_size", "oom_splits", "preemptions", "wasted_tokens", "wasted_token_frac",
+           "recomputed_tokens", "completed", "failed")
 
 
 def parse_policy(name: str) -> tuple[str, bool]:
-    """``magnus+oracle`` → ("magnus", True): the policy sees true lengths as predictions."""
-    base, _, suffix = name.partition("+")
+    """``magnus+oracle`` → ("magnus", True): the policy sees true lengths as predictions. An
+    execution suffix (``@elastic``, see ``parse_run``) is ignored here."""
+    base, _, suffix = name.partition("@")[0].partition("+")
     if suffix and suffix != "oracle":
         raise ValueError(f"{name!r}: the only suffix is +oracle")
     return base, bool(suffix)
+
+
+DEFAULT_RECOVERY = {"static": "split", "elastic": "preempt"}
+
+
+def parse_run(name: str, executions: Sequence[str] = ("static",), recovery: str | None = None
+              ) -> list[tuple[str, str, str]]:
+    """The runs a policy name asks for: [(result key, execution, OOM recovery)].
+
+    ``NAME[+oracle][@EXECUTION[/RECOVERY]]``; without ``@`` the name runs once per entry of
+    ``executions``. A run's recovery is its ``/RECOVERY``, else ``recovery``, else the mode's own:
+    ``split`` for ``static`` (the papers: Magnus's split-and-restart), ``preempt`` for ``elastic``
+    (the product). Keys are ``NAME[+oracle]@EXECUTION``, plus ``/RECOVERY`` when it is not the
+    mode's own, e.g. ``magnus+oracle@static``, ``magnus@elastic``, ``magnus@elastic/split``.
+    """
+    parse_policy(name)
+    head, _, spec = name.partition("@")
+    out = []
+    for ex_spec in ([spec] if spec else list(executions)):
+        ex, _, rec = ex_spec.partition("/")
+        rec = rec or recovery or DEFAULT_RECOVERY.get(ex, "")
+        if ex not in EXECUTIONS or rec not in RECOVERIES:
+            raise ValueError(f"{name!r}: execution must be one of {EXECUTIONS}, recovery one of {RECOVERIES}")
+        key = f"{head}@{ex}" + (f"/{rec}" if rec != DEFAULT_RECOVERY[ex] else "")
+        out.append((key, ex, rec))
+    return out
 
 
 @dataclass
@@ -59,17 +103,24 @@ class SimResult:
 
 def compute_metrics(arrival: np.ndarray, finish: np.ndarray, ok: np.ndarray, deadline: np.ndarray,
                     true_tokens: np.ndarray, batch_sizes: Sequence[int], padded_tokens: float,
-                    wma: float, oom_splits: int) -> dict[str, float]:
+                    wma: float, oom_splits: int, first_token: np.ndarray | None = None, preemptions: int = 0,
+                    wasted_tokens: int = 0, decoded_tokens: int = 0, recomputed_tokens: int = 0) -> dict[str, float]:
     """The benchmark metrics from per-request outcomes (shared with the live runner).
 
     Throughputs are per second of makespan (first arrival to last completion). SLO attainment
-    counts a request as met only if it completed by its deadline (failures miss).
+    counts a request as met only if it completed by its deadline (failures miss). TTFT is the
+    first token's time minus arrival (NaN when ``first_token`` is not known). ``wasted_tokens``
+    are decoded row-steps thrown away by split-and-restart, ``wasted_token_frac`` their share of
+    all decoded row-steps; ``recomputed_tokens`` are generated tokens re-prefilled when a
+    preempted request resumes.
     """
     n = len(arrival)
     completed = int(ok.sum())
     span = (float(np.max(finish[ok])) - float(np.min(arrival))) if completed else 0.0
     lat = (finish - arrival)[ok]
     per_s = (lambda x: x / span) if span > 0 else (lambda x: 0.0)
+    ttft = (first_token - arrival)[ok] if first_token is not None else np.array([])
+    ttft = ttft[np.isfinite(ttft)]
     return {
         "request_throughput": per_s(completed),
         "valid_token_throughput": per_s(float(true_tokens[ok].sum())),
@@ -77,19 +128,35 @@ def compute_metrics(arrival: np.ndarray, finish: np.ndarray, ok: np.ndarray, dea
         "mean_latency_s": float(lat.mean()) if completed else math.nan,
         "p50_latency_s": float(np.percentile(lat, 50)) if completed else math.nan,
         "p99_latency_s": float(np.percentile(lat, 99)) if completed else math.nan,
+        "mean_ttft_s": float(ttft.mean()) if len(ttft) else math.nan,
+        "p50_ttft_s": float(np.percentile(ttft, 50)) if len(ttft) else math.nan,
+        "p99_ttft_s": float(np.percentile(ttft, 99)) if len(ttft) else math.nan,
         "slo_attainment": float((ok & (finish <= deadline + 1e-9)).sum() / n) if n else math.nan,
         "total_wma": float(wma),
         "mean_batch_size": float(np.mean(batch_sizes)) if len(batch_sizes) else 0.0,
         "oom_splits": int(oom_splits),
+        "preemptions": int(preemptions),
+        "wasted_tokens": int(wasted_tokens),
+        "wasted_token_frac": float(wasted_tokens / decoded_tokens) if decoded_tokens else 0.0,
+        "recomputed_tokens": int(recomputed_tokens),
         "completed": completed,
         "failed": int(n - completed),
     }
 
 
+def continuation(req: ProfiledRequest, kept: int, now: float | None) -> ProfiledRequest:
+    """``req`` preempted after ``kept`` tokens of this run, as the worker hands it back. The
+    simulator has no token ids: the prompt and generated tokens are stand-in zeros (only their
+    counts matter to planning: L(p) grows by ``kept``, the remaining lengths shrink by it)."""
+    base = req if req.prompt_ids is not None else replace(req, prompt_ids=[])
+    return base.continuation([0] * kept, now if kept else None)
+
+
 def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory, time_model: BatchTimeModel,
              instances: int = 8, estimator: BatchTimeModel | None = None, max_input_tokens: int = 2048,
              max_tokens_limit: int = 2048, params: dict[str, Any] | None = None,
-             progress: Callable[[int], None] | None = None, headroom: float = 0.0) -> SimResult:
+             progress: Callable[[int], None] | None = None, headroom: float = 0.0,
+             execution: str = "static", oom_recovery: str = "split", max_preemptions: int = 8) -> SimResult:
     """Run one policy over a request trace (sorted by arrival) on ``instances`` identical instances.
 
     ``requests`` must carry ``true_tokens``; the policy reads ``predicted_tokens`` (build the
@@ -98,12 +165,17 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     with the number of newly finished requests (completed or failed). ``headroom`` makes the
     policy plan with Θ·(1 − headroom) while the instance still has Θ: slack for under-predicted
     lengths, so fewer batches run out of memory (0 = the policy sees the true Θ, as in SPEC;
-    VS always plans with Θ).
+    VS always plans with Θ). ``execution`` and ``oom_recovery`` pick how batches run
+    (``bench.execution``); the policies plan for the same execution (``PolicyContext.elastic``).
+    The defaults are the papers' (static, split).
     """
     t0 = time.perf_counter()
+    if execution not in EXECUTIONS or oom_recovery not in RECOVERIES:
+        raise ValueError(f"execution in {EXECUTIONS}, oom_recovery in {RECOVERIES}")
+    elastic = execution == "elastic"
     base, _ = parse_policy(policy)
     ctx = PolicyContext(memory=planning_memory(base, memory, headroom), estimator=estimator or time_model,
-                        max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens_limit)
+                        max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens_limit, elastic=elastic)
     params = {"threshold": 200_000.0, **(params or {})}
     pol = make_policy(base, ctx, **params)
 
@@ -113,82 +185,106 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     deadline = np.array([r.deadline for r in requests], dtype=float)
     true = np.array([r.true_tokens for r in requests], dtype=np.int64)
     finish = np.full(n, math.inf)
+    first = np.full(n, math.inf)
     ok = np.zeros(n, dtype=bool)
     order = np.argsort(arrival, kind="stable")
 
-    theta, delta = memory.theta_bytes, memory.delta_bytes
+    budget = memory.theta_tokens
     idle = instances
-    heap: list[tuple[float, int, Batch, bool]] = []  # (finish time, seq, batch, ran out of memory)
+    # (time, seq, kind, payload): kind "end" = a run ends (payload: batch, its BatchRun),
+    # "back" = a preempted row re-enters the policy (payload: the continuation)
+    heap: list[tuple[float, int, str, Any]] = []
     seq = 0
     sizes: list[int] = []
-    padded = 0.0
-    busy = 0.0
-    sum_gb = 0
-    sum_lb = 0
-    wma = 0
-    ooms = 0
-    n_batches = 0
+    stats = {"padded": 0.0, "busy": 0.0, "sum_gb": 0, "sum_lb": 0, "wma": 0, "ooms": 0, "preemptions": 0,
+             "recomputed": 0, "decoded": 0, "wasted": 0, "batches": 0}
     i = 0
     now = 0.0
-    estimate = time_model.estimate
+
+    def settle(j: int, at: float, done: bool) -> None:
+        finish[j] = at
+        ok[j] = done
+        if progress:
+            progress(1)
 
     def dispatch(now: float) -> None:
-        nonlocal idle, seq, n_batches, busy
+        nonlocal idle, seq
         while idle > 0:
             b = pol.pop(now)
             if b is None:
                 return
             reqs = b.requests
-            beta = len(reqs)
-            L_B = max(r.input_tokens for r in reqs)
-            G_B = max(r.true_tokens for r in reqs)
-            n_batches += 1
-            if beta * (L_B + G_B) * delta > theta:
-                # out of memory at the first decode step whose KV no longer fits
-                g_oom = max(0, min(G_B, theta // (beta * delta) - L_B + 1))
-                heapq.heappush(heap, (now + estimate(beta, L_B, g_oom), seq, b, True))
-            else:
-                dt = estimate(beta, L_B, G_B)
-                busy += dt
-                heapq.heappush(heap, (now + dt, seq, b, False))
+            run = run_batch([r.input_tokens for r in reqs], [r.true_tokens for r in reqs],
+                            [r.predicted_tokens for r in reqs], [r.preemptions for r in reqs], budget,
+                            time_model, execution, oom_recovery, max_preemptions)
+            stats["batches"] += 1
+            stats["busy"] += run.end
+            stats["decoded"] += run.decoded
+            stats["wasted"] += run.wasted
+            if elastic:   # every kept row-step is a real token: padding rows left with their requests
+                stats["padded"] += run.decoded - run.wasted
+            for k, at in run.finished:
+                j = index[reqs[k].id]
+                first[j] = min(first[j], now + run.first_token)
+                settle(j, now + at, True)
+            for k, at in run.failed:
+                settle(index[reqs[k].id], now + at, False)
+            for k, kept, at in run.evicted:
+                if kept:
+                    j = index[reqs[k].id]
+                    first[j] = min(first[j], now + run.first_token)
+                stats["preemptions"] += 1
+                stats["recomputed"] += kept
+                heapq.heappush(heap, (now + at, seq, "back", continuation(reqs[k], kept, now + run.first_token)))
+                seq += 1
+            heapq.heappush(heap, (now + run.end, seq, "end", (b, run)))
             seq += 1
             idle -= 1
+
+    def ended(b: Batch, run: BatchRun, now: float) -> None:
+        if run.split is not None:
+            part = b if len(run.split) == b.size else Batch(
+                id=b.id, requests=[b.requests[k] for k in run.split], created=b.created, attempt=b.attempt,
+                splits=b.splits)
+            try:
+                halves = split_batch(part)
+            except UnsplittableBatch:
+                if b.size > 1:      # a row left alone by elastic departures restarts without their padding
+                    stats["ooms"] += 1
+                    pol.requeue(part, now)
+                else:
+                    settle(index[part.requests[0].id], now, False)
+            else:
+                stats["ooms"] += 1
+                for h in halves:
+                    pol.requeue(h, now)
+            if not elastic:
+                return
+        reqs = b.requests
+        done = [k for k, _ in run.finished]
+        if not done:
+            return
+        lengths = [(reqs[k].input_tokens, reqs[k].true_tokens) for k in done]
+        G_B = max(g for _, g in lengths)
+        sizes.append(b.size)
+        stats["sum_gb"] += G_B
+        stats["sum_lb"] += max(x for x, _ in lengths)
+        if elastic:   # rows leave when done: only the prompt padding is wasted (WMA_gen)
+            L_B = b.input_len
+            stats["wma"] += sum(wma_gen(x, g, L_B) for x, g in lengths)
+        else:
+            stats["padded"] += b.size * G_B
+            stats["wma"] += total_wma(lengths)
 
     while i < n or heap:
         t_arr = arrival[order[i]] if i < n else math.inf
         if heap and heap[0][0] < t_arr:
-            now, _, b, oom = heapq.heappop(heap)
-            idle += 1
-            if oom:
-                try:
-                    h1, h2 = split_batch(b)
-                except UnsplittableBatch:
-                    j = index[b.requests[0].id]
-                    finish[j] = now
-                    if progress:
-                        progress(1)
-                else:
-                    ooms += 1
-                    pol.requeue(h1, now)
-                    pol.requeue(h2, now)
+            now, _, kind, payload = heapq.heappop(heap)
+            if kind == "end":
+                idle += 1
+                ended(*payload, now)
             else:
-                reqs = b.requests
-                G_B = 0
-                lengths = []
-                for r in reqs:
-                    j = index[r.id]
-                    finish[j] = now
-                    ok[j] = True
-                    lengths.append((r.input_tokens, r.true_tokens))
-                    if r.true_tokens > G_B:
-                        G_B = r.true_tokens
-                sizes.append(len(reqs))
-                sum_gb += G_B
-                sum_lb += max(x[0] for x in lengths)
-                padded += len(reqs) * G_B
-                wma += total_wma(lengths)
-                if progress:
-                    progress(len(reqs))
+                pol.add(payload, now)
         else:
             now = float(t_arr)
             pol.add(requests[order[i]], now)
@@ -196,8 +292,12 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
         if idle > 0:
             dispatch(now)
 
-    metrics = compute_metrics(arrival, finish, ok, deadline, true, sizes, padded, wma, ooms)
-    return SimResult(policy, metrics, time.perf_counter() - t0, n_batches, now,
-                     {"params": dict(params), "busy_frac": busy / (instances * now) if now else 0.0,
-                      "mean_batch_gen_len": sum_gb / max(1, len(sizes)),
-                      "mean_batch_input_len": sum_lb / max(1, len(sizes))})
+    metrics = compute_metrics(arrival, finish, ok, deadline, true, sizes, stats["padded"], stats["wma"],
+                              stats["ooms"], first_token=first, preemptions=stats["preemptions"],
+                              wasted_tokens=stats["wasted"], decoded_tokens=stats["decoded"],
+                              recomputed_tokens=stats["recomputed"])
+    nb = max(1, len(sizes))
+    return SimResult(policy, metrics, time.perf_counter() - t0, stats["batches"], now,
+                     {"params": dict(params), "execution": execution, "oom_recovery": oom_recovery,
+                      "busy_frac": stats["busy"] / (instances * now) if now else 0.0,
+                      "mean_batch_gen_len": stats["sum_gb"] / nb, "mean_batch_input_len": stats["sum_lb"] / nb})

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import random
 
+import numpy as np
 import pytest
 
-from batcher.memory import KVMemory, kv_bytes_per_token
+from batcher.elastic import batch_kv_tokens, peak_kv_tokens
+from batcher.memory import KVMemory, grow_bounds, kv_bytes_per_token
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import make_policy
 from batcher.policies.base import pick_hrrn
@@ -169,3 +172,80 @@ def test_oom_split_into_equal_halves(n, expect):
 def test_oom_split_of_one_refuses():
     with pytest.raises(UnsplittableBatch, match="single request"):
         split_batch(Batch("b", [req(10, 10)], 0.0))
+
+
+def brute_force_peak(input_len: int, gen_lens: list[int]) -> int:
+    """KV tokens held at each decode step t: every row not yet finished holds L + t; the max over t."""
+    return max(sum(input_len + t for g in gen_lens if g >= t) for t in range(1, max(gen_lens) + 1))
+
+
+def test_peak_profile_rule_equals_a_brute_force_over_steps():
+    rng = random.Random(0)
+    for _ in range(500):
+        L = rng.randint(0, 50)
+        lens = [rng.randint(1, 60) for _ in range(rng.randint(1, 9))]
+        assert peak_kv_tokens(L, lens) == brute_force_peak(L, lens)
+        assert batch_kv_tokens(L, lens, elastic=True) == brute_force_peak(L, lens)
+        assert batch_kv_tokens(L, lens, elastic=False) == len(lens) * (L + max(lens))
+
+
+def test_incremental_plan_and_vector_bounds_agree_with_the_rule():
+    """KVPlan.fits_with (O(1) bounds, exact fallback) and grow_bounds never contradict the rule."""
+    rng = random.Random(1)
+    for _ in range(3000):
+        elastic = rng.random() < 0.7
+        mem = KVMemory(delta_bytes=2, theta_bytes=2 * rng.randint(50, 2500))
+        plan, members = mem.plan(elastic), []
+        for _ in range(rng.randint(2, 10)):
+            L, g = rng.randint(0, 60), rng.randint(1, 80)
+            if members:
+                L_B = max([m[0] for m in members] + [L])
+                truth = mem.batch_fits(L_B, [m[1] for m in members] + [g], elastic)
+                assert plan.fits_with(L, g) == truth
+                col = lambda x: np.array([x])  # noqa: E731
+                sure, may = grow_bounds(mem.theta_tokens, elastic, col(plan.size), col(plan.L), col(plan.lens[-1]),
+                                        col(plan.lens[0]), col(plan.peak), col(plan.k_peak), L, g,
+                                        np.maximum, np.minimum)
+                assert (truth or not sure[0]) and (may[0] or not truth)
+            plan.add(L, g)
+            members.append((L, g))
+            assert plan.tokens() == batch_kv_tokens(max(m[0] for m in members), [m[1] for m in members], elastic)
+
+
+def _elastic_ctx(elastic: bool):
+    c = ctx(theta_tokens=400)
+    c.elastic = elastic
+    return c
+
+
+@pytest.mark.parametrize("name", ["abp", "magnus", "s3", "s3-hrrn", "slo-odbs"])
+def test_elastic_planning_admits_a_batch_static_planning_refuses(name):
+    """One 100-token request and nine 5-token ones, L = 10: static MEM 10·110 = 1100 > 400, but the
+    peak with rows leaving is max(1·110, 10·15) = 150 ≤ 400."""
+    def load(p):
+        p.add(req(10, 100, 0.0, slo=1000.0), 0.0)
+        for i in range(9):
+            p.add(req(10, 5, 0.1 * (i + 1), slo=1000.0), 0.1 * (i + 1))
+        return p.pop(1.0)
+
+    static = load(make_policy(name, _elastic_ctx(False), threshold=1e12))
+    elastic = load(make_policy(name, _elastic_ctx(True), threshold=1e12))
+    assert elastic.size == 10
+    assert static.size < 10 and static.size * (10 + static.predicted_gen_len) <= 400
+
+
+def test_memory_planning_uses_the_upper_quantile_grouping_the_point():
+    """predicted_upper sizes the batch; WMA still groups on predicted_tokens."""
+    p = WMAPolicy(ctx(theta_tokens=100), threshold=1e12)
+    for _ in range(3):
+        r = req(10, 10, 0.0)
+        r.predicted_upper = 40        # 2·(10+40) = 100 fits, 3·50 does not
+        p.add(r, 0.0)
+    assert sorted(b.size for b in p.open_batches()) == [1, 2]
+    assert p.open_batches()[0].predicted_gen_len == 10
+
+
+def test_vs_keeps_worst_case_sizing_under_elastic():
+    a = make_policy("vs", _elastic_ctx(False))
+    b = make_policy("vs", _elastic_ctx(True))
+    assert a.batch_size == b.batch_size == 400 // 200

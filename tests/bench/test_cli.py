@@ -19,9 +19,11 @@ def test_sim_writes_json_table_and_plots(tiny_files, tmp_path, monkeypatch):
         args += ["--data", f]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
-    assert "xvs" in r.output and "magnus+oracle" in r.output
+    assert "thr/vs@elastic" in r.output and "magnus+oracle@elastic" in r.output
     d = json.loads(out.read_text())
     assert set(d) == {"config", "policies", "by_rate"}
+    assert set(d["policies"]) == {"vs@elastic", "magnus@elastic", "magnus+oracle@elastic", "s3@elastic",
+                                  "slo-odbs@elastic"}
     assert d["config"]["rate"] == 20.0 and set(d["by_rate"]) == {"5", "20"}
     for name, m in d["policies"].items():
         assert set(METRICS) <= set(m), name
@@ -33,3 +35,26 @@ def test_sim_writes_json_table_and_plots(tiny_files, tmp_path, monkeypatch):
                            + [a for f in tiny_files for a in ("--data", f)])
     assert r.exit_code == 0, r.output
     assert set(json.loads(out.read_text())) == {"config", "policies"}
+
+
+def test_sim_compares_execution_modes_in_one_run(tiny_files, tmp_path, monkeypatch):
+    """--execution static,elastic runs every name under both; a name may carry its own mode."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "e.json"
+    args = ["sim", "--policies", "vs,magnus+oracle,magnus@elastic/split", "--execution", "static,elastic",
+            "--rate", "20", "--requests", "300", "--instances", "2", "--json", str(out),
+            "--versus", "magnus+oracle@static", "--plot", str(tmp_path / "p")]
+    for f in tiny_files:
+        args += ["--data", f]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert list(d["policies"]) == ["vs@static", "vs@elastic", "magnus+oracle@static", "magnus+oracle@elastic",
+                                   "magnus@elastic/split"]
+    assert d["config"]["sim"]["magnus@elastic/split"]["oom_recovery"] == "split"
+    assert d["config"]["sim"]["vs@elastic"]["oom_recovery"] == "preempt"
+    assert d["config"]["sim"]["vs@static"]["oom_recovery"] == "split"
+    assert "thr/magnus+oracle@static" in r.output
+    assert (tmp_path / "p" / "compare.png").stat().st_size > 0
+    bad = CliRunner().invoke(app, ["sim", "--policies", "vs@fast", "--data", tiny_files[0]])
+    assert bad.exit_code != 0
