@@ -42,7 +42,7 @@ def train(
     min_samples_leaf: int = typer.Option(2, help="magnus: min samples per leaf."),
     max_depth: int | None = typer.Option(None, help="magnus: max tree depth."),
     max_features: float | None = typer.Option(None, help="magnus: share of features per split (default all)."),
-    max_iter: int = typer.Option(400, help="semantic: boosting iterations."),
+    max_iter: int = typer.Option(300, help="semantic: boosting iterations."),
     learning_rate: float = typer.Option(0.08, help="semantic: boosting learning rate."),
     max_leaf_nodes: int = typer.Option(63, help="semantic: leaves per tree."),
     base_model: str | None = typer.Option(None, help="lora: HF base model path (default: bundled MiniLM)."),

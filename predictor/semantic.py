@@ -1,18 +1,22 @@
-"""The ranking length predictor ("semantic"): full static sentence vectors + boosted trees on log length.
+"""The ranking length predictor ("semantic"): what the request asks for, not only how long it is.
 
 Why this design (numbers in docs/predictors.md):
 - Magnus compresses each 384-d sentence vector into 16 (user) + 4 (application) group sums, which
   keeps the *size* of a text but throws away what it asks for. On general instruction traffic
-  (Alpaca) what an instruction asks ("write a story" vs "classify") decides the answer's length, so
-  this model keeps all 384 dimensions of both vectors.
-- The vectors are MiniLM's static token embeddings (``predictor.magnus_fast.static_encode``: a
+  (Alpaca) the words of the instruction ("write a story", "list five", "classify", "in one word")
+  decide the answer's length. Two parts, stacked:
+  1. a ridge regression on TF-IDF word n-grams of the instruction (1–2-grams) and of the input
+     (words) plus shape features → log length. It sees every word, trains in seconds;
+  2. histogram gradient boosting on [its log-length estimate, the full 384-d static MiniLM vectors
+     of instruction and input, shape features] → log length. It adds the non-linear part (input
+     length on code/translation tasks, interactions). During training the ridge feature is
+     out-of-fold (5 folds), so the trees see estimates as noisy as at serving time.
+- Vectors are MiniLM's static token embeddings (``predictor.magnus_fast.static_encode``: a
   tokenizer call and a gather, thousands of texts/s on 2 cores), so the gateway can use this model
   as its default; instruction vectors are cached per distinct instruction (applications repeat it).
-- The head is a histogram gradient-boosting regressor on ``log1p(length)``: lengths span 1–2,000
-  tokens with a long tail, the log makes errors relative (ranking short vs long answers is what
-  scheduling needs) and its back-transform is a median-like estimate (MAE-friendly).
-- A few cheap shape features (log input length, words of instruction and input, empty input)
-  carry what the normalised vectors lose.
+- Targets are ``log1p(length)``: lengths span 1–2,000 tokens with a long tail, the log makes errors
+  relative (ranking short vs long answers is what scheduling needs) and its back-transform is a
+  median-like estimate (MAE-friendly).
 Stored with skops (sklearn types only), like Magnus.
 """
 
@@ -28,7 +32,7 @@ import numpy as np
 from predictor.base import PredictItem
 from predictor.magnus_fast import static_encode
 
-MODEL_FILE = "model.skops"
+PARTS = ("tfidf_instruction", "tfidf_input", "ridge", "model")  # one skops file each
 META_FILE = "meta.json"
 INSTRUCTION_CACHE = 4096
 
@@ -40,16 +44,24 @@ def shape_features(items: Sequence[PredictItem]) -> np.ndarray:
 
 
 class SemanticPredictor:
-    """HistGradientBoosting on [instruction vector, input vector, shape features] → log1p(length)."""
+    """TF-IDF ridge → (+ static vectors) gradient boosting, on log1p(length). See the module docstring."""
 
     kind = "semantic"
 
-    def __init__(self, encoder_path: str | None = None, max_iter: int = 400, learning_rate: float = 0.08,
+    def __init__(self, encoder_path: str | None = None, max_iter: int = 300, learning_rate: float = 0.08,
                  max_leaf_nodes: int = 63, min_samples_leaf: int = 20, l2_regularization: float = 1.0,
-                 seed: int = 0) -> None:
+                 ridge_alpha: float = 3.0, seed: int = 0) -> None:
         from sklearn.ensemble import HistGradientBoostingRegressor
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.linear_model import Ridge
 
         self.encoder_path = encoder_path
+        self.seed = seed
+        self.tfidf_instruction = TfidfVectorizer(ngram_range=(1, 2), min_df=2, max_features=200_000,
+                                                 sublinear_tf=True, dtype=np.float32)
+        self.tfidf_input = TfidfVectorizer(ngram_range=(1, 1), min_df=2, max_features=50_000,
+                                           sublinear_tf=True, dtype=np.float32)
+        self.ridge = Ridge(alpha=ridge_alpha)
         self.model = HistGradientBoostingRegressor(
             max_iter=max_iter, learning_rate=learning_rate, max_leaf_nodes=max_leaf_nodes,
             min_samples_leaf=min_samples_leaf, l2_regularization=l2_regularization, early_stopping=False,
@@ -69,27 +81,52 @@ class SemanticPredictor:
             self._instr_cache.popitem(last=False)
         return out
 
-    def features(self, items: Sequence[PredictItem]) -> np.ndarray:
+    def _sparse(self, items: Sequence[PredictItem], shape: np.ndarray):
+        import scipy.sparse as sp
+
+        return sp.hstack([self.tfidf_instruction.transform([it.instruction for it in items]),
+                          self.tfidf_input.transform([it.user_input for it in items]),
+                          sp.csr_matrix(shape)]).tocsr()
+
+    def _dense(self, items: Sequence[PredictItem], shape: np.ndarray, ridge_est: np.ndarray) -> np.ndarray:
         user = static_encode([it.user_input for it in items], self.encoder_path)
         app = self._instruction_vectors([it.instruction for it in items])
-        return np.hstack([app, user, shape_features(items)]).astype(np.float32)
+        return np.hstack([ridge_est.reshape(-1, 1), app, user, shape]).astype(np.float32)
 
     def fit(self, items: Sequence[PredictItem], targets: Sequence[float]) -> SemanticPredictor:
+        from sklearn.base import clone
+        from sklearn.model_selection import KFold
+
         y = np.log1p(np.maximum(np.asarray(targets, dtype=float), 0.0))
-        self.model.fit(self.features(items), y)
+        shape = shape_features(items)
+        self.tfidf_instruction.fit([it.instruction for it in items])
+        self.tfidf_input.fit([it.user_input for it in items])
+        sparse = self._sparse(items, shape)
+        oof = np.zeros(len(items))
+        folds = KFold(n_splits=5, shuffle=True, random_state=self.seed) if len(items) >= 10 else None
+        if folds is not None:
+            for tr, te in folds.split(sparse):
+                oof[te] = clone(self.ridge).fit(sparse[tr], y[tr]).predict(sparse[te])
+        self.ridge.fit(sparse, y)
+        if folds is None:
+            oof = self.ridge.predict(sparse)
+        self.model.fit(self._dense(items, shape, oof), y)
         return self
 
     def predict(self, items: Sequence[PredictItem]) -> np.ndarray:
         if not items:
             return np.zeros(0)
-        return np.maximum(np.expm1(self.model.predict(self.features(items))), 1.0)
+        shape = shape_features(items)
+        ridge_est = self.ridge.predict(self._sparse(items, shape))
+        return np.maximum(np.expm1(self.model.predict(self._dense(items, shape, ridge_est))), 1.0)
 
     def save(self, directory: Path, meta: dict | None = None) -> None:
         import skops.io as sio
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        sio.dump(self.model, directory / MODEL_FILE)
+        for name in PARTS:
+            sio.dump(getattr(self, name), directory / f"{name}.skops")
         info = {"kind": self.kind, "encoder_path": self.encoder_path, "target": "log1p", **(meta or {})}
         (directory / META_FILE).write_text(json.dumps(info, indent=2, default=str))
 
@@ -101,10 +138,12 @@ class SemanticPredictor:
         meta = json.loads((directory / META_FILE).read_text())
         if meta.get("kind") != cls.kind:
             raise ValueError(f"{directory}: kind {meta.get('kind')!r} is not {cls.kind!r}")
-        path = directory / MODEL_FILE
-        untrusted = [t for t in sio.get_untrusted_types(file=path) if not t.startswith("sklearn.")]
-        if untrusted:
-            raise ValueError(f"{path}: refusing to load unexpected types {untrusted}")
         self = cls(encoder_path=meta.get("encoder_path"))
-        self.model = sio.load(path, trusted=sio.get_untrusted_types(file=path))
+        for name in PARTS:
+            path = directory / f"{name}.skops"
+            types = sio.get_untrusted_types(file=path)
+            untrusted = [t for t in types if not t.startswith("sklearn.")]
+            if untrusted:
+                raise ValueError(f"{path}: refusing to load unexpected types {untrusted}")
+            setattr(self, name, sio.load(path, trusted=types))
         return self

@@ -90,7 +90,8 @@ def _fit_kind(kind: str, items: Sequence[PredictItem], y: np.ndarray, cache_dir:
     if kind == "semantic":
         from predictor.semantic import SemanticPredictor
 
-        keys = ("max_iter", "learning_rate", "max_leaf_nodes", "min_samples_leaf", "l2_regularization", "seed")
+        keys = ("max_iter", "learning_rate", "max_leaf_nodes", "min_samples_leaf", "l2_regularization",
+                "ridge_alpha", "seed")
         return SemanticPredictor(encoder_path=encoder_path,
                                  **{k: options[k] for k in keys if options.get(k) is not None}).fit(items, y)
     if kind == "lora":

@@ -91,3 +91,18 @@ def test_retrain_estimator_from_profile_and_log(settings):
 def test_retrain_estimator_needs_samples(settings):
     out = learning.retrain_estimator(settings)
     assert not out["retrained"] and out["version"] is None
+
+
+def test_training_rows_learn_the_served_model():
+    """Logged lengths of another model are dropped; shared data is only the warm start, dropped
+    once the served model has logged enough rows of its own."""
+    from predictor.learning import training_rows
+
+    shared = [{"source": "shared-train", "target": 10.0}] * 3
+    mine = [{"source": f"log:{i}", "model": "m1", "target": 20.0} for i in range(4)]
+    other = [{"source": "log:x", "model": "m2", "target": 99.0}]
+    rows = training_rows(shared + mine + other, "m1", served_only_rows=5)
+    assert rows == shared + mine  # warm start kept, the other model's rows never
+    rows = training_rows(shared + mine + other + [{"source": "log:9", "model": "m1", "target": 1.0}], "m1",
+                         served_only_rows=5)
+    assert all(r["model"] == "m1" for r in rows) and len(rows) == 5
