@@ -68,14 +68,16 @@ class Answer:
 
 
 async def withdraw(app_state, ticket: Ticket, code: FailureCode) -> None:
-    """Tell the batcher and the worker to drop the request, record why in the log DB, count it."""
+    """Record why in the log DB, tell the batcher and the worker to drop the request, count it.
+    The record comes first (as the worker records before it answers): whoever sees the
+    withdrawal in Redis finds its status."""
     rid = ticket.request.id
-    pipe = app_state.redis.pipeline()
-    bus.cancel(pipe, rid)
-    await pipe.execute()
     error = ("the client disconnected" if code is FailureCode.CANCELLED
              else f"no answer within {app_state.settings.request_timeout_s:g} s")
     await run_in_threadpool(finish_request, app_state.db, rid, status=code.value, error=error)
+    pipe = app_state.redis.pipeline()
+    bus.cancel(pipe, rid)
+    await pipe.execute()
     app_state.metrics.cancelled.labels(ticket.endpoint, CANCEL_REASONS[code]).inc()
 
 

@@ -98,3 +98,23 @@ def test_client_that_leaves_is_withdrawn_and_its_row_stops(stack):
     assert con.execute("SELECT status FROM requests WHERE id = ?", (request_id,)).fetchone() == ("cancelled",)
     assert 'cohort_requests_cancelled_total{endpoint="chat",reason="disconnect"} 1.0' in \
         httpx.get(f"{stack.url}/metrics").text
+
+
+def test_non_streaming_client_that_gives_up_is_withdrawn(stack):
+    """A non-streaming client that times out and closes its connection: the gateway notices
+    between its read slices and withdraws the request."""
+    before = set(stack.redis.scan_iter(bus.cancel_key("*")))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.url}/v1/generate", json={"input": "a long one", "max_tokens": 1500,
+                                                      "emulated_tokens": 1500}, timeout=1.5)
+    deadline = time.time() + 30
+    while time.time() < deadline and not (set(stack.redis.scan_iter(bus.cancel_key("*"))) - before):
+        time.sleep(0.1)
+    (key,) = set(stack.redis.scan_iter(bus.cancel_key("*"))) - before
+    request_id = key.removeprefix(bus.cancel_key(""))
+    while time.time() < deadline and stack.redis.hlen(bus.INFLIGHT):
+        time.sleep(0.1)
+    con = sqlite3.connect(stack.db_path)
+    assert con.execute("SELECT status FROM requests WHERE id = ?", (request_id,)).fetchone() == ("cancelled",)
+    events = [StreamEvent.from_json(f[bus.STREAM_FIELD]) for _, f in stack.redis.xrange(bus.stream_key(request_id))]
+    assert not any(e.final for e in events) and max((e.tokens for e in events), default=0) < 1500
