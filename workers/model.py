@@ -12,9 +12,11 @@ import os
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from cohort.settings import DEFAULT_MODEL, Settings
 from cohort.tokenizer import load_tokenizer
+from deployer import plan_device_map as plan
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +37,14 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
 
 
 def tiny_llama_config(vocab_size: int, pad_id: int, eos_id: int, bos_id: int | None):
-    from transformers import LlamaConfig
-
     return LlamaConfig(vocab_size=vocab_size, pad_token_id=pad_id, eos_token_id=eos_id,
                        bos_token_id=bos_id, tie_word_embeddings=True, **TINY_LLAMA)
 
 
 def load_model(settings: Settings) -> tuple[Any, Any, torch.device]:
     """(model, tokenizer, input device). Honours COHORT_DEVICE_MAP=helr|he|lr via the deployer."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # HELR plans use nvidia-smi indices; make CUDA number devices the same way (before CUDA starts).
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
     tok = load_tokenizer(settings.model)
     device = resolve_device(settings.device)
     if device.type == "cpu":
@@ -79,8 +76,6 @@ def plan_device_map(settings: Settings) -> dict[str, int] | None:
     """A layer placement from the HELR deployer when COHORT_DEVICE_MAP names a mode."""
     if not settings.device_map:
         return None
-    from deployer import plan_device_map as plan
-
     dm = plan(settings.model, settings.device_map, topology_file=settings.topology_file,
               gpus_file=settings.gpus_file)
     if dm is not None:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from tqdm.auto import tqdm
+
 from predictor.estimator import AnalyticBatchTime
 
 
@@ -30,8 +32,6 @@ def run_profile(engine: ShapeRunner, shapes: Sequence[tuple[int, int, int]], out
     One untimed warm-up run first: the first forward pass pays for lazy initialisation, which would
     otherwise inflate the first sample.
     """
-    from tqdm.auto import tqdm
-
     shapes = [(int(b), int(L), int(G)) for b, L, G in shapes]
     if warmup and shapes:
         b, L, G = min(shapes)

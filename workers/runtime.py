@@ -16,7 +16,9 @@ from cohort import bus
 from cohort.logdb import get_engine
 from cohort.settings import Settings
 from cohort.types import InstanceInfo
+from predictor.learning import profile_samples_path
 from workers.engine import Engine
+from workers.profile import run_profile
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +71,6 @@ START_PROFILE_GRID = [(b, L, G) for b in (1, 8) for L in (32, 256) for G in (16,
 
 def profile_if_missing(engine: Engine, settings: Settings) -> None:
     """Before registering, time a few batch shapes when no profile exists yet (cold start)."""
-    from predictor.learning import profile_samples_path
-    from workers.profile import run_profile
-
     path = profile_samples_path(settings)
     if path.exists():
         return
