@@ -56,6 +56,7 @@ class RowTable:
     input_tokens: np.ndarray    # L(p): the prompt's tokens as the gateway counts them
     output_tokens: np.ndarray   # reference output length, uncapped
     predicted: np.ndarray | None = None  # G' per row (float), None for oracle-only tables
+    upper: np.ndarray | None = None  # the predictor's q90 bound per row (None: no calibrated bound)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class Workload:
     predicted_tokens: np.ndarray
     slo_s: np.ndarray
     task: list[str] = field(default_factory=list)
+    predicted_upper: np.ndarray | None = None  # q90 bound (memory planning), None: plan with the point
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -112,6 +114,7 @@ class Workload:
                 id=f"{prefix}-{i}", prompt="", input_tokens=int(self.input_tokens[i]),
                 predicted_tokens=int(pred[i]), max_tokens=mt, arrival=float(self.arrival[i]),
                 slo_s=float(self.slo_s[i]), task=self.task[i] if self.task else None,
+                predicted_upper=None if oracle or self.predicted_upper is None else int(self.predicted_upper[i]),
                 emulated_tokens=int(self.true_tokens[i]), true_tokens=int(self.true_tokens[i])))
         return out
 
@@ -157,24 +160,36 @@ def build_rows(files: Sequence[str | Path], predictor: str | None = None, use_ca
         z = np.load(cache)
         if len(z["input_tokens"]) == len(records):
             pred = z["predicted"] if "predicted" in z.files else None
-            return RowTable(records, np.asarray(file_index), z["input_tokens"], z["output_tokens"], pred)
+            upper = z["upper"] if "upper" in z.files else None
+            return RowTable(records, np.asarray(file_index), z["input_tokens"], z["output_tokens"], pred, upper)
     from predictor.data import records_to_items  # heavy imports (transformers): only when building
 
     items, targets = records_to_items(records)
     inp = np.array([it.input_tokens for it in items], dtype=np.int64)
     out = np.asarray(targets, dtype=np.int64)
-    pred = None
+    pred = upper = None
     if predictor and predictor != ORACLE:
         log.info("predicting %d validation rows with %s", len(items), predictor)
         pred = predict_rows(predictor, items)
+        upper = _upper_rows(predictor, items, pred)
     arrays = {"input_tokens": inp, "output_tokens": out}
     if pred is not None:
         arrays["predicted"] = pred
+    if upper is not None:
+        arrays["upper"] = upper
     if use_cache:
         cache_dir.mkdir(parents=True, exist_ok=True)
         np.savez(cache, **arrays)
         (cache_dir / f"rows-{key}.json").write_text(json.dumps({"files": files, "predictor": predictor}))
-    return RowTable(records, np.asarray(file_index), inp, out, pred)
+    return RowTable(records, np.asarray(file_index), inp, out, pred, upper)
+
+
+def _upper_rows(predictor: str | Path, items: list, point: np.ndarray) -> np.ndarray | None:
+    """The predictor's conformal upper bound for ``items`` given its point values (None without one)."""
+    from predictor.conformal import ConformalTable
+
+    table = ConformalTable.load(predictor)
+    return None if table is None else table.upper(items, point)
 
 
 def predict_rows(predictor: str | Path, items: list) -> np.ndarray:
@@ -227,9 +242,10 @@ def make_workload(config: WorkloadConfig, time_model: Any, rows: RowTable | None
         if rows.predicted is None:
             raise ValueError("rows were built without a predictor")
         pred = np.clip(np.rint(rows.predicted[row]), 1, mt).astype(np.int64)
+        upper = None if rows.upper is None else np.clip(np.rint(rows.upper[row]), pred, mt).astype(np.int64)
     else:
-        pred = true.copy()
+        pred, upper = true.copy(), None
     k = rng.uniform(config.slo_k_min, config.slo_k_max, size=config.requests)
     slo = np.maximum(config.slo_min_s, k * solo_times(time_model, L, true))
     tasks = [rows.records[r].task for r in row]
-    return Workload(config, rows, row, arrival, L, true, pred, slo, tasks)
+    return Workload(config, rows, row, arrival, L, true, pred, slo, tasks, upper)
