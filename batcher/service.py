@@ -225,7 +225,7 @@ class BatcherService:
                     lost.append((bid, "(unclaimed)"))
         for bid, owner in lost:
             fl = self.inflight.pop(bid)
-            self.redis.set(bus.claim_key(bid), bus.CANCELLED, ex=7 * 24 * 3600)  # a redelivery is a no-op
+            self.redis.set(bus.claim_key(bid), bus.CANCELLED, ex=bus.CLAIM_TTL_S)  # a redelivery is a no-op
             self.redis.hincrby(bus.STATS, "requeues", 1)
             b = fl.batch
             if b.attempt + 1 > self.settings.max_requeues:

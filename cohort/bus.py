@@ -29,6 +29,7 @@ BATCHER_LOCK = f"{PREFIX}:batcher:lock"  # one active batcher
 CANCELS = f"{PREFIX}:cancels"          # list of cancelled request ids (the batcher drops them)
 STREAM_TTL_S = 3600
 CANCEL_TTL_S = 3600
+CLAIM_TTL_S = 7 * 24 * 3600            # batch claim / done markers: far longer than any redelivery
 STREAM_FIELD = "e"                     # each stream entry carries one StreamEvent JSON in this field
 
 

@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cohort.units import GIB, KIB, MIB
+
 EXACT_LIMIT = 12
 MODES = ("he", "lr", "helr")
-GIB = 1024**3
 
 
 class DeploymentInfeasible(ValueError):
@@ -210,7 +211,7 @@ def _make_plan(problem: Problem, order: list[int], layers: dict[int, int], mode:
 
 def fmt_bytes(b: float) -> str:
     """Human-readable size (GiB for model-sized numbers, smaller units for toy models)."""
-    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if abs(b) >= size:
             return f"{b / size:.2f} {unit}"
     return f"{int(b)} B"

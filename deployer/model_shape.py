@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "fp16": 2, "bf16": 2, "fp32": 4,
-                "half": 2, "float": 4, "int8": 1}
+from cohort.units import dtype_bytes
 
 
 @dataclass
@@ -109,10 +108,7 @@ def dtype_nbytes(dtype: str | torch.dtype | None) -> int:
         return 2
     if isinstance(dtype, torch.dtype):
         return torch.empty((), dtype=dtype).element_size()
-    key = str(dtype).replace("torch.", "").lower()
-    if key not in _DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}")
-    return _DTYPE_BYTES[key]
+    return dtype_bytes(dtype)
 
 
 def _config_dtype(config: Any) -> str | None:

@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 import yaml
 
-GB = 1024**3
-MIB = 1024**2
+from cohort.units import GIB, MIB
+
+GB = GIB  # memory sizes in cluster files are given in GiB
 
 #: Default ms per GB of weights read at relative performance 1.0, i.e. 1 / (936 GB/s), the
 #: memory bandwidth of the RTX 3090 the thesis used. Decode is bandwidth-bound, so one

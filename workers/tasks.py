@@ -23,7 +23,6 @@ from workers.celery_app import celery_app
 from workers.decode import BatchRun, KVCacheOutOfMemory, RowResult, StepOutput
 
 log = logging.getLogger(__name__)
-CLAIM_TTL_S = 7 * 24 * 3600
 
 
 def _claim(rt: runtime.Runtime, batch_id: str) -> bool:
@@ -31,14 +30,14 @@ def _claim(rt: runtime.Runtime, batch_id: str) -> bool:
     r = rt.redis
     if r.exists(bus.done_key(batch_id)):
         return False
-    if r.set(bus.claim_key(batch_id), rt.name, nx=True, ex=CLAIM_TTL_S):
+    if r.set(bus.claim_key(batch_id), rt.name, nx=True, ex=bus.CLAIM_TTL_S):
         return True
     return r.get(bus.claim_key(batch_id)) == rt.name
 
 
 def _complete(rt: runtime.Runtime, event: CompletionEvent) -> None:
     pipe = rt.redis.pipeline()
-    pipe.set(bus.done_key(event.batch_id), event.outcome.value, ex=CLAIM_TTL_S)
+    pipe.set(bus.done_key(event.batch_id), event.outcome.value, ex=bus.CLAIM_TTL_S)
     pipe.lpush(bus.COMPLETIONS, event.to_json())
     pipe.execute()
 
