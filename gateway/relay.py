@@ -5,9 +5,9 @@ Streaming and non-streaming requests take the same path (``Relay.texts``); a non
 just keeps the end event's whole text (``Relay.collect``). So both are measured alike (TTFT,
 inter-token latency, queue time, end-to-end latency) and both are withdrawn alike.
 
-Replays: a request whose worker died is re-run, and a re-run from the start publishes deltas the
-client already has. ``tokens`` (the count so far) tells them apart: a delta that does not advance
-past what was relayed is dropped. At the end the relayed text is reconciled with the end event's
+Replays: the batcher resumes a lost batch's rows after the tokens their streams already carry,
+so a re-run should not repeat text; as a safety net, ``tokens`` (the count so far) tells a repeat
+apart: a delta that does not advance past what was relayed is dropped. At the end the relayed text is reconciled with the end event's
 whole text: a missing tail is relayed before the finish, so what a client concatenates is the
 answer whenever the relayed text is a prefix of it (always, for greedy decoding).
 
