@@ -14,11 +14,13 @@ from starlette.concurrency import run_in_threadpool
 from cohort.logdb import get_engine
 from cohort.settings import Settings, get_settings
 from cohort.tokenizer import prompt_token_counts
+from gateway.admin import make_admin_router
 from gateway.errors import install_error_handlers
 from gateway.metrics import CountRequests, GatewayMetrics
 from gateway.submit import PoolView
 from gateway.views import generate, health, openai
 from predictor.service import PredictorService
+from workers.celery_app import enqueue_retrain, task_status
 
 log = logging.getLogger("cohort.gateway")
 
@@ -54,11 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for view in (generate, openai, health):
         app.include_router(view.router)
     if s.admin_token:
-        from gateway.admin import make_admin_router
-        from gateway.views import admin_state
-
-        app.include_router(make_admin_router(s, app.state.predictor))
-        app.include_router(admin_state.router)
+        app.include_router(make_admin_router(s, app.state.predictor, enqueue_retrain, task_status))
     else:
         log.warning("COHORT_ADMIN_TOKEN is not set: admin endpoints are disabled")
     return app

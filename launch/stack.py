@@ -64,9 +64,12 @@ class Stack:
         log.info("started %s (pid %d)", name, p.pid)
         return p
 
-    def start_core(self, host: str, port: int) -> Stack:
-        """Worker, batcher and gateway: the request path."""
+    def start_core(self, host: str, port: int, learning: bool = False) -> Stack:
+        """Worker, batcher and gateway: the request path (and the learning worker, which runs
+        the retraining that /admin/retrain enqueues)."""
         self.spawn("worker", "worker")
+        if learning:
+            self.spawn("learning", "worker", "learning")
         self.spawn("batcher", "batcher")
         self.spawn("gateway", "gateway", "--host", host, "--port", str(port))
         return self

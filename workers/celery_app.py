@@ -7,12 +7,17 @@ to a second worker; it is set in the broker, result-backend and app options (SPE
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from celery import Celery
 
 from cohort.bus import queue_for_pool
 from cohort.settings import Settings, get_settings
 from cohort.types import Batch
+
+RUN_BATCH = "cohort.run_batch"
+LEARNING_QUEUE = "cohort.learning"
+RETRAIN_TASKS = {"predictor": "cohort.retrain_predictor", "estimator": "cohort.retrain_estimator"}
 
 
 def make_celery() -> Celery:
@@ -37,15 +42,12 @@ def make_celery() -> Celery:
         worker_hijack_root_logger=False,
         task_default_queue=queue_for_pool(s.pool),
         task_routes={
-            "cohort.run_batch": {"queue": queue_for_pool(s.pool)},
-            "cohort.retrain_predictor": {"queue": "cohort.learning"},
-            "cohort.retrain_estimator": {"queue": "cohort.learning"},
+            RUN_BATCH: {"queue": queue_for_pool(s.pool)},
+            **{name: {"queue": LEARNING_QUEUE} for name in RETRAIN_TASKS.values()},
         },
         beat_schedule={
-            "retrain-predictor": {"task": "cohort.retrain_predictor",
-                                  "schedule": s.predictor_retrain_every_s},
-            "retrain-estimator": {"task": "cohort.retrain_estimator",
-                                  "schedule": s.estimator_retrain_every_s},
+            "retrain-predictor": {"task": RETRAIN_TASKS["predictor"], "schedule": s.predictor_retrain_every_s},
+            "retrain-estimator": {"task": RETRAIN_TASKS["estimator"], "schedule": s.estimator_retrain_every_s},
         },
     )
     return app
@@ -60,6 +62,22 @@ def batch_sender(settings: Settings) -> Callable[[Batch], None]:
     queue = queue_for_pool(settings.pool)
 
     def send(batch: Batch) -> None:
-        celery_app.send_task("cohort.run_batch", args=[batch.to_dict()], task_id=batch.id, queue=queue)
+        celery_app.send_task(RUN_BATCH, args=[batch.to_dict()], task_id=batch.id, queue=queue)
 
     return send
+
+
+def enqueue_retrain(target: str) -> str:
+    """Retrain the predictor or the estimator now, on the learning worker: the task id."""
+    return celery_app.send_task(RETRAIN_TASKS[target], kwargs={"force": True}, queue=LEARNING_QUEUE).id
+
+
+def task_status(task_id: str) -> dict[str, Any]:
+    """A learning task's state from the result backend (PENDING also means: unknown id)."""
+    res = celery_app.AsyncResult(task_id)
+    out: dict[str, Any] = {"state": res.state}
+    if res.successful():
+        out["result"] = res.result
+    elif res.failed():
+        out["error"] = f"{type(res.result).__name__}: {res.result}"
+    return out

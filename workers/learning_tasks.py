@@ -9,12 +9,12 @@ from typing import Any
 
 from cohort.settings import get_settings
 from predictor.learning import retrain_estimator, retrain_predictor
-from workers.celery_app import celery_app
+from workers.celery_app import RETRAIN_TASKS, celery_app
 
 log = logging.getLogger(__name__)
 
 
-@celery_app.task(name="cohort.retrain_predictor", ignore_result=False, acks_late=True)
+@celery_app.task(name=RETRAIN_TASKS["predictor"], ignore_result=False, acks_late=True)
 def retrain_predictor_task(force: bool = False) -> dict[str, Any]:
     """Add mispredicted requests from the log DB to the training set, retrain, activate."""
     out = retrain_predictor(get_settings(), force=force)
@@ -22,7 +22,7 @@ def retrain_predictor_task(force: bool = False) -> dict[str, Any]:
     return out
 
 
-@celery_app.task(name="cohort.retrain_estimator", ignore_result=False, acks_late=True)
+@celery_app.task(name=RETRAIN_TASKS["estimator"], ignore_result=False, acks_late=True)
 def retrain_estimator_task(force: bool = False) -> dict[str, Any]:
     """Add badly estimated batches from the log DB to the sample set, refit KNN, activate."""
     out = retrain_estimator(get_settings(), force=force)

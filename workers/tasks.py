@@ -19,7 +19,7 @@ from cohort.logdb import finish_request, record_batch
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, StreamKind
 from cohort.types import Batch, ProfiledRequest
 from workers import runtime
-from workers.celery_app import celery_app
+from workers.celery_app import RUN_BATCH, celery_app
 from workers.decode import BatchRun, KVCacheOutOfMemory, RowResult, StepOutput
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class _Reporter:
         pipe.execute()
 
 
-@celery_app.task(name="cohort.run_batch", acks_late=True)
+@celery_app.task(name=RUN_BATCH, acks_late=True)
 def run_batch(batch: dict[str, Any]) -> dict[str, Any]:
     rt = runtime.get()
     b = Batch.from_dict(batch)

@@ -10,7 +10,7 @@ def stack(tmp_path_factory, request):
     env = getattr(request.module, "STACK_ENV", {})
     s = TestStack(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]), **env)
     try:
-        s.start()
+        s.start(learning=getattr(request.module, "STACK_LEARNING", False))
     except Exception:
         s.stop()
         raise

@@ -72,8 +72,8 @@ class TestStack(Stack):
                          f"http://127.0.0.1:{self.port}", log_dir=folder)
         self.redis = redis.Redis.from_url(self.redis_url, decode_responses=True)
 
-    def start(self, timeout_s: float = 240.0) -> TestStack:
-        self.start_core("127.0.0.1", self.port)
+    def start(self, timeout_s: float = 240.0, learning: bool = False) -> TestStack:
+        self.start_core("127.0.0.1", self.port, learning=learning)
         self.wait_healthy(timeout_s)
         return self
 

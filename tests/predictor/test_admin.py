@@ -1,10 +1,11 @@
-import time
+"""The /admin router with a recording task queue: one bearer check for every route, retraining
+is enqueued (never run in the gateway), versions list and activate (rollback)."""
 
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from cohort.logdb import get_engine, record_request
 from gateway.admin import make_admin_router
+from gateway.errors import install_error_handlers
 from predictor.baselines import MeanPredictor
 from predictor.registry import Registry
 from predictor.service import PredictorService
@@ -12,28 +13,44 @@ from predictor.service import PredictorService
 AUTH = {"Authorization": "Bearer s3cret"}
 
 
-def _client(settings, reloaded):
+class Tasks:
+    """Stands in for the Celery learning queue: records what was sent, reports a state."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def enqueue(self, target: str) -> str:
+        self.sent.append(target)
+        return f"task-{len(self.sent)}"
+
+    def status(self, task_id: str) -> dict:
+        return {"state": "SUCCESS", "result": {"version": "v9"}} if task_id == "task-1" else {"state": "PENDING"}
+
+
+def _client(settings, tasks=None):
     svc = PredictorService(settings, reload_interval_s=0.0)
+    tasks = tasks or Tasks()
     app = FastAPI()
-    app.include_router(make_admin_router(settings, svc, estimator_reload_hook=lambda: reloaded.append(1)))
+    install_error_handlers(app)
+    app.include_router(make_admin_router(settings.model_copy(update={"admin_token": "s3cret"}), svc,
+                                         tasks.enqueue, tasks.status))
     return TestClient(app), svc
 
 
-def test_auth(settings):
-    client, _ = _client(settings, [])
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-        r = client.get("/admin/models", headers=headers)
-        assert r.status_code == 401
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "authentication_error"
-    assert client.post("/admin/retrain", json={"target": "predictor"}).status_code == 401
-    assert client.post("/admin/models/v1/activate").status_code == 401
+def test_every_route_needs_the_token(settings):
+    client, _ = _client(settings)
+    for method, path in (("get", "/admin/models"), ("post", "/admin/retrain"), ("get", "/admin/tasks/x"),
+                         ("post", "/admin/models/v1/activate"), ("get", "/admin/queue"), ("get", "/admin/policy")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = client.request(method, path, headers=headers, json={"target": "predictor"})
+            assert r.status_code == 401, (method, path, headers)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["type"] == "authentication_error"
     assert client.get("/admin/models", headers=AUTH).status_code == 200
 
 
 def test_models_activate_rollback(settings):
-    reloaded = []
-    client, svc = _client(settings, reloaded)
+    client, svc = _client(settings)
     reg = Registry(settings.data_dir, "predictor")
     src = settings.data_dir / "src"
     MeanPredictor(11).save(src / "a")
@@ -51,25 +68,15 @@ def test_models_activate_rollback(settings):
     assert r.status_code == 404 and r.json()["error"]["code"] == "version_not_found"
 
 
-def test_retrain_endpoint(settings):
-    reloaded = []
-    client, svc = _client(settings.model_copy(update={"predictor_kind": "linear"}), reloaded)
-    # no shared-data seeding in this test: an empty store file makes the log DB the only source
-    from predictor.learning import predictor_store
-
-    predictor_store(settings).touch()
-    engine = get_engine(settings.database_url)
-    t = time.time()
-    for i in range(25):
-        record_request(engine, {"id": f"r{i}", "created": t, "instruction": "I", "user_input": "x " * i,
-                                "input_tokens": i + 1, "max_tokens": 256, "predicted_tokens": 1,
-                                "actual_tokens": 3 * i + 40, "status": "done", "finished": t + i})
+def test_retrain_is_enqueued_and_its_state_reported(settings):
+    tasks = Tasks()
+    client, _ = _client(settings, tasks)
     r = client.post("/admin/retrain", headers=AUTH, json={"target": "predictor"})
-    assert r.status_code == 200, r.text
-    out = r.json()
-    assert out["target"] == "predictor" and out["retrained"] and out["n_added"] == 25
-    assert out["metrics"]["n"] >= 1 and svc.version == out["version"]
-    assert client.post("/admin/retrain", headers=AUTH, json={"target": "bogus"}).status_code == 400
-    r = client.post("/admin/retrain", headers=AUTH, json={"target": "estimator"})
-    assert r.status_code == 200 and r.json()["retrained"] is False  # no samples yet: analytic stays
-    assert reloaded == [1]
+    assert r.status_code == 202 and r.json() == {"target": "predictor", "task_id": "task-1", "status": "queued"}
+    assert client.post("/admin/retrain", headers=AUTH, json={"target": "estimator"}).status_code == 202
+    assert tasks.sent == ["predictor", "estimator"]
+    bad = client.post("/admin/retrain", headers=AUTH, json={"target": "bogus"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "target" and tasks.sent[-1] == "estimator"
+    assert client.get("/admin/tasks/task-1", headers=AUTH).json() == {
+        "task_id": "task-1", "state": "SUCCESS", "result": {"version": "v9"}}
+    assert client.get("/admin/tasks/task-2", headers=AUTH).json()["state"] == "PENDING"
