@@ -283,6 +283,7 @@ def live(
     targets = [p.strip() for p in spawn.split(",") if p.strip()] if spawn else [label]
     if spawn and any("+" in t for t in targets):
         raise typer.BadParameter("live runs use the server's predictor; +oracle exists only in `bench sim`")
+    # a spawned run name may pick the execution mode: magnus@static (the papers), magnus@elastic
     extra_env = parse_env(server_env)
     if not spawn:
         check_loopback(url)

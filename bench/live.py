@@ -60,6 +60,7 @@ async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, re
     finish = np.full(n, math.inf)
     ok = np.zeros(n, dtype=bool)
     gen = np.zeros(n, dtype=np.int64)
+    first = np.full(n, math.nan)
     batch_of: list[tuple[str, int] | None] = [None] * n
     errors: dict[str, int] = defaultdict(int)
     sem = asyncio.Semaphore(max_in_flight)
@@ -90,12 +91,14 @@ async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, re
             finish[i] = time.perf_counter() - t0
             ok[i] = True
             gen[i] = int(d.get("generated_tokens", 0))
+            ttft = (d.get("timings") or {}).get("first_token_s")
+            first[i] = sent[i] + float(ttft) if ttft is not None else finish[i]
             b = d.get("batch") or {}
             batch_of[i] = (str(b.get("id")), int(b.get("size", 1)))
 
     limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
     async with httpx.AsyncClient(base_url=url, limits=limits, transport=transport) as client:
-        splits_before = await server_oom_splits(client)
+        before = await server_events(client)
         tasks = [asyncio.create_task(one(client, i)) for i in range(n)]
         done, pending = await asyncio.wait(tasks, timeout=time_limit_s)
         for t in pending:
@@ -103,7 +106,7 @@ async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, re
         if pending:
             errors["time_limit"] += len(pending)
             await asyncio.gather(*pending, return_exceptions=True)
-        splits_after = await server_oom_splits(client)
+        after = await server_events(client)
     wall = time.perf_counter() - t0
 
     # arrival = when we actually sent it (open loop lag shows up as latency otherwise)
@@ -121,21 +124,25 @@ async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, re
         padded += sizes[bid] * g_b
         wma += total_wma([(int(workload.input_tokens[i]), int(gen[i])) for i in idx])
     true = np.where(ok, gen, workload.true_tokens)
-    oom_splits = splits_after - splits_before
-    metrics = compute_metrics(arrival, finish, ok, deadline, true, list(sizes.values()), padded, wma, oom_splits)
+    events = {k: after.get(k, 0) - before.get(k, 0) for k in ("oom_splits", "preemptions")}
+    metrics = compute_metrics(arrival, finish, ok, deadline, true, list(sizes.values()), padded, wma,
+                              events["oom_splits"], first_token=first, preemptions=events["preemptions"])
     return LiveResult(metrics, wall, dict(errors), len(sizes))
 
 
-async def server_oom_splits(client: httpx.AsyncClient) -> int:
-    """The server's own count of OOM splits (cohort_batcher_events on /metrics); 0 if it has none."""
+async def server_events(client: httpx.AsyncClient) -> dict[str, int]:
+    """The server's own batcher counters (``cohort_batcher_events{event=...}`` on /metrics: OOM
+    splits, preemptions, …); empty if it has none."""
     try:
         text = (await client.get("/metrics", timeout=10)).text
     except httpx.HTTPError:
-        return 0
+        return {}
+    out = {}
     for line in text.splitlines():
-        if line.startswith('cohort_batcher_events{event="oom_splits"}'):
-            return int(float(line.split()[-1]))
-    return 0
+        if line.startswith("cohort_batcher_events{event="):
+            name = line.split('"')[1]
+            out[name] = int(float(line.split()[-1]))
+    return out
 
 
 def run_live_sync(workload: Workload, url: str, **kw: Any) -> LiveResult:

@@ -11,7 +11,21 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.simulator import parse_policy, parse_run
 from launch.stack import EmbeddedRedis, Stack, free_port
+
+
+def run_env(name: str) -> dict[str, str]:
+    """The server settings a live run name asks for: ``POLICY[@EXECUTION[/RECOVERY]]`` (the
+    simulator's naming); without ``@`` the server's defaults (elastic, preempt)."""
+    base, oracle = parse_policy(name)
+    if oracle:
+        raise ValueError(f"{name!r}: live runs use the server's predictor; +oracle exists only in `bench sim`")
+    env = {"COHORT_POLICY": base}
+    if "@" in name:
+        ((_, execution, recovery),) = parse_run(name)
+        env.update(COHORT_EXECUTION=execution, COHORT_OOM_RECOVERY=recovery)
+    return env
 
 
 def parse_env(pairs: list[str] | None) -> dict[str, str]:
@@ -28,12 +42,12 @@ def parse_env(pairs: list[str] | None) -> dict[str, str]:
 @contextmanager
 def spawned_stack(policy: str, extra_env: Mapping[str, str], workdir: Path,
                   timeout_s: float = 600.0) -> Iterator[str]:
-    """Start worker, batcher and gateway with COHORT_POLICY=policy; yield the gateway URL."""
-    folder = workdir / policy
+    """Start worker, batcher and gateway for the run ``policy`` names (``run_env``); yield the URL."""
+    folder = workdir / policy.replace("/", "_")
     redis = EmbeddedRedis(folder / "redis")
     port = free_port()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **extra_env,
-           "COHORT_POLICY": policy, "COHORT_EMULATE_LENGTHS": "true", "COHORT_REDIS_URL": redis.url,
+           **run_env(policy), "COHORT_EMULATE_LENGTHS": "true", "COHORT_REDIS_URL": redis.url,
            "COHORT_DATA_DIR": str(folder / "var"), "COHORT_DATABASE_URL": f"sqlite:///{folder / 'cohort.db'}"}
     stack = Stack(env, f"http://127.0.0.1:{port}", log_dir=folder / "logs")
     try:

@@ -10,6 +10,7 @@ import pytest
 from fastapi import FastAPI
 
 from bench.live import check_loopback, run_live
+from bench.live_stack import run_env
 from bench.roofline import instance
 from bench.workload import WorkloadConfig, make_workload
 
@@ -90,3 +91,12 @@ def test_only_loopback_urls():
         check_loopback(ok)
     with pytest.raises(ValueError):
         check_loopback("http://example.com:8000")
+
+
+def test_a_live_run_name_picks_the_servers_execution_mode():
+    assert run_env("magnus") == {"COHORT_POLICY": "magnus"}
+    assert run_env("magnus@static") == {"COHORT_POLICY": "magnus", "COHORT_EXECUTION": "static",
+                                        "COHORT_OOM_RECOVERY": "split"}
+    assert run_env("s3-hrrn@elastic/split")["COHORT_OOM_RECOVERY"] == "split"
+    with pytest.raises(ValueError, match="oracle"):
+        run_env("magnus+oracle@elastic")
