@@ -28,7 +28,7 @@ from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import Policy, PolicyContext, make_policy, planning_memory
 from cohort import bus
 from cohort.logdb import finish_request, get_engine
-from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent
+from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, dumps
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest, new_id
 
@@ -170,7 +170,7 @@ class BatcherService:
         """Preempted rows wait again like new requests (their arrival time kept, so HRRN and
         FCFS still see how long they have waited); same transaction rule as ``_requeue``."""
         pipe = self.redis.pipeline()
-        pipe.hset(bus.PENDING, mapping={r.id: bus.dumps(r.to_dict()) for r in requests})
+        pipe.hset(bus.PENDING, mapping={r.id: dumps(r.to_dict()) for r in requests})
         pipe.hdel(bus.INFLIGHT, replaces)
         pipe.execute()
         for r in requests:
@@ -180,7 +180,7 @@ class BatcherService:
         """Give batches back to the policy; their requests go back to ``pending`` in the same
         transaction that retires the in-flight batch they came from, so a crash never loses them."""
         pipe = self.redis.pipeline()
-        pipe.hset(bus.PENDING, mapping={r.id: bus.dumps(r.to_dict()) for b in batches for r in b.requests})
+        pipe.hset(bus.PENDING, mapping={r.id: dumps(r.to_dict()) for b in batches for r in b.requests})
         pipe.hdel(bus.INFLIGHT, replaces)
         pipe.execute()
         for b in batches:
@@ -276,7 +276,7 @@ class BatcherService:
     def _send(self, batch: Batch, now: float) -> None:
         payload = batch.to_dict()
         pipe = self.redis.pipeline()
-        pipe.hset(bus.INFLIGHT, batch.id, bus.dumps({"batch": payload, "dispatched": now}))
+        pipe.hset(bus.INFLIGHT, batch.id, dumps({"batch": payload, "dispatched": now}))
         pipe.hdel(bus.PENDING, *[r.id for r in batch.requests])
         pipe.hincrby(bus.STATS, "batches_dispatched", 1)
         pipe.execute()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from cohort.protocol import StreamEvent, StreamKind, dumps
+from cohort.protocol import StreamEvent, StreamKind
 
 PREFIX = "cohort"
 INCOMING = f"{PREFIX}:incoming"
@@ -63,8 +63,6 @@ def queue_for_pool(pool: str) -> str:
 
 
 CANCELLED = "cancelled"  # a batch claim value: the batch was superseded, a redelivery is a no-op
-
-__all__ = ["dumps"]
 
 
 def publish(pipe, request_id: str, event: StreamEvent) -> None:

@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from batcher.memory import KVMemory
 from cohort import bus
 from cohort.logdb import record_request
+from cohort.protocol import dumps
 from cohort.settings import Settings
 from cohort.tokenizer import build_prompt, load_tokenizer, prompt_token_counts
 from cohort.types import InstanceInfo, ProfiledRequest, SamplingParams, new_id
@@ -118,6 +119,6 @@ async def admit(app_state, sub: Submission, endpoint: str, received: float | Non
         "user_input": sub.user_input, "input_tokens": input_tokens, "max_tokens": sub.max_tokens,
         "predicted_tokens": req.predicted_tokens, "predictor_version": version,
         "emulated_tokens": sub.emulated_tokens, "slo_s": sub.slo_s, "status": "queued"})
-    await redis.lpush(bus.INCOMING, bus.dumps(req.to_dict()))
+    await redis.lpush(bus.INCOMING, dumps(req.to_dict()))
     app_state.metrics.predicted_tokens.observe(req.predicted_tokens)
     return Ticket(req, endpoint, received, deadline=time.monotonic() + s.request_timeout_s)

@@ -14,6 +14,7 @@ import redis
 
 from cohort import bus
 from cohort.logdb import get_engine
+from cohort.protocol import dumps
 from cohort.settings import Settings
 from cohort.types import InstanceInfo
 from predictor.learning import profile_samples_path
@@ -38,7 +39,7 @@ class Runtime:
 
     def heartbeat_once(self) -> None:
         pipe = self.redis.pipeline()
-        pipe.hset(bus.INSTANCES, self.name, bus.dumps(self.info.to_dict()))
+        pipe.hset(bus.INSTANCES, self.name, dumps(self.info.to_dict()))
         pipe.set(bus.alive_key(self.name), str(time.time()), ex=max(1, int(self.settings.instance_ttl_s)))
         pipe.execute()
 
