@@ -364,9 +364,11 @@ class BatchRun:
         (out.finished if self.elastic else self._held).append(row.done)
 
     def _release(self, out: StepOutput) -> StepOutput:
-        """Static execution answers everyone when the batch ends."""
+        """Static execution answers everyone when the batch ends: that is when each client gets
+        its first (and last) text, so both times are the release time."""
         if not self.elastic and self.done and self._held:
-            out.finished.extend(self._held)
+            now = self.clock()
+            out.finished.extend(replace(r, first_token_at=now, finished_at=now) for r in self._held)
             self._held = []
         return out
 

@@ -78,6 +78,8 @@ def test_static_execution_answers_everyone_at_the_end(engine):
     assert [len(o.finished) for o in outs] == [0] * 11 + [2]
     assert all(len(b.rows) == 2 for _ in outs) and not any(o.deltas for o in outs)
     assert {f.tokens for f in outs[-1].finished} == {2, 12}
+    # what the clients see: nothing before the batch ends
+    assert len({(f.first_token_at, f.finished_at) for f in outs[-1].finished}) == 1
 
 
 def test_deltas_stream_the_answer(engine):
