@@ -107,10 +107,10 @@ async def admit(app_state, sub: Submission, endpoint: str, received: float | Non
         raise APIError(429, f"the queue is full ({depth} requests waiting); retry later", code="queue_full")
 
     item = PredictItem(sub.instruction, sub.user_input, input_tokens, sub.task)
-    predicted, version = await app_state.predictor.predict(item, sub.max_tokens)
+    predicted, upper, version = await app_state.predictor.predict_bounds(item, sub.max_tokens)
     now = time.time()
     req = ProfiledRequest(id=new_id("req"), prompt=prompt, input_tokens=input_tokens,
-                          predicted_tokens=int(predicted), max_tokens=sub.max_tokens, arrival=now,
+                          predicted_tokens=int(predicted), predicted_upper=upper, max_tokens=sub.max_tokens, arrival=now,
                           model=s.model, sampling=sub.sampling, slo_s=sub.slo_s, instruction=sub.instruction,
                           user_input=sub.user_input, task=sub.task, emulated_tokens=sub.emulated_tokens,
                           predictor_version=version)
