@@ -12,6 +12,7 @@ cancelled is dropped from the waiting set and from any batch before it is dispat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -55,6 +56,10 @@ class BatcherService:
     instances: dict[str, InstanceInfo] = field(default_factory=dict)
     _last_refresh: float = 0.0
 
+    @property
+    def keys(self) -> bus.PoolKeys:
+        return bus.pool_keys(self.settings.pool)
+
     # --- setup ----------------------------------------------------------------------------
     def _make_policy(self, memory: KVMemory) -> Policy:
         s = self.settings
@@ -87,10 +92,10 @@ class BatcherService:
 
     def _recover(self, now: float) -> None:
         """Reload what a previous batcher left in Redis."""
-        pending = [ProfiledRequest.from_dict(json.loads(v)) for v in self.redis.hvals(bus.PENDING)]
+        pending = [ProfiledRequest.from_dict(json.loads(v)) for v in self.redis.hvals(self.keys.pending)]
         for req in sorted(pending, key=lambda r: r.arrival):
             self.policy.add(req, now)
-        for js in self.redis.hvals(bus.INFLIGHT):
+        for js in self.redis.hvals(self.keys.inflight):
             d = json.loads(js)
             b = Batch.from_dict(d["batch"])
             self.inflight[b.id] = Inflight(b, d["dispatched"])
@@ -123,33 +128,33 @@ class BatcherService:
             self.redis.ltrim(key, 0, -n - 1)
 
     def _take_arrivals(self, now: float, limit: int = 1000) -> bool:
-        msgs = self._peek(bus.INCOMING, limit)
+        msgs = self._peek(self.keys.incoming, limit)
         for js in msgs:
             req = ProfiledRequest.from_dict(json.loads(js))
-            if self.redis.hsetnx(bus.PENDING, req.id, js):  # 0: already taken before a crash
+            if self.redis.hsetnx(self.keys.pending, req.id, js):  # 0: already taken before a crash
                 self.policy.add(req, now)
-        self._trim(bus.INCOMING, len(msgs))
+        self._trim(self.keys.incoming, len(msgs))
         return bool(msgs)
 
     def _take_cancels(self, limit: int = 1000) -> bool:
         """Requests whose client went away: out of the waiting set now, out of their batch at
         dispatch (``_dispatch`` filters on the cancel keys), out of a running batch by the worker."""
-        msgs = self._peek(bus.CANCELS, limit)
+        msgs = self._peek(self.keys.cancels, limit)
         if msgs:
-            gone = [rid for rid in msgs if self.redis.hdel(bus.PENDING, rid)]
+            gone = [rid for rid in msgs if self.redis.hdel(self.keys.pending, rid)]
             if gone:
                 self.redis.hincrby(bus.STATS, "cancelled_waiting", len(gone))
                 log.info("dropped %d cancelled request(s) from the waiting queue", len(gone))
-        self._trim(bus.CANCELS, len(msgs))
+        self._trim(self.keys.cancels, len(msgs))
         return bool(msgs)
 
     def _take_completions(self, now: float, limit: int = 1000) -> bool:
-        msgs = self._peek(bus.COMPLETIONS, limit)
+        msgs = self._peek(self.keys.completions, limit)
         for js in msgs:
             ev = CompletionEvent.from_json(js)
             fl = self.inflight.pop(ev.batch_id, None)
             if fl is None:
-                self.redis.hdel(bus.INFLIGHT, ev.batch_id)
+                self.redis.hdel(self.keys.inflight, ev.batch_id)
                 continue  # a superseded copy finished after we re-queued it; its results are harmless
             rest = [r for r in fl.batch.requests if r.id not in set(ev.answered)]
             if ev.outcome is BatchOutcome.OOM:
@@ -162,16 +167,16 @@ class BatcherService:
                 self.redis.hincrby(bus.STATS, "preemptions", len(ev.continuations))
                 self._requeue_requests(ev.continuations, now, replaces=ev.batch_id)
             else:
-                self.redis.hdel(bus.INFLIGHT, ev.batch_id)
-        self._trim(bus.COMPLETIONS, len(msgs))
+                self.redis.hdel(self.keys.inflight, ev.batch_id)
+        self._trim(self.keys.completions, len(msgs))
         return bool(msgs)
 
     def _requeue_requests(self, requests: list[ProfiledRequest], now: float, replaces: str) -> None:
         """Preempted rows wait again like new requests (their arrival time kept, so HRRN and
         FCFS still see how long they have waited); same transaction rule as ``_requeue``."""
         pipe = self.redis.pipeline()
-        pipe.hset(bus.PENDING, mapping={r.id: dumps(r.to_dict()) for r in requests})
-        pipe.hdel(bus.INFLIGHT, replaces)
+        pipe.hset(self.keys.pending, mapping={r.id: dumps(r.to_dict()) for r in requests})
+        pipe.hdel(self.keys.inflight, replaces)
         pipe.execute()
         for r in requests:
             self.policy.add(r, now)
@@ -180,8 +185,8 @@ class BatcherService:
         """Give batches back to the policy; their requests go back to ``pending`` in the same
         transaction that retires the in-flight batch they came from, so a crash never loses them."""
         pipe = self.redis.pipeline()
-        pipe.hset(bus.PENDING, mapping={r.id: dumps(r.to_dict()) for b in batches for r in b.requests})
-        pipe.hdel(bus.INFLIGHT, replaces)
+        pipe.hset(self.keys.pending, mapping={r.id: dumps(r.to_dict()) for b in batches for r in b.requests})
+        pipe.hdel(self.keys.inflight, replaces)
         pipe.execute()
         for b in batches:
             self.policy.requeue(b, now)
@@ -190,7 +195,7 @@ class BatcherService:
         """Split recovery: the rows not yet answered, in two halves, both restart."""
         self.redis.hincrby(bus.STATS, "oom_splits", 1)
         if not rest:
-            self.redis.hdel(bus.INFLIGHT, batch.id)
+            self.redis.hdel(self.keys.inflight, batch.id)
             return
         batch = Batch(id=batch.id, requests=rest, created=batch.created, attempt=batch.attempt, splits=batch.splits)
         try:
@@ -198,7 +203,7 @@ class BatcherService:
         except UnsplittableBatch as e:
             self._fail(batch.requests, FailureCode.OUT_OF_MEMORY,
                        f"{e}; input {batch.input_len} tokens + max_tokens {batch.requests[0].max_tokens}")
-            self.redis.hdel(bus.INFLIGHT, batch.id)
+            self.redis.hdel(self.keys.inflight, batch.id)
             return
         log.warning("batch %s (β=%d) ran out of memory; split into %d + %d and re-queued",
                     batch.id, batch.size, a.size, b.size)
@@ -231,13 +236,13 @@ class BatcherService:
             if b.attempt + 1 > self.settings.max_requeues:
                 self._fail(b.requests, FailureCode.WORKER_LOST, f"instance {owner} died while running this batch, "
                            f"{b.attempt + 1} times; giving up")
-                self.redis.hdel(bus.INFLIGHT, bid)
+                self.redis.hdel(self.keys.inflight, bid)
                 continue
             rest = self._resume_points(b.requests)
             log.warning("instance %s died running batch %s; %d of %d request(s) re-queued (attempt %d)", owner,
                         bid, len(rest), b.size, b.attempt + 1)
             if not rest:
-                self.redis.hdel(bus.INFLIGHT, bid)
+                self.redis.hdel(self.keys.inflight, bid)
                 continue
             self._requeue([Batch(id=new_id("b"), requests=rest, created=b.created,
                                  attempt=b.attempt + 1, splits=b.splits)], now, replaces=bid)
@@ -265,7 +270,7 @@ class BatcherService:
                 break
             gone = bus.cancelled_ids(self.redis, [r.id for r in batch.requests])
             if gone:  # withdrawn while it waited: never reaches a worker
-                self.redis.hdel(bus.PENDING, *gone)
+                self.redis.hdel(self.keys.pending, *gone)
                 batch.requests = [r for r in batch.requests if r.id not in gone]
                 if not batch.requests:
                     continue
@@ -276,8 +281,8 @@ class BatcherService:
     def _send(self, batch: Batch, now: float) -> None:
         payload = batch.to_dict()
         pipe = self.redis.pipeline()
-        pipe.hset(bus.INFLIGHT, batch.id, dumps({"batch": payload, "dispatched": now}))
-        pipe.hdel(bus.PENDING, *[r.id for r in batch.requests])
+        pipe.hset(self.keys.inflight, batch.id, dumps({"batch": payload, "dispatched": now}))
+        pipe.hdel(self.keys.pending, *[r.id for r in batch.requests])
         pipe.hincrby(bus.STATS, "batches_dispatched", 1)
         pipe.execute()
         self.inflight[batch.id] = Inflight(batch, now)
@@ -294,41 +299,64 @@ class BatcherService:
         for r in requests:  # record first, then answer: a client that sees the error finds the record
             finish_request(db, r.id, status="failed", error=message)
             bus.publish_now(self.redis, r.id, StreamEvent.error(code, message))
-            self.redis.hdel(bus.PENDING, r.id)
+            self.redis.hdel(self.keys.pending, r.id)
         log.error("failed %d request(s): %s", len(requests), message)
 
 
-def _acquire_lock(r: redis.Redis, me: str) -> None:
-    """One active batcher: wait until the lock is free (a standby takes over when the holder dies)."""
-    while not r.set(bus.BATCHER_LOCK, me, nx=True, ex=LOCK_TTL_S):
-        time.sleep(1.0)
+def _hold_lock(r: redis.Redis, lock: str, me: str) -> bool:
+    """Take the pool's batcher lock, or extend it if we hold it: True while we are the active
+    batcher. The lock's TTL doubles as the batcher's heartbeat (the gateway's /health reads it)."""
+    if r.set(lock, me, nx=True, ex=LOCK_TTL_S):
+        return True
+    return r.get(lock) == me and bool(r.expire(lock, LOCK_TTL_S))
 
 
 def run_batcher(settings: Settings, estimator: object, send_task: Callable[[Batch], None]) -> None:
     """The batcher process's main loop; the entry point injects the batch-time estimator and the
-    Celery sender (the batcher itself knows neither the predictor package nor Celery)."""
+    Celery sender (the batcher itself knows neither the predictor package nor Celery).
+
+    It rides out Redis outages: a connection error never ends the process; it waits with
+    backoff and, once Redis answers again, rebuilds its state from Redis (``_recover``) under a
+    re-taken lock, so a Redis restart, with or without persistence, loses nothing it had stored.
+    """
     s = settings
-    r = redis.Redis.from_url(s.resolved_redis_url, decode_responses=True)
+    r = bus.connect(s.resolved_redis_url)
+    lock = bus.pool_keys(s.pool).batcher_lock
     me = f"{socket.gethostname()}-{os.getpid()}"
-    _acquire_lock(r, me)
-    svc = BatcherService(s, r, estimator, send_task)
-    log.info("batcher %s active: policy=%s Φ=%.0f pool=%s", me, s.policy, s.wma_threshold, s.pool)
-    stop = []
+    stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    last_lock = time.time()
+    svc: BatcherService | None = None
+    last_lock, backoff = 0.0, 0.2
     try:
         while not stop:
-            if time.time() - last_lock > LOCK_TTL_S / 3:
-                r.set(bus.BATCHER_LOCK, me, ex=LOCK_TTL_S)
-                last_lock = time.time()
-                maybe = getattr(svc.estimator, "maybe_reload", None)
-                if maybe:
-                    maybe()
-            if not svc.step():
-                time.sleep(s.batcher_tick_s)
+            try:
+                if time.time() - last_lock > LOCK_TTL_S / 3 or svc is None:
+                    if not _hold_lock(r, lock, me):
+                        if svc is not None:
+                            log.warning("batcher lock of pool %s lost to another batcher; standing by", s.pool)
+                        svc = None
+                        time.sleep(1.0)
+                        continue
+                    last_lock = time.time()
+                    if svc is None:
+                        svc = BatcherService(s, r, estimator, send_task)
+                        log.info("batcher %s active: policy=%s execution=%s Φ=%.0f pool=%s", me, s.policy,
+                                 s.execution, s.wma_threshold, s.pool)
+                    maybe = getattr(estimator, "maybe_reload", None)
+                    if maybe:
+                        maybe()
+                if not svc.step():
+                    time.sleep(s.batcher_tick_s)
+                backoff = 0.2
+            except redis.RedisError as e:
+                log.warning("Redis unavailable (%s); retrying in %.1f s", e, backoff)
+                svc = None  # rebuilt from Redis once it answers again
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
     except KeyboardInterrupt:
         pass
     finally:
-        if r.get(bus.BATCHER_LOCK) == me:
-            r.delete(bus.BATCHER_LOCK)
+        with contextlib.suppress(redis.RedisError):
+            if r.get(lock) == me:
+                r.delete(lock)
         log.info("batcher stopped")

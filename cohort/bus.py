@@ -15,22 +15,82 @@ batches), so a restarted batcher picks up where the old one stopped.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from cohort.protocol import StreamEvent, StreamKind
 
 PREFIX = "cohort"
-INCOMING = f"{PREFIX}:incoming"
-COMPLETIONS = f"{PREFIX}:completions"
-PENDING = f"{PREFIX}:pending"          # hash request id -> request JSON (received, not dispatched)
-INFLIGHT = f"{PREFIX}:inflight"        # hash batch id -> {"batch": ..., "dispatched": t, "queue": q}
-INSTANCES = f"{PREFIX}:instances"      # hash instance name -> InstanceInfo JSON
+INSTANCES = f"{PREFIX}:instances"      # hash instance name -> InstanceInfo JSON (each names its pool)
 STATS = f"{PREFIX}:stats"              # hash of counters the gateway exports as metrics
-BATCHER_LOCK = f"{PREFIX}:batcher:lock"  # one active batcher
-CANCELS = f"{PREFIX}:cancels"          # list of cancelled request ids (the batcher drops them)
+
+
+@dataclass(frozen=True)
+class PoolKeys:
+    """One model pool's keys: every pool has its own queue, batcher state and batcher lock."""
+
+    pool: str
+
+    def _key(self, name: str) -> str:
+        return f"{PREFIX}:pool:{self.pool}:{name}"
+
+    @property
+    def incoming(self) -> str:      # list of ProfiledRequest JSON, LPUSH'd by the gateway
+        return self._key("incoming")
+
+    @property
+    def pending(self) -> str:       # hash request id -> request JSON (received, not dispatched)
+        return self._key("pending")
+
+    @property
+    def inflight(self) -> str:      # hash batch id -> {"batch": ..., "dispatched": t}
+        return self._key("inflight")
+
+    @property
+    def completions(self) -> str:   # list of CompletionEvent JSON, LPUSH'd by the workers
+        return self._key("completions")
+
+    @property
+    def cancels(self) -> str:       # list of cancelled request ids (the batcher drops them)
+        return self._key("cancels")
+
+    @property
+    def batcher_lock(self) -> str:  # one active batcher per pool
+        return self._key("batcher:lock")
+
+
+def pool_keys(pool: str) -> PoolKeys:
+    return PoolKeys(pool)
+
 STREAM_TTL_S = 3600
 CANCEL_TTL_S = 3600
 CLAIM_TTL_S = 7 * 24 * 3600            # batch claim / done markers: far longer than any redelivery
 STREAM_FIELD = "e"                     # each stream entry carries one StreamEvent JSON in this field
+
+
+def _client_options() -> dict:
+    """Every long-lived client: retried with backoff on connection errors, pooled connections
+    health-checked before use (a Redis restart leaves them stale), keep-alive on."""
+    return dict(decode_responses=True, health_check_interval=10, socket_keepalive=True,
+                socket_connect_timeout=5, retry_on_error=[RedisConnectionError, RedisTimeoutError])
+
+
+def connect(url: str) -> redis.Redis:
+    """A sync client for batcher and worker processes."""
+    return redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 6), **_client_options())
+
+
+def connect_async(url: str, max_connections: int = 4096) -> aioredis.Redis:
+    """An asyncio client for the gateway."""
+    return aioredis.Redis.from_url(url, retry=AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 6),
+                                   max_connections=max_connections, **_client_options())
 
 
 def stream_key(request_id: str) -> str:
@@ -80,12 +140,12 @@ def publish_now(redis, request_id: str, event: StreamEvent) -> None:
     pipe.execute()
 
 
-def cancel(pipe, request_id: str) -> None:
+def cancel(pipe, request_id: str, pool: str) -> None:
     """Queue the withdrawal of a request in ``pipe`` (sync or redis.asyncio pipeline; the caller
     executes it): the cancel key tells the worker to drop the row at its next step, the id on
-    CANCELS tells the batcher to drop it from the waiting queue. Both in one round trip."""
+    the pool's cancels list tells its batcher to drop it from the waiting queue. Both in one round trip."""
     pipe.set(cancel_key(request_id), "1", ex=CANCEL_TTL_S)
-    pipe.lpush(CANCELS, request_id)
+    pipe.lpush(pool_keys(pool).cancels, request_id)
 
 
 def cancelled_ids(redis, request_ids: Iterable[str]) -> set[str]:

@@ -98,18 +98,18 @@ def make_admin_router(settings: Settings, predictor_service: Any, enqueue: Enque
 
     @router.get("/queue")
     async def queue(request: Request) -> JSONResponse:
-        r, now = request.app.state.redis, time.time()
+        r, now, keys = request.app.state.redis, time.time(), bus.pool_keys(settings.pool)
         inflight = []
-        for bid, js in (await r.hgetall(bus.INFLIGHT)).items():
+        for bid, js in (await r.hgetall(keys.inflight)).items():
             reqs = json.loads(js)["batch"]["requests"]
             inflight.append({"batch_id": bid, "size": len(reqs),
                              "dispatched_age_s": round(now - json.loads(js)["dispatched"], 3),
                              "input_len": max(q["input_tokens"] for q in reqs),
                              "predicted_gen_len": max(q["predicted_tokens"] for q in reqs),
                              "instance": await r.get(bus.claim_key(bid))})
-        pending = [json.loads(v) for v in (await r.hvals(bus.PENDING))]
+        pending = [json.loads(v) for v in (await r.hvals(keys.pending))]
         oldest = min((p["arrival"] for p in pending), default=None)
-        return JSONResponse({"incoming": await r.llen(bus.INCOMING), "pending": len(pending),
+        return JSONResponse({"incoming": await r.llen(keys.incoming), "pending": len(pending),
                              "oldest_pending_age_s": round(now - oldest, 3) if oldest else None,
                              "inflight": inflight,
                              "stats": {k: int(v) for k, v in (await r.hgetall(bus.STATS)).items()}})

@@ -7,10 +7,10 @@ import contextlib
 import logging
 from contextlib import asynccontextmanager
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from cohort import bus
 from cohort.logdb import get_engine
 from cohort.settings import Settings, get_settings
 from cohort.tokenizer import prompt_token_counts
@@ -31,7 +31,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         st = app.state
-        st.redis = aioredis.Redis.from_url(s.resolved_redis_url, decode_responses=True, max_connections=4096)
+        st.redis = bus.connect_async(s.resolved_redis_url)
         st.pool = PoolView(s, st.redis)
         st.db = get_engine(s.database_url)
         await run_in_threadpool(st.predictor.warmup)

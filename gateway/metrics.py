@@ -60,9 +60,10 @@ class GatewayMetrics:
         self.counters = Gauge("cohort_batcher_events", "Batcher counters (batches, OOM splits, requeues, failures)",
                               ["event"], registry=r)
 
-    async def render(self, redis, alive_instances: int) -> bytes:
-        self.pending.set(await redis.llen(bus.INCOMING) + await redis.hlen(bus.PENDING))
-        self.inflight.set(await redis.hlen(bus.INFLIGHT))
+    async def render(self, redis, alive_instances: int, pool: str) -> bytes:
+        keys = bus.pool_keys(pool)
+        self.pending.set(await redis.llen(keys.incoming) + await redis.hlen(keys.pending))
+        self.inflight.set(await redis.hlen(keys.inflight))
         self.instances.set(alive_instances)
         for k, v in (await redis.hgetall(bus.STATS)).items():
             self.counters.labels(event=k).set(float(v))

@@ -76,7 +76,7 @@ async def withdraw(app_state, ticket: Ticket, code: FailureCode) -> None:
              else f"no answer within {app_state.settings.request_timeout_s:g} s")
     await run_in_threadpool(finish_request, app_state.db, rid, status=code.value, error=error)
     pipe = app_state.redis.pipeline()
-    bus.cancel(pipe, rid)
+    bus.cancel(pipe, rid, app_state.settings.pool)
     await pipe.execute()
     app_state.metrics.cancelled.labels(ticket.endpoint, CANCEL_REASONS[code]).inc()
 

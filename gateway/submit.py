@@ -102,7 +102,8 @@ async def admit(app_state, sub: Submission, endpoint: str, received: float | Non
                        f"{memory.mem(1, input_tokens, sub.max_tokens)} bytes of KV cache; an instance has "
                        f"{memory.theta_bytes}. Lower max_tokens or shorten the input.",
                        code="context_length_exceeded", param="max_tokens")
-    depth = await redis.llen(bus.INCOMING) + await redis.hlen(bus.PENDING)
+    keys = bus.pool_keys(s.pool)
+    depth = await redis.llen(keys.incoming) + await redis.hlen(keys.pending)
     if depth >= s.max_pending:
         raise APIError(429, f"the queue is full ({depth} requests waiting); retry later", code="queue_full")
 
@@ -119,6 +120,6 @@ async def admit(app_state, sub: Submission, endpoint: str, received: float | Non
         "user_input": sub.user_input, "input_tokens": input_tokens, "max_tokens": sub.max_tokens,
         "predicted_tokens": req.predicted_tokens, "predictor_version": version,
         "emulated_tokens": sub.emulated_tokens, "slo_s": sub.slo_s, "status": "queued"})
-    await redis.lpush(bus.INCOMING, dumps(req.to_dict()))
+    await redis.lpush(keys.incoming, dumps(req.to_dict()))
     app_state.metrics.predicted_tokens.observe(req.predicted_tokens)
     return Ticket(req, endpoint, received, deadline=time.monotonic() + s.request_timeout_s)

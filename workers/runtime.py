@@ -92,7 +92,7 @@ def start(settings: Settings) -> Runtime:
         info = InstanceInfo(name=name, pool=settings.pool, model=settings.model,
                             theta_bytes=engine.theta_bytes, delta_bytes=engine.delta_bytes,
                             device=str(engine.device), started=time.time())
-        rt = Runtime(settings, engine, redis.Redis.from_url(settings.resolved_redis_url, decode_responses=True),
+        rt = Runtime(settings, engine, bus.connect(settings.resolved_redis_url),
                      get_engine(settings.database_url), info)
         rt.start_heartbeat()
         log.info("instance %s registered in pool %s: Θ=%d bytes, Δ=%d bytes/token", name, settings.pool,

@@ -38,7 +38,7 @@ def _claim(rt: runtime.Runtime, batch_id: str) -> bool:
 def _complete(rt: runtime.Runtime, event: CompletionEvent) -> None:
     pipe = rt.redis.pipeline()
     pipe.set(bus.done_key(event.batch_id), event.outcome.value, ex=bus.CLAIM_TTL_S)
-    pipe.lpush(bus.COMPLETIONS, event.to_json())
+    pipe.lpush(bus.pool_keys(rt.settings.pool).completions, event.to_json())
     pipe.execute()
 
 

@@ -27,4 +27,4 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     st = request.app.state
-    return Response(await st.metrics.render(st.redis, len(await st.pool.alive())), media_type=CONTENT_TYPE_LATEST)
+    return Response(await st.metrics.render(st.redis, len(await st.pool.alive()), st.settings.pool), media_type=CONTENT_TYPE_LATEST)

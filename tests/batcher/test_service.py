@@ -15,6 +15,8 @@ from cohort.settings import Settings
 from cohort.types import InstanceInfo, ProfiledRequest
 from predictor.estimator import AnalyticBatchTime
 
+KEYS = bus.pool_keys("default")
+
 
 @pytest.fixture
 def r():
@@ -30,13 +32,13 @@ def register(r, name: str, theta: int = 10**9, delta: int = 1, alive: bool = Tru
 
 def arrive(r, i: int, L: int = 10, G: int = 10, t: float = 0.0) -> ProfiledRequest:
     req = ProfiledRequest(id=f"q{i}", prompt="p", input_tokens=L, predicted_tokens=G, max_tokens=64, arrival=t)
-    r.lpush(bus.INCOMING, json.dumps(req.to_dict()))
+    r.lpush(KEYS.incoming, json.dumps(req.to_dict()))
     return req
 
 
 def complete(r, batch_id: str, outcome: str = "done", **kw) -> None:
     """What a worker sends when it leaves a batch."""
-    r.lpush(bus.COMPLETIONS, CompletionEvent(batch_id, BatchOutcome(outcome), **kw).to_json())
+    r.lpush(KEYS.completions, CompletionEvent(batch_id, BatchOutcome(outcome), **kw).to_json())
 
 
 def events(r, request_id: str) -> list[StreamEvent]:
@@ -54,7 +56,7 @@ def test_nothing_is_dispatched_without_an_idle_instance(r, tmp_path):
     svc = service(r, tmp_path, sent)
     arrive(r, 0)
     svc.step(now=1.0)
-    assert sent == [] and r.llen(bus.INCOMING) == 1  # no instance yet: requests wait in Redis
+    assert sent == [] and r.llen(KEYS.incoming) == 1  # no instance yet: requests wait in Redis
     register(r, "w1")
     svc.step(now=2.0)
     assert len(sent) == 1 and sent[0].size == 1
@@ -62,10 +64,10 @@ def test_nothing_is_dispatched_without_an_idle_instance(r, tmp_path):
         arrive(r, i)
     svc.step(now=3.0)
     assert len(sent) == 1  # the only instance is busy: the batch keeps growing
-    assert svc.policy.pending_requests() == 5 and r.hlen(bus.PENDING) == 5
+    assert svc.policy.pending_requests() == 5 and r.hlen(KEYS.pending) == 5
     complete(r, sent[0].id)
     svc.step(now=4.0)
-    assert len(sent) == 2 and sent[1].size == 5 and r.hlen(bus.PENDING) == 0
+    assert len(sent) == 2 and sent[1].size == 5 and r.hlen(KEYS.pending) == 0
 
 
 def test_restarted_batcher_recovers_pending_and_inflight(r, tmp_path):
@@ -78,7 +80,7 @@ def test_restarted_batcher_recovers_pending_and_inflight(r, tmp_path):
     for i in range(4, 7):
         arrive(r, i)
     svc.step(now=2.0)
-    assert r.hlen(bus.INFLIGHT) == 1 and r.hlen(bus.PENDING) == 3
+    assert r.hlen(KEYS.inflight) == 1 and r.hlen(KEYS.pending) == 3
     again: list = []
     svc2 = service(r, tmp_path, again)  # the old process died; a new one starts from Redis
     svc2.step(now=3.0)
@@ -150,7 +152,7 @@ def test_split_halves_survive_a_batcher_crash(r, tmp_path):
     assert big.size == 4
     complete(r, big.id, "oom", error="CUDA out of memory")
     svc._take_completions(4.0)  # split and re-queued, then the process dies before dispatching
-    assert r.hlen(bus.INFLIGHT) == 0 and set(r.hkeys(bus.PENDING)) == {"q1", "q2", "q3", "q4"}
+    assert r.hlen(KEYS.inflight) == 0 and set(r.hkeys(KEYS.pending)) == {"q1", "q2", "q3", "q4"}
     again: list = []
     svc2 = service(r, tmp_path, again, policy="abp")
     svc2.step(now=5.0)
@@ -165,10 +167,10 @@ def test_a_message_read_before_a_crash_is_not_taken_twice(r, tmp_path):
     arrive(r, 0)
     svc.step(now=1.0)
     arrive(r, 1)
-    r.hset(bus.PENDING, "q1", r.lindex(bus.INCOMING, -1))  # taken, then the process died before trimming
+    r.hset(KEYS.pending, "q1", r.lindex(KEYS.incoming, -1))  # taken, then the process died before trimming
     svc2 = service(r, tmp_path, [])
     svc2.step(now=2.0)
-    assert svc2.policy.pending_requests() == 1 and r.llen(bus.INCOMING) == 0
+    assert svc2.policy.pending_requests() == 1 and r.llen(KEYS.incoming) == 0
 
 
 def test_batch_delivered_to_a_worker_that_died_before_claiming_it_is_requeued(r, tmp_path):
@@ -201,7 +203,7 @@ def test_continuations_wait_again_and_answered_rows_are_not_split(r, tmp_path):
     again = sent[-1]
     assert [q.id for q in again.requests] == ["q2"] and again.requests[0].generated_ids == [7, 8, 9]
     assert again.requests[0].preemptions == 1 and int(r.hget(bus.STATS, "preemptions")) == 1
-    assert r.hlen(bus.INFLIGHT) == 1
+    assert r.hlen(KEYS.inflight) == 1
     complete(r, again.id, "oom", error="x", answered=[])  # split recovery only splits unanswered rows
     svc.step(now=3.0)
     (ev,) = events(r, "q2")
@@ -218,9 +220,9 @@ def test_cancelled_requests_never_reach_a_worker(r, tmp_path):
     arrive(r, 2)
     svc.step(now=2.0)
     r.set(bus.cancel_key("q1"), "1")
-    r.lpush(bus.CANCELS, "q1")
+    r.lpush(KEYS.cancels, "q1")
     svc.step(now=3.0)
-    assert not r.hexists(bus.PENDING, "q1") and r.hexists(bus.PENDING, "q2")
+    assert not r.hexists(KEYS.pending, "q1") and r.hexists(KEYS.pending, "q2")
     complete(r, sent[0].id, answered=["q0"])
     svc.step(now=4.0)
     assert [q.id for q in sent[-1].requests] == ["q2"]

@@ -7,6 +7,8 @@ from typing import Any
 
 import httpx
 
+from cohort import bus
+
 KV_BYTES_PER_TOKEN = 2048  # Δ of the built-in model (2 · 4 layers · 2 kv heads · 32 · fp32)
 
 
@@ -18,7 +20,7 @@ def behind_a_blocker(stack, blocker: dict[str, Any], bodies: list[dict[str, Any]
         async with httpx.AsyncClient(base_url=stack.url, timeout=300) as c:
             first = asyncio.create_task(c.post("/v1/generate", json=blocker))
             for _ in range(200):  # until the blocker is running
-                if stack.redis.hlen("cohort:inflight"):
+                if stack.redis.hlen(bus.pool_keys("default").inflight):
                     break
                 await asyncio.sleep(0.02)
             rest = await asyncio.gather(*(c.post("/v1/generate", json=b) for b in bodies))

@@ -84,11 +84,11 @@ def test_client_that_leaves_is_withdrawn_and_its_row_stops(stack):
     assert request_id
 
     deadline = time.time() + 60
-    while time.time() < deadline and (stack.redis.hlen(bus.INFLIGHT) or not stack.redis.exists(
+    while time.time() < deadline and (stack.redis.hlen(bus.pool_keys("default").inflight) or not stack.redis.exists(
             bus.cancel_key(request_id))):
         time.sleep(0.1)
     assert stack.redis.exists(bus.cancel_key(request_id))
-    assert stack.redis.hlen(bus.INFLIGHT) == 0, "the batch should end once its only row is dropped"
+    assert stack.redis.hlen(bus.pool_keys("default").inflight) == 0, "the batch should end once its only row is dropped"
     events = [StreamEvent.from_json(f[bus.STREAM_FIELD]) for _, f in stack.redis.xrange(bus.stream_key(request_id))]
     assert not any(e.final for e in events)
     generated = max((e.tokens for e in events), default=0)
@@ -112,7 +112,7 @@ def test_non_streaming_client_that_gives_up_is_withdrawn(stack):
         time.sleep(0.1)
     (key,) = set(stack.redis.scan_iter(bus.cancel_key("*"))) - before
     request_id = key.removeprefix(bus.cancel_key(""))
-    while time.time() < deadline and stack.redis.hlen(bus.INFLIGHT):
+    while time.time() < deadline and stack.redis.hlen(bus.pool_keys("default").inflight):
         time.sleep(0.1)
     con = sqlite3.connect(stack.db_path)
     assert con.execute("SELECT status FROM requests WHERE id = ?", (request_id,)).fetchone() == ("cancelled",)

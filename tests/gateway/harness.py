@@ -52,7 +52,7 @@ async def next_request(redis, timeout_s: float = 10.0) -> ProfiledRequest:
     """The next request the gateway enqueued (what the batcher would receive)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        js = await redis.rpop(bus.INCOMING)
+        js = await redis.rpop(bus.pool_keys("default").incoming)
         if js:
             return ProfiledRequest.from_dict(json.loads(js))
         await asyncio.sleep(0.01)

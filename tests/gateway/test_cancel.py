@@ -27,7 +27,7 @@ def _status(app, request_id: str) -> tuple[str, str | None]:
 
 async def _withdrawn(redis, request_id: str) -> tuple[bool, int, list[str]]:
     key = bus.cancel_key(request_id)
-    return bool(await redis.exists(key)), await redis.ttl(key), await redis.lrange(bus.CANCELS, 0, -1)
+    return bool(await redis.exists(key)), await redis.ttl(key), await redis.lrange(bus.pool_keys("default").cancels, 0, -1)
 
 
 def _cancelled_count(app, endpoint: str, reason: str) -> float:

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from cohort import bus
 from cohort.types import SamplingParams
 from tests.gateway.harness import gateway, worker
 
@@ -49,7 +50,7 @@ def test_out_of_range_is_a_clear_400(tmp_path, extra, param):
     async def scenario():
         async with gateway(tmp_path) as (_, client, redis):
             r = await client.post("/v1/chat/completions", json={"messages": MSG, **extra})
-            return r, await redis.llen("cohort:incoming")
+            return r, await redis.llen(bus.pool_keys("default").incoming)
 
     r, queued = asyncio.run(scenario())
     assert r.status_code == 400, r.text
