@@ -331,3 +331,7 @@ def bench_service(
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(res, indent=2))
     typer.echo(json.dumps(res))
+
+
+if __name__ == "__main__":  # `python -m predictor.cli` = `cohort predictor`
+    app()
