@@ -58,4 +58,4 @@ def make_policy(name: str, ctx: PolicyContext, **params: Any) -> Policy:
 
 
 __all__ = ["POLICIES", "BatchTimeModel", "ODBSPolicy", "Policy", "PolicyContext", "S3Policy", "SLODBSPolicy",
-           "SLOODBSPolicy", "WMAPolicy", "make_policy", "planning_memory"]
+           "SLOODBSPolicy", "VanillaPolicy", "WMAPolicy", "make_policy", "planning_memory"]

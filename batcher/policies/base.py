@@ -1,20 +1,38 @@
 """The one interface every batching policy implements, and what policies may depend on.
 
 A policy owns the waiting requests of one model pool. The service (or the simulator) calls
-``add`` when a request arrives, ``pop`` only when an LLM instance is idle, and ``requeue``
-when a dispatched batch comes back (OOM halves, a lost worker). Policies never touch torch,
-Redis or the clock: ``now`` is always passed in, so they run unchanged in the simulator.
+``add`` when a request arrives, ``pop`` only when an LLM instance is idle, ``requeue`` when a
+dispatched batch comes back (OOM halves, a lost worker) and ``set_memory`` when Θ changes:
+nothing else, so a policy has nothing else to implement. Policies never touch torch, Redis or
+the clock: ``now`` is always passed in, so they run unchanged in the simulator.
+
+Two kinds of batch wait. *Open* ones are the policy's own (still growing, or formed only at
+dispatch); *closed* ones came back through ``requeue`` and run as they are. Which goes next
+is decided here, once for every policy (``Policy.pop``): the policy offers its next open batch
+(``_next_open``) with its rank under the policy's ``order``; the best re-queued batch under the
+same order runs instead when it ranks at least as well (on a tie the re-queued batch goes
+first: it was dispatched before and its requests are at least as old).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Literal, Protocol
+
+import numpy as np
 
 from batcher.memory import KVMemory, KVPlan
 from cohort.types import Batch, ProfiledRequest
+
+# How a policy ranks its batches, best first (``Policy.order``):
+#   requeued  re-queued batches always first, in the order they came back (VS)
+#   oldest    the batch whose oldest request arrived first (FCFS over batches)
+#   deadline  the batch with the earliest deadline (EDF)
+#   hrrn      the highest response ratio (T_w + T_p) / T_p; ties: the oldest (Magnus)
+Order = Literal["requeued", "oldest", "deadline", "hrrn"]
+Rank = tuple[float, ...]  # lower goes first
 
 
 class BatchTimeModel(Protocol):
@@ -42,10 +60,40 @@ class PolicyContext:
         return self.memory.plan(self.elastic)
 
 
-class Policy(ABC):
-    """Base class: keeps re-queued (closed) batches; subclasses decide assembly and order."""
+def response_ratios(shapes: np.ndarray, oldest: np.ndarray, estimator: BatchTimeModel, now: float) -> np.ndarray:
+    """HRRN's (T_w + T_p) / T_p per batch: T_w = wait of its oldest request, T_p = the estimated
+    time of its (β, L(B), G'(B)) row in ``shapes``. The one HRRN formula: the WMA policies feed it
+    their columns, the others ``batch_columns``."""
+    tp = np.maximum(np.asarray(estimator.estimate_many(shapes), dtype=float), 1e-6)
+    return (np.maximum(0.0, now - oldest) + tp) / tp
 
-    name: ClassVar[str] = "base"
+
+def batch_columns(batches: Sequence[Batch]) -> tuple[np.ndarray, np.ndarray]:
+    """(shapes, oldest arrivals) of ``batches`` as ``response_ratios`` reads them."""
+    shapes = np.array([(b.size, b.input_len, b.predicted_gen_len) for b in batches], dtype=np.int64).reshape(-1, 3)
+    return shapes, np.array([b.oldest_arrival for b in batches], dtype=float)
+
+
+def hrrn_first(ratios: np.ndarray, oldest: np.ndarray) -> int:
+    """Index of the highest response ratio; ties: the oldest, then the first."""
+    return int(np.lexsort((oldest, -ratios))[0])
+
+
+@dataclass(frozen=True)
+class NextOpen:
+    """The open batch a policy would dispatch next, still in place: its rank under the policy's
+    order, and ``take``, which removes and returns it. ``take`` may build the batch only when
+    called: a re-queued batch that goes first costs no assembly."""
+
+    rank: Rank
+    take: Callable[[], Batch]
+
+
+class Policy(ABC):
+    """Base class: keeps the re-queued (closed) batches and decides between them and the open
+    ones; subclasses assemble open batches and offer the next one (``_next_open``)."""
+
+    order: Order = "oldest"  # a class default; WMA and S3 pick theirs per instance
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
@@ -59,48 +107,32 @@ class Policy(ABC):
     def add(self, req: ProfiledRequest, now: float) -> None:
         """A request arrived."""
 
-    @abstractmethod
-    def pop(self, now: float) -> Batch | None:
-        """An instance is idle: remove and return the batch to run next, or None if nothing waits."""
-
-    @abstractmethod
-    def open_batches(self) -> list[Batch]:
-        """Batches still being assembled (may grow)."""
-
     def requeue(self, batch: Batch, now: float) -> None:
         """Put a whole batch back as it is (OOM half, lost worker): it no longer grows."""
         self.closed.append(batch)
 
-    def waiting(self) -> list[Batch]:
-        """Every batch waiting, open and closed."""
-        return self.open_batches() + list(self.closed)
+    def pop(self, now: float) -> Batch | None:
+        """An instance is idle: remove and return the batch to run next, or None if nothing waits."""
+        nxt = self._next_open(now)
+        if self.closed:
+            ranks = self._ranks(self.closed, now)
+            i = min(range(len(ranks)), key=ranks.__getitem__)
+            if nxt is None or ranks[i] <= nxt.rank:
+                return self.closed.pop(i)
+        return nxt.take() if nxt is not None else None
 
-    def pending_requests(self) -> int:
-        return sum(b.size for b in self.waiting())
+    @abstractmethod
+    def _next_open(self, now: float) -> NextOpen | None:
+        """The open batch this policy would dispatch next under its ``order``, or None if none waits."""
 
-    def __len__(self) -> int:
-        return self.pending_requests()
-
-
-def response_ratios(batches: Sequence[Batch], estimator: BatchTimeModel, now: float) -> list[float]:
-    """HRRN: (T_w + T_p) / T_p, T_w = wait of the oldest request, T_p = estimated batch time."""
-    if not batches:
-        return []
-    shapes = [(b.size, b.input_len, b.predicted_gen_len) for b in batches]
-    times = estimator.estimate_many(shapes)
-    out = []
-    for b, tp in zip(batches, times, strict=True):
-        tp = max(float(tp), 1e-6)
-        out.append((max(0.0, now - b.oldest_arrival) + tp) / tp)
-    return out
-
-
-def pick_hrrn(batches: Sequence[Batch], estimator: BatchTimeModel, now: float) -> int:
-    """Index of the batch with the highest response ratio (ties: the oldest)."""
-    ratios = response_ratios(batches, estimator, now)
-    return max(range(len(batches)), key=lambda i: (ratios[i], -batches[i].oldest_arrival))
-
-
-def pick_oldest(batches: Sequence[Batch]) -> int:
-    """Index of the batch whose oldest request arrived first (FCFS over batches)."""
-    return min(range(len(batches)), key=lambda i: batches[i].oldest_arrival)
+    def _ranks(self, batches: Sequence[Batch], now: float) -> list[Rank]:
+        """Rank of each batch under ``order``, as ``_next_open`` ranks its own."""
+        if self.order == "requeued":
+            return [() for _ in batches]
+        if self.order == "oldest":
+            return [(b.oldest_arrival,) for b in batches]
+        if self.order == "deadline":
+            return [(b.earliest_deadline,) for b in batches]
+        shapes, oldest = batch_columns(batches)
+        ratios = response_ratios(shapes, oldest, self.ctx.estimator, now)
+        return [(-float(r), float(t)) for r, t in zip(ratios, oldest, strict=True)]

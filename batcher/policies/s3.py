@@ -15,8 +15,8 @@ batches as bin packing under the memory limit. Here, whenever an instance is idl
    ``s3-hrrn``, our attempt to beat Magnus) instead dispatches the bin with the highest
    response ratio (T_w + T_p) / T_p, Magnus's rule, over the late-bound FFD bins.
 
-A re-queued batch (OOM half) whose oldest request is older than every waiting request goes
-first. Why a window: FFD over the whole queue on every pop is O(queue · bins); under overload
+A re-queued batch (OOM half) goes first when it ranks at least as well under the same order
+(``Policy.pop``). Why a window: FFD over the whole queue on every pop is O(queue · bins); under overload
 the queue reaches tens of thousands, and a window of a few Θ's worth of requests already packs
 as well (2,048 requests ≈ 5 full batches of the V100 testbed).
 """
@@ -27,7 +27,15 @@ from bisect import bisect_right
 from itertools import islice
 
 from batcher.memory import KVPlan
-from batcher.policies.base import Policy, PolicyContext, pick_hrrn
+from batcher.policies.base import (
+    NextOpen,
+    Order,
+    Policy,
+    PolicyContext,
+    batch_columns,
+    hrrn_first,
+    response_ratios,
+)
 from cohort.types import Batch, ProfiledRequest, new_id
 
 DEFAULT_EDGES: tuple[int, ...] = (0, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -41,10 +49,8 @@ def bucket_of(length: int, edges: tuple[int, ...] = DEFAULT_EDGES) -> int:
 class S3Policy(Policy):
     """Bucket sort + first-fit-decreasing under Θ; dispatch the bin with the oldest request."""
 
-    name = "s3"
-
     def __init__(self, ctx: PolicyContext, window: int = 2048, edges: tuple[int, ...] = DEFAULT_EDGES,
-                 order: str = "oldest") -> None:
+                 order: Order = "oldest") -> None:
         super().__init__(ctx)
         if window < 1:
             raise ValueError("window must be >= 1")
@@ -91,50 +97,26 @@ class S3Policy(Policy):
                 del open_bins[pos]
         return bins
 
-    def pop(self, now: float) -> Batch | None:
-        oldest_closed = min(range(len(self.closed)), key=lambda i: self.closed[i].oldest_arrival, default=None)
+    def _next_open(self, now: float) -> NextOpen | None:
         if not self._pending:
-            return self.closed.pop(oldest_closed) if oldest_closed is not None else None
-        if self.order == "hrrn":
-            return self._pop_hrrn(now)
+            return None
         head = next(iter(self._pending.values()))
-        if oldest_closed is not None and self.closed[oldest_closed].oldest_arrival <= head.arrival:
-            return self.closed.pop(oldest_closed)
-        key = head.batch_key
-        window = [r for r in islice(self._pending.values(), self.window) if r.batch_key == key]
-        for members in self.pack(window):
-            if any(r is head for r in members):
-                for r in members:
-                    del self._pending[r.id]
-                members.sort(key=lambda r: r.arrival)
-                return Batch(id=new_id("b"), requests=members, created=now)
-        raise AssertionError("the oldest request was not packed")  # pragma: no cover
+        window = [r for r in islice(self._pending.values(), self.window) if r.batch_key == head.batch_key]
+        if self.order == "oldest":   # the bin holding the oldest request, packed only when it is taken
+            return NextOpen((head.arrival,), lambda: self._take(next(
+                self._batch(m, now) for m in self.pack(window) if any(r is head for r in m))))
+        bins = [self._batch(m, now) for m in self.pack(window)]
+        shapes, oldest = batch_columns(bins)
+        ratio = response_ratios(shapes, oldest, self.ctx.estimator, now)
+        i = hrrn_first(ratio, oldest)
+        return NextOpen((-float(ratio[i]), float(oldest[i])), lambda: self._take(bins[i]))
 
-    def _pop_hrrn(self, now: float) -> Batch:
-        head = next(iter(self._pending.values()))
-        key = head.batch_key
-        window = [r for r in islice(self._pending.values(), self.window) if r.batch_key == key]
-        bins = [Batch(id=new_id("b"), requests=sorted(m, key=lambda r: r.arrival), created=now)
-                for m in self.pack(window)]
-        cands = bins + self.closed
-        i = pick_hrrn(cands, self.ctx.estimator, now)
-        if i >= len(bins):
-            return self.closed.pop(i - len(bins))
-        for r in bins[i].requests:
+    @staticmethod
+    def _batch(members: list[ProfiledRequest], now: float) -> Batch:
+        return Batch(id=new_id("b"), requests=sorted(members, key=lambda r: r.arrival), created=now)
+
+    def _take(self, batch: Batch) -> Batch:
+        """Remove a packed bin's requests from the queue and return it."""
+        for r in batch.requests:
             del self._pending[r.id]
-        return bins[i]
-
-    def open_batches(self) -> list[Batch]:
-        """The current FFD packing of the window (what the next pops would dispatch)."""
-        reqs = list(islice(self._pending.values(), self.window))
-        out = []
-        for key in dict.fromkeys(r.batch_key for r in reqs):
-            for members in self.pack([r for r in reqs if r.batch_key == key]):
-                out.append(Batch(id="pending", requests=members, created=min(r.arrival for r in members)))
-        rest = list(self._pending.values())[self.window:]
-        if rest:
-            out.append(Batch(id="pending", requests=rest, created=rest[0].arrival))
-        return out
-
-    def pending_requests(self) -> int:
-        return len(self._pending) + sum(b.size for b in self.closed)
+        return batch

@@ -37,7 +37,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from itertools import count
 
-from batcher.policies.base import Policy, PolicyContext
+from batcher.policies.base import NextOpen, Policy, PolicyContext
 from cohort.types import Batch, ProfiledRequest, new_id
 
 L1_DEFAULT = 10.0
@@ -48,7 +48,7 @@ THRESHOLD_DEFAULT = 15000.0
 class SLOODBSPolicy(Policy):
     """Greedy SLO/length batching; ``w1``/``w2`` pick the variant (see module docstring)."""
 
-    name = "slo-odbs"
+    order = "deadline"
 
     def __init__(self, ctx: PolicyContext, w1: float = 1.0, w2: float = 1.0, l1: float = L1_DEFAULT,
                  l2: float = L2_DEFAULT, slo_threshold: float = THRESHOLD_DEFAULT,
@@ -120,12 +120,13 @@ class SLOODBSPolicy(Policy):
             prefix.append(prefix[-1] + slacks[-1])
         return pos, members
 
-    def pop(self, now: float) -> Batch | None:
-        closed_i = min(range(len(self.closed)), key=lambda i: self.closed[i].earliest_deadline, default=None)
+    def _next_open(self, now: float) -> NextOpen | None:
         if not self._pending:
-            return self.closed.pop(closed_i) if closed_i is not None else None
-        if closed_i is not None and self.closed[closed_i].earliest_deadline <= self._pending[0][0]:
-            return self.closed.pop(closed_i)
+            return None
+        return NextOpen((self._pending[0][0],), lambda: self._take(now))
+
+    def _take(self, now: float) -> Batch:
+        """Remove the first batch of the greedy pass from the queue and return it."""
         pos, members = self._first_batch(now)
         if pos[-1] == len(pos) - 1:   # a prefix: the common case (one batch key)
             del self._pending[:len(pos)]
@@ -134,21 +135,9 @@ class SLOODBSPolicy(Policy):
             self._pending = [e for i, e in enumerate(self._pending) if i not in taken]
         return Batch(id=new_id("b"), requests=members, created=now)
 
-    def open_batches(self) -> list[Batch]:
-        """Pending requests in SLO order as one unassembled group (batches form at dispatch)."""
-        if not self._pending:
-            return []
-        reqs = [e[3] for e in self._pending]
-        return [Batch(id="pending", requests=reqs, created=min(r.arrival for r in reqs))]
-
-    def pending_requests(self) -> int:
-        return len(self._pending) + sum(b.size for b in self.closed)
-
 
 class SLODBSPolicy(SLOODBSPolicy):
     """SLO-DBS: only the SLO-overrun term (w2 = 0)."""
-
-    name = "slo-dbs"
 
     def __init__(self, ctx: PolicyContext, w1: float = 1.0, **kw: float) -> None:
         kw.pop("w2", None)
@@ -157,8 +146,6 @@ class SLODBSPolicy(SLOODBSPolicy):
 
 class ODBSPolicy(SLOODBSPolicy):
     """ODBS: only the output-length term (w1 = 0)."""
-
-    name = "odbs"
 
     def __init__(self, ctx: PolicyContext, w2: float = 1.0, **kw: float) -> None:
         kw.pop("w1", None)

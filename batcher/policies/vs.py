@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from batcher.policies.base import Policy, PolicyContext
+from batcher.policies.base import NextOpen, Policy, PolicyContext
 from cohort.types import Batch, ProfiledRequest, new_id
 
 
@@ -14,7 +14,7 @@ class VanillaPolicy(Policy):
     prediction must choose to never run out of memory.
     """
 
-    name = "vs"
+    order = "requeued"
 
     def __init__(self, ctx: PolicyContext, batch_size: int | None = None) -> None:
         super().__init__(ctx)
@@ -30,11 +30,11 @@ class VanillaPolicy(Policy):
     def add(self, req: ProfiledRequest, now: float) -> None:
         self.queue.append(req)
 
-    def pop(self, now: float) -> Batch | None:
-        if self.closed:
-            return self.closed.pop(0)
-        if not self.queue:
-            return None
+    def _next_open(self, now: float) -> NextOpen | None:
+        return NextOpen((), lambda: self._take(now)) if self.queue else None
+
+    def _take(self, now: float) -> Batch:
+        """The oldest request and the next β − 1 of its batch key, in arrival order."""
         head = self.queue.popleft()
         members, keep = [head], deque()
         while self.queue and len(members) < self.batch_size:
@@ -43,10 +43,3 @@ class VanillaPolicy(Policy):
         keep.extend(self.queue)
         self.queue = keep
         return Batch(id=new_id("b"), requests=members, created=now)
-
-    def open_batches(self) -> list[Batch]:
-        """VS forms batches at dispatch; report the queue as the batches it would make."""
-        out, reqs, k = [], list(self.queue), self.batch_size
-        for i in range(0, len(reqs), k):
-            out.append(Batch(id="pending", requests=reqs[i:i + k], created=reqs[i].arrival))
-        return out

@@ -13,7 +13,8 @@ insertion test is O(1) per batch (tests check this against the literal definitio
 Speed: the simulator drives tens of thousands of arrivals against hundreds of open batches under
 overload, so those numbers also live in NumPy columns (L, G, min useful, size, key id, oldest
 arrival) and one insertion is a handful of vectorised operations over all open batches; HRRN
-reads the same columns instead of recomputing max/min over every member of every batch.
+(``base.response_ratios``) reads the same columns instead of recomputing max/min over every
+member of every batch.
 Behaviour (including ties: the first batch in opening order wins) is the same as the loop.
 Under elastic planning the columns also hold each batch's KV peak and planned-length range, and
 ``batcher.memory.grow_bounds`` settles most batches at once; the few it cannot settle are
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batcher.memory import KVPlan, grow_bounds
-from batcher.policies.base import Policy, PolicyContext
+from batcher.policies.base import NextOpen, Order, Policy, PolicyContext, Rank, hrrn_first, response_ratios
 from cohort.types import Batch, ProfiledRequest, new_id
 
 
@@ -57,17 +58,15 @@ class _Open:
 class WMAPolicy(Policy):
     """Adaptive assembly under Φ and Θ; ``max_batch_size`` caps β (GLP); ``order`` picks the batch."""
 
-    name = "abp"
-
     # WMA (predicted lengths): L, G, min useful; memory (planned lengths): P = largest, pmin =
     # smallest, peak KV tokens and its rank kpk; size, batch key id, oldest arrival.
     _COLS = ("L", "G", "mu", "size", "key", "oldest", "P", "pmin", "peak", "kpk")
 
     def __init__(self, ctx: PolicyContext, threshold: float, max_batch_size: int | None = None,
-                 order: str = "fcfs") -> None:
+                 order: Order = "oldest") -> None:
         super().__init__(ctx)
-        if order not in ("fcfs", "hrrn"):
-            raise ValueError(f"order must be fcfs or hrrn, not {order!r}")
+        if order not in ("oldest", "hrrn"):
+            raise ValueError(f"order must be oldest or hrrn, not {order!r}")
         self.threshold = threshold
         self.max_batch_size = max_batch_size
         self.order = order
@@ -147,55 +146,40 @@ class WMAPolicy(Policy):
             a[i:k - 1] = a[i + 1:k]
         return self._open.pop(i).batch
 
-    def pop(self, now: float) -> Batch | None:
+    def _next_open(self, now: float) -> NextOpen | None:
         k = len(self._open)
-        if not k and not self.closed:
+        if not k:
             return None
         c = self._c
-        sizes, Ls, Gs, oldest = c["size"][:k], c["L"][:k], c["G"][:k], c["oldest"][:k]
-        if self.closed:
-            sizes = np.concatenate([sizes, [b.size for b in self.closed]])
-            Ls = np.concatenate([Ls, [b.input_len for b in self.closed]])
-            Gs = np.concatenate([Gs, [b.predicted_gen_len for b in self.closed]])
-            oldest = np.concatenate([oldest, [b.oldest_arrival for b in self.closed]])
+        oldest = c["oldest"][:k]
         if self.order == "hrrn":
-            shapes = np.stack([sizes, Ls, Gs], axis=1)
-            tp = np.maximum(np.asarray(self.ctx.estimator.estimate_many(shapes), dtype=float), 1e-6)
-            ratio = (np.maximum(0.0, now - oldest) + tp) / tp  # same as base.response_ratios
-            i = int(np.lexsort((oldest, -ratio))[0])        # highest ratio, ties: the oldest
+            shapes = np.stack([c["size"][:k], c["L"][:k], c["G"][:k]], axis=1)
+            ratio = response_ratios(shapes, oldest, self.ctx.estimator, now)
+            i = hrrn_first(ratio, oldest)
+            rank: Rank = (-float(ratio[i]), float(oldest[i]))
         else:
             i = int(np.argmin(oldest))
-        if i < k:
-            return self._remove(i)
-        return self.closed.pop(i - k)
-
-    def open_batches(self) -> list[Batch]:
-        return [ob.batch for ob in self._open]
+            rank = (float(oldest[i]),)
+        return NextOpen(rank, lambda: self._remove(i))
 
 
 class GLPPolicy(WMAPolicy):
     """GLP: WMA assembly with a fixed batch size cap (the VS size unless set), FCFS order."""
 
-    name = "glp"
-
     def __init__(self, ctx: PolicyContext, threshold: float, batch_size: int | None = None) -> None:
         size = batch_size or ctx.memory.max_fixed_batch_size(ctx.max_input_tokens, ctx.max_tokens_limit)
-        super().__init__(ctx, threshold, max_batch_size=size, order="fcfs")
+        super().__init__(ctx, threshold, max_batch_size=size, order="oldest")
 
 
 class ABPPolicy(WMAPolicy):
     """ABP: WMA assembly with only the memory cap Θ, FCFS order."""
 
-    name = "abp"
-
     def __init__(self, ctx: PolicyContext, threshold: float) -> None:
-        super().__init__(ctx, threshold, order="fcfs")
+        super().__init__(ctx, threshold, order="oldest")
 
 
 class MagnusPolicy(WMAPolicy):
     """Magnus: ABP + batch-time estimator + HRRN pick."""
-
-    name = "magnus"
 
     def __init__(self, ctx: PolicyContext, threshold: float) -> None:
         super().__init__(ctx, threshold, order="hrrn")

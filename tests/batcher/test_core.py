@@ -12,11 +12,10 @@ from batcher.elastic import batch_kv_tokens, peak_kv_tokens
 from batcher.memory import KVMemory, grow_bounds, kv_bytes_per_token
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import make_policy
-from batcher.policies.base import pick_hrrn
 from batcher.policies.wma import WMAPolicy
 from batcher.wma import batch_wma, total_wma, wma_gen, wma_wait
 from cohort.types import Batch
-from tests.batcher.helpers import LinearTime, ctx, req
+from tests.batcher.helpers import LinearTime, ctx, open_batches, pick_hrrn, queued, req
 
 
 def literal_wma_wait(G_p: int, G_B: int, L_B: int) -> int:
@@ -82,10 +81,10 @@ def test_insertion_joins_the_min_wma_batch_under_phi():
     a, b = req(10, 100), req(10, 10)
     p.add(a, 0)
     p.add(b, 0)  # joining a: WMA_wait = Σ_{11}^{100}(g+10) = 5895 ≥ Φ → new batch
-    assert [x.size for x in p.open_batches()] == [1, 1]
+    assert [x.size for x in open_batches(p)] == [1, 1]
     c = req(12, 11)  # joins b (WMA small), not a
     p.add(c, 0)
-    sizes = {x.requests[0].id: x.size for x in p.open_batches()}
+    sizes = {x.requests[0].id: x.size for x in open_batches(p)}
     assert sizes == {a.id: 1, b.id: 2}
 
 
@@ -94,7 +93,7 @@ def test_insertion_respects_theta():
     for _ in range(5):
         p.add(req(10, 10), 0)  # each needs 20 tokens; 5 fit exactly
     p.add(req(10, 10), 0)
-    assert [x.size for x in p.open_batches()] == [5, 1]
+    assert [x.size for x in open_batches(p)] == [5, 1]
 
 
 def test_insertion_never_mixes_models_but_mixes_sampling():
@@ -104,14 +103,14 @@ def test_insertion_never_mixes_models_but_mixes_sampling():
     p.add(req(10, 10, temperature=0.7), 0)
     p.add(req(10, 10, model="other"), 0)
     p.add(req(10, 10), 0)
-    assert sorted(x.size for x in p.open_batches()) == [1, 3]
+    assert sorted(x.size for x in open_batches(p)) == [1, 3]
 
 
 def test_glp_caps_batch_size():
     p = make_policy("glp", ctx(), threshold=1e12, batch_size=3)
     for _ in range(7):
         p.add(req(10, 10), 0)
-    assert [x.size for x in p.open_batches()] == [3, 3, 1]
+    assert [x.size for x in open_batches(p)] == [3, 3, 1]
 
 
 def test_hrrn_prefers_short_batches_then_long_waiters():
@@ -155,7 +154,7 @@ def test_requeued_batches_are_dispatched_whole():
     b = Batch("half", [req(10, 10, arrival=0.0), req(10, 10, arrival=0.0)], 0.0)
     p.requeue(b, 1.0)
     p.add(req(10, 10, arrival=1.0), 1.0)  # does not join the re-queued batch
-    assert p.pending_requests() == 3
+    assert len(queued(p)) == 3
     got = p.pop(2.0)
     assert got.id == "half" and got.size == 2
 
@@ -241,8 +240,8 @@ def test_memory_planning_uses_the_upper_quantile_grouping_the_point():
         r = req(10, 10, 0.0)
         r.predicted_upper = 40        # 2·(10+40) = 100 fits, 3·50 does not
         p.add(r, 0.0)
-    assert sorted(b.size for b in p.open_batches()) == [1, 2]
-    assert p.open_batches()[0].predicted_gen_len == 10
+    assert sorted(b.size for b in open_batches(p)) == [1, 2]
+    assert open_batches(p)[0].predicted_gen_len == 10
 
 
 def test_vs_keeps_worst_case_sizing_under_elastic():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from batcher.policies import make_policy
 from batcher.policies.s3 import S3Policy, bucket_of
-from tests.batcher.helpers import ctx, req
+from tests.batcher.helpers import ctx, queued, req
 
 
 def test_buckets_follow_the_power_of_two_edges():
@@ -62,7 +62,7 @@ def test_requeued_batch_with_older_requests_goes_first():
     p.requeue(b, 8.0)
     again = p.pop(9.0)
     assert again is b
-    assert p.pending_requests() == 1
+    assert len(queued(p)) == 1
 
 
 def test_window_limits_the_packing_to_the_oldest_requests():
@@ -86,4 +86,3 @@ def test_s3_hrrn_dispatches_the_highest_response_ratio_bin():
     # s3 would send the long one)
     first = p.pop(2.0)
     assert {r.id for r in first.requests} == {short1.id, short2.id}
-    assert make_policy("s3", ctx(theta_tokens=100)).name == "s3"

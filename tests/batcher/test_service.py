@@ -14,6 +14,7 @@ from cohort.protocol import BatchOutcome, CompletionEvent, StreamEvent, StreamKi
 from cohort.settings import Settings
 from cohort.types import InstanceInfo, ProfiledRequest
 from predictor.estimator import AnalyticBatchTime
+from tests.batcher.helpers import queued
 
 KEYS = bus.pool_keys("default")
 
@@ -64,7 +65,7 @@ def test_nothing_is_dispatched_without_an_idle_instance(r, tmp_path):
         arrive(r, i)
     svc.step(now=3.0)
     assert len(sent) == 1  # the only instance is busy: the batch keeps growing
-    assert svc.policy.pending_requests() == 5 and r.hlen(KEYS.pending) == 5
+    assert len(queued(svc.policy)) == 5 and r.hlen(KEYS.pending) == 5
     complete(r, sent[0].id)
     svc.step(now=4.0)
     assert len(sent) == 2 and sent[1].size == 5 and r.hlen(KEYS.pending) == 0
@@ -84,7 +85,7 @@ def test_restarted_batcher_recovers_pending_and_inflight(r, tmp_path):
     again: list = []
     svc2 = service(r, tmp_path, again)  # the old process died; a new one starts from Redis
     svc2.step(now=3.0)
-    assert set(svc2.inflight) == set(svc.inflight) and svc2.policy.pending_requests() == 3
+    assert set(svc2.inflight) == set(svc.inflight) and len(queued(svc2.policy)) == 3
     assert again == []  # still busy
     complete(r, next(iter(svc.inflight)))
     svc2.step(now=4.0)
@@ -156,7 +157,7 @@ def test_split_halves_survive_a_batcher_crash(r, tmp_path):
     again: list = []
     svc2 = service(r, tmp_path, again, policy="abp")
     svc2.step(now=5.0)
-    assert {q.id for b in again for q in b.requests} | {q.id for b in svc2.policy.waiting() for q in b.requests} \
+    assert {q.id for b in again for q in b.requests} | {q.id for q in queued(svc2.policy)} \
         == {"q1", "q2", "q3", "q4"}
 
 
@@ -170,7 +171,7 @@ def test_a_message_read_before_a_crash_is_not_taken_twice(r, tmp_path):
     r.hset(KEYS.pending, "q1", r.lindex(KEYS.incoming, -1))  # taken, then the process died before trimming
     svc2 = service(r, tmp_path, [])
     svc2.step(now=2.0)
-    assert svc2.policy.pending_requests() == 1 and r.llen(KEYS.incoming) == 0
+    assert len(queued(svc2.policy)) == 1 and r.llen(KEYS.incoming) == 0
 
 
 def test_batch_delivered_to_a_worker_that_died_before_claiming_it_is_requeued(r, tmp_path):
