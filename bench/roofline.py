@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from batcher.memory import KVMemory
-
-GiB = 1024**3
+from cohort.units import GIB, dtype_bytes
+from predictor.estimator import AnalyticBatchTime
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,11 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
-    dtype_bytes: int = 2
+    dtype: str = "float16"
+
+    @property
+    def dtype_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -64,11 +68,11 @@ class ModelShape:
 
 GPUS: dict[str, GPU] = {
     # V100-SXM2-32GB: 125 TFLOP/s fp16 tensor, 900 GB/s HBM2 (Magnus's testbed).
-    "v100-32gb": GPU("V100-32GB", 32 * GiB, 125e12, 900e9),
+    "v100-32gb": GPU("V100-32GB", 32 * GIB, 125e12, 900e9),
     # A100-SXM4-80GB: 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e.
-    "a100-80gb": GPU("A100-80GB", 80 * GiB, 312e12, 2039e9),
+    "a100-80gb": GPU("A100-80GB", 80 * GIB, 312e12, 2039e9),
     # H100-SXM5-80GB: 989 TFLOP/s bf16 dense, 3350 GB/s HBM3.
-    "h100-80gb": GPU("H100-80GB", 80 * GiB, 989e12, 3350e9),
+    "h100-80gb": GPU("H100-80GB", 80 * GIB, 989e12, 3350e9),
 }
 
 MODELS: dict[str, ModelShape] = {
@@ -76,8 +80,10 @@ MODELS: dict[str, ModelShape] = {
     "chatglm-6b": ModelShape("ChatGLM-6B", 6.173e9, 28, 4096, 32, 32, 128),
     # LLaMA-7B: 32 layers, hidden 4096, 32 heads, 6.74 B parameters.
     "llama-7b": ModelShape("Llama-7B", 6.738e9, 32, 4096, 32, 32, 128),
-    # The built-in tiny random Llama (cohort/tiny-random-llama), run in fp32 on a CPU.
-    "tiny": ModelShape("tiny-random-llama", 2.0e6, 2, 128, 4, 4, 32, dtype_bytes=4),
+    # The built-in model (cohort/tiny-random-llama, workers.model.TINY_LLAMA) as a CPU worker runs it,
+    # in fp32: 4 layers, hidden 128, 4 heads, 2 KV heads of 32; 4.50 M parameters, 3.9 M of them the
+    # MiniLM vocabulary's (30,522) tied embeddings (tests/bench/test_roofline.py checks the match).
+    "tiny": ModelShape("tiny-random-llama", 4_497_792, 4, 128, 4, 2, 32, dtype="float32"),
 }
 
 
@@ -203,10 +209,8 @@ def load_profile_samples(path: str | Path) -> tuple[list[tuple[int, int, int]], 
     return shapes, [float(d["seconds"]) for d in data]
 
 
-def fitted_time_model(path: str | Path):
+def fitted_time_model(path: str | Path) -> AnalyticBatchTime:
     """``AnalyticBatchTime`` fitted (NNLS) to profiled samples: the simulator's other batch-time model."""
-    from predictor.estimator import AnalyticBatchTime
-
     shapes, secs = load_profile_samples(path)
     if len(shapes) < 4:
         raise ValueError(f"{path}: need at least 4 profiled batches to fit, got {len(shapes)}")

@@ -46,7 +46,12 @@ from batcher.policies import PolicyContext, make_policy, planning_memory
 from batcher.policies.base import BatchTimeModel
 from batcher.wma import total_wma, wma_gen
 from bench.execution import EXECUTIONS, RECOVERIES, BatchRun, run_batch
+from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest
+
+# Φ when a run does not set one: the live batcher's default (``COHORT_WMA_THRESHOLD``), so a
+# simulated policy and a served one assemble the same batches.
+DEFAULT_THRESHOLD: float = Settings.model_fields["wma_threshold"].default
 
 METRICS = ("request_throughput", "valid_token_throughput", "total_token_throughput", "mean_latency_s",
            "p50_latency_s", "p99_latency_s", "mean_ttft_s", "p50_ttft_s", "p99_ttft_s", "slo_attainment",
@@ -165,7 +170,8 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     with the number of newly finished requests (completed or failed). ``headroom`` makes the
     policy plan with Θ·(1 − headroom) while the instance still has Θ: slack for under-predicted
     lengths, so fewer batches run out of memory (0 = the policy sees the true Θ, as in SPEC;
-    VS always plans with Θ). ``execution`` and ``oom_recovery`` pick how batches run
+    VS always plans with Θ). ``params`` are the policy's settings (``make_policy``); Φ defaults to
+    ``DEFAULT_THRESHOLD``. ``execution`` and ``oom_recovery`` pick how batches run
     (``bench.execution``); the policies plan for the same execution (``PolicyContext.elastic``).
     The defaults are the papers' (static, split).
     """
@@ -176,7 +182,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     base, _ = parse_policy(policy)
     ctx = PolicyContext(memory=planning_memory(base, memory, headroom), estimator=estimator or time_model,
                         max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens_limit, elastic=elastic)
-    params = {"threshold": 200_000.0, **(params or {})}
+    params = {"threshold": DEFAULT_THRESHOLD, **(params or {})}
     pol = make_policy(base, ctx, **params)
 
     n = len(requests)

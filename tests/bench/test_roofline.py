@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 
 from bench.roofline import GPUS, MODELS, fitted_time_model, instance
+from cohort.settings import DEFAULT_MODEL
+from cohort.tokenizer import load_tokenizer
+from cohort.units import dtype_bytes
 
 
 def test_default_is_magnus_testbed():
@@ -63,3 +66,19 @@ def test_fitted_model_from_profile_samples(tmp_path):
     p.write_text(json.dumps({"samples": samples[:2]}))
     with pytest.raises(ValueError):
         fitted_time_model(p)
+
+
+def test_tiny_preset_is_the_built_in_model():
+    """The roofline's "tiny" is the model a CPU worker serves by default: same shape, same
+    parameter count, the dtype the worker picks on a CPU."""
+    torch = pytest.importorskip("torch")  # torch and transformers: this test only
+    model = pytest.importorskip("workers.model")
+    tok = load_tokenizer(DEFAULT_MODEL)
+    cfg = model.tiny_llama_config(len(tok), tok.pad_token_id, tok.eos_token_id, tok.cls_token_id)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in model.LlamaForCausalLM(cfg).parameters())
+    m = MODELS["tiny"]
+    assert (m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim) == (
+        cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    assert m.params == params
+    assert m.dtype_bytes == dtype_bytes(str(model.resolve_dtype("auto", torch.device("cpu"))))
