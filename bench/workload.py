@@ -39,7 +39,10 @@ from typing import Any
 import numpy as np
 
 from cohort.datasets import Record, load_split
+from cohort.settings import get_settings
 from cohort.types import ProfiledRequest
+from predictor.conformal import ConformalTable
+from predictor.loading import load_predictor
 
 log = logging.getLogger(__name__)
 
@@ -133,17 +136,6 @@ def _cache_key(files: Sequence[str], predictor: str | None) -> str:
     return h.hexdigest()[:20]
 
 
-def load_predictor(directory: str | Path):
-    """The project's predictor loader when it exists, else the Magnus predictor directly."""
-    try:
-        from predictor.loading import load_predictor as _load  # type: ignore[import-not-found]
-    except ImportError:
-        from predictor.magnus import MagnusPredictor
-
-        return MagnusPredictor.load(Path(directory))
-    return _load(Path(directory))
-
-
 def build_rows(files: Sequence[str | Path], predictor: str | None = None, use_cache: bool = True,
                cache_dir: Path = CACHE_DIR) -> RowTable:
     """Validation rows of ``files`` with token counts and (optionally) predictions, cached on disk."""
@@ -162,7 +154,7 @@ def build_rows(files: Sequence[str | Path], predictor: str | None = None, use_ca
             pred = z["predicted"] if "predicted" in z.files else None
             upper = z["upper"] if "upper" in z.files else None
             return RowTable(records, np.asarray(file_index), z["input_tokens"], z["output_tokens"], pred, upper)
-    from predictor.data import records_to_items  # heavy imports (transformers): only when building
+    from predictor.data import records_to_items  # transformers (seconds to import): only on a cache miss
 
     items, targets = records_to_items(records)
     inp = np.array([it.input_tokens for it in items], dtype=np.int64)
@@ -186,18 +178,15 @@ def build_rows(files: Sequence[str | Path], predictor: str | None = None, use_ca
 
 def _upper_rows(predictor: str | Path, items: list, point: np.ndarray) -> np.ndarray | None:
     """The predictor's conformal upper bound for ``items`` given its point values (None without one)."""
-    from predictor.conformal import ConformalTable
-
     table = ConformalTable.load(predictor)
     return None if table is None else table.upper(items, point)
 
 
 def predict_rows(predictor: str | Path, items: list) -> np.ndarray:
     """G' for ``items``; Magnus models read embeddings through the shared cache (minutes saved)."""
-    model = load_predictor(predictor)
+    model = load_predictor(Path(predictor))
     if getattr(model, "kind", "") == "magnus" and hasattr(model, "predict_features"):
-        from cohort.settings import get_settings
-        from predictor.data import magnus_feature_matrix
+        from predictor.data import magnus_feature_matrix  # transformers: only with a Magnus predictor
 
         s = get_settings()
         x = magnus_feature_matrix(items, Path(s.data_dir) / "cache" / "emb", getattr(model, "encoder_path", None)

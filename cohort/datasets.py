@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cohort.settings import get_settings
+
 MAGNUS_TASKS = ("mt_en_zh", "mt_zh_en", "gc", "td", "ct_java_cs", "ct_cs_java", "bf", "cc")
 SPLIT_SEED = 20240604
 
@@ -29,9 +31,9 @@ class Record:
 
 
 def shared_data_dir() -> Path:
-    """../shared/data relative to the repo (or COHORT_SHARED_DIR/data). Fails loudly under CI."""
-    base = Path(os.environ.get("COHORT_SHARED_DIR", Path(__file__).resolve().parents[1] / ".." / "shared"))
-    d = (base / "data").resolve()
+    """``Settings.shared_dir``/data (COHORT_SHARED_DIR; default ../shared next to the repo). Fails
+    loudly under CI, which must have the data."""
+    d = (get_settings().shared_dir / "data").resolve()
     if not d.is_dir() and os.environ.get("CI"):
         raise FileNotFoundError(f"shared data directory {d} is missing (CI requires ../shared/data)")
     return d

@@ -33,7 +33,8 @@ class Settings(BaseSettings):
         description="Log DB (request + batch records). SQLite embedded, or postgresql+psycopg://...",
     )
     data_dir: Path = Field(default=Path("var"), description="Where models, versions and samples live.")
-    shared_dir: Path = Field(default=Path("../shared"), description="Shared data sets (read only).")
+    shared_dir: Path = Field(default=Path(__file__).resolve().parents[2] / "shared",
+                             description="Shared data sets (read only): ../shared next to the repository.")
 
     # --- gateway --------------------------------------------------------------------------
     host: str = "127.0.0.1"
