@@ -28,13 +28,14 @@ from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import Policy, PolicyContext, make_policy, planning_memory
 from cohort import bus
-from cohort.logdb import finish_request, get_engine
+from cohort.logdb import fail_stale_queued, finish_request, get_engine
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, dumps
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest, new_id
 
 log = logging.getLogger("cohort.batcher")
 LOCK_TTL_S = 10
+SWEEP_EVERY_S = 60.0
 
 
 @dataclass
@@ -55,6 +56,7 @@ class BatcherService:
     inflight: dict[str, Inflight] = field(default_factory=dict)
     instances: dict[str, InstanceInfo] = field(default_factory=dict)
     _last_refresh: float = 0.0
+    _last_sweep: float = 0.0
 
     @property
     def keys(self) -> bus.PoolKeys:
@@ -77,6 +79,8 @@ class BatcherService:
                 continue
             if self.redis.exists(bus.alive_key(name)):
                 alive[name] = info
+            else:  # its heartbeat expired: the registration goes too (a restarted worker re-registers)
+                self.redis.hdel(bus.INSTANCES, name)
         if alive:
             memory = planning_memory(self.settings.policy, KVMemory.for_pool(alive.values()),
                                      self.settings.memory_headroom)
@@ -116,7 +120,18 @@ class BatcherService:
         busy |= self._take_completions(now)
         busy |= self._check_lost(now)
         busy |= self._dispatch(now)
+        if now - self._last_sweep > SWEEP_EVERY_S:
+            self._sweep(now)
         return busy
+
+    def _sweep(self, now: float) -> None:
+        """Fail log-DB rows left ``queued`` past the gateway's timeout (see logdb.fail_stale_queued)."""
+        self._last_sweep = now
+        cutoff = now - self.settings.request_timeout_s - SWEEP_EVERY_S
+        n = fail_stale_queued(get_engine(self.settings.database_url), cutoff,
+                              "never scheduled: lost before the batcher received it")
+        if n:
+            log.warning("marked %d request record(s) failed that stayed queued past the timeout", n)
 
     def _peek(self, key: str, limit: int) -> list[str]:
         """Oldest messages of a list (LPUSH'd), left in place until ``_trim``: a crash in between

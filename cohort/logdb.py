@@ -118,6 +118,16 @@ def finish_request(engine: Engine, request_id: str, **values: Any) -> None:
                      .values(finished=values.pop("finished", time.time()), **values))
 
 
+def fail_stale_queued(engine: Engine, created_before: float, error: str) -> int:
+    """Rows still ``queued`` that no client can be waiting for any more (older than the
+    gateway's timeout): lost before they were scheduled, e.g. in a Redis restart without
+    persistence. They become ``failed`` so no record stays open forever. Returns how many."""
+    with engine.begin() as conn:
+        res = conn.execute(update(requests).where(requests.c.status == "queued", requests.c.created < created_before)
+                           .values(status="failed", error=error, finished=time.time()))
+        return int(res.rowcount or 0)
+
+
 def record_batch(engine: Engine, row: Mapping[str, Any]) -> None:
     _upsert(engine, batches, row)
 

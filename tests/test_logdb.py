@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, select, text
 
 from cohort.logdb import (
+    fail_stale_queued,
     finish_request,
     finished_batches,
     finished_requests,
     get_engine,
     record_batch,
     record_request,
+    requests,
 )
 
 PG_ADMIN = os.environ.get("COHORT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -71,3 +74,14 @@ def test_batch_records_are_idempotent_upserts(db):
     got = finished_batches(db)
     assert [b["id"] for b in got] == ["b1"] and got[0]["batch_time_s"] == 1.5
     assert {b["id"] for b in finished_batches(db, include_oom=True)} == {"b1", "b2"}
+
+
+def test_stale_queued_rows_are_failed_and_nothing_else(db):
+    t = time.time()
+    for rid, created, status in (("old", t - 1000, "queued"), ("new", t, "queued"), ("done", t - 1000, "done")):
+        record_request(db, {"id": rid, "created": created, "instruction": "", "user_input": "x", "input_tokens": 1,
+                            "max_tokens": 4, "predicted_tokens": 4, "status": status})
+    assert fail_stale_queued(db, t - 500, "lost") == 1
+    with db.connect() as conn:
+        rows = dict(conn.execute(select(requests.c.id, requests.c.status)).all())
+    assert rows == {"old": "failed", "new": "queued", "done": "done"}

@@ -247,3 +247,11 @@ def test_a_lost_batch_resumes_from_its_streams(r, tmp_path):
     assert set(again) == {"q1", "q2"}  # q0 is never answered twice
     assert again["q1"].generated_ids == [11, 12] and again["q1"].max_tokens == 62
     assert again["q2"].generated_ids == []
+
+
+def test_dead_instances_are_pruned_from_the_registry(r, tmp_path):
+    register(r, "w1")
+    register(r, "w2", alive=False)  # its heartbeat expired
+    svc = service(r, tmp_path, [])
+    svc.step(now=1.0)
+    assert set(svc.instances) == {"w1"} and set(r.hkeys(bus.INSTANCES)) == {"w1"}
