@@ -1,7 +1,7 @@
 """HELR: choose GPUs, a pipeline order and layer counts for one model (thesis §3.5).
 
 Pure Python + NumPy. Inputs are plain arrays (see :class:`Problem`) so the search can be
-tested against brute force without torch.
+tested against brute force (tests/deployer) without torch.
 
 Cost model (ms for one token through the pipeline)::
 
@@ -37,6 +37,7 @@ improved by 2-opt, and the same fill and cost are applied. It is not guaranteed 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -112,7 +113,7 @@ class Plan:
 
 
 # --------------------------------------------------------------------------------------------
-# Fill and evaluation (shared by the DP, the heuristic and the brute-force oracle)
+# Fill and evaluation (shared by the DP, the heuristic and the tests' brute-force oracle)
 # --------------------------------------------------------------------------------------------
 
 
@@ -168,7 +169,7 @@ def compute_ms(problem: Problem, layers: dict[int, int], first: int | None, last
 
 def path_ms(problem: Problem, order: list[int]) -> float:
     """Hop latency along the pipeline (plus last -> first when the head is tied to the embedding)."""
-    hops = float(sum(problem.hop[a, b] for a, b in itertools.pairwise(order)))
+    hops = path_ms_raw(problem.hop, order)
     if problem.return_hop and len(order) > 1:
         hops += float(problem.hop[order[-1], order[0]])
     return hops
@@ -341,6 +342,7 @@ def _two_opt(hop: np.ndarray, order: list[int]) -> list[int]:
 
 
 def path_ms_raw(hop: np.ndarray, order: list[int]) -> float:
+    """Sum of the hops between consecutive devices of ``order``."""
     return float(sum(hop[a, b] for a, b in itertools.pairwise(order)))
 
 
@@ -380,9 +382,9 @@ def _candidate_subsets(problem: Problem) -> list[list[int]]:
     return out
 
 
-def _solve_heuristic(problem: Problem, mode: str, a1: float, a2: float) -> Plan | None:
+def _heuristic_orders(problem: Problem) -> Iterator[list[int]]:
+    """Candidate pipeline orders: nearest-neighbour tours of the candidate subsets, 2-opted, both ways."""
     usable = problem.mem - problem.kv_reserve
-    best: tuple[tuple[float, ...], list[int], dict[int, int]] | None = None
     for members in _candidate_subsets(problem):
         if usable[members].sum() < problem.model_bytes or fill(problem, members, None, None) is None:
             continue
@@ -390,16 +392,28 @@ def _solve_heuristic(problem: Problem, mode: str, a1: float, a2: float) -> Plan 
         orders.sort(key=lambda o: path_ms_raw(problem.hop, o))
         for o in orders[:3]:
             o = _two_opt(problem.hop, o)
-            for cand in (o, o[::-1]):
-                r = evaluate_order(problem, cand)
-                if r is None:
-                    continue
-                obj = _objective(mode, r[0], len(cand), a1, a2)
-                if best is None or obj < best[0]:
-                    best = (obj, cand, r[1])
+            yield o
+            yield o[::-1]
+
+
+def best_plan(problem: Problem, orders: Iterable[list[int]], mode: str, a1: float, a2: float) -> Plan | None:
+    """The best of ``orders`` under the mode's objective (ties: the first), None if none is feasible.
+    The heuristic's search; the tests' brute force gives it every order."""
+    best: tuple[tuple[float, ...], list[int], dict[int, int]] | None = None
+    for order in orders:
+        r = evaluate_order(problem, order)
+        if r is None:
+            continue
+        obj = _objective(mode, r[0], len(order), a1, a2)
+        if best is None or obj < best[0]:
+            best = (obj, order, r[1])
     if best is None:
         return None
     return _make_plan(problem, best[1], best[2], mode, a1, a2)
+
+
+def _solve_heuristic(problem: Problem, mode: str, a1: float, a2: float) -> Plan | None:
+    return best_plan(problem, _heuristic_orders(problem), mode, a1, a2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,20 +437,3 @@ def solve(problem: Problem, mode: str = "helr", a1: float = 1.0, a2: float = 1.0
     if plan is None:
         raise _infeasible(problem)
     return plan
-
-
-def brute_force(problem: Problem, mode: str = "lr", a1: float = 1.0, a2: float = 1.0) -> Plan:
-    """Oracle for tests: every subset, every order (factorial; only for small n)."""
-    best: tuple[tuple[float, ...], list[int], dict[int, int]] | None = None
-    for k in range(1, problem.n + 1):
-        for subset in itertools.combinations(range(problem.n), k):
-            for order in itertools.permutations(subset):
-                r = evaluate_order(problem, list(order))
-                if r is None:
-                    continue
-                obj = _objective(mode, r[0], k, a1, a2)
-                if best is None or obj < best[0]:
-                    best = (obj, list(order), r[1])
-    if best is None:
-        raise _infeasible(problem)
-    return _make_plan(problem, best[1], best[2], mode, a1, a2)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
 import pytest
 
-from deployer.helr import EXACT_LIMIT, MODES, DeploymentInfeasible, Problem, brute_force, solve
+from deployer.helr import EXACT_LIMIT, MODES, DeploymentInfeasible, Plan, Problem, best_plan, solve
 from deployer.planner import plan_deployment
 from deployer.topology import GB, load_cluster
 
@@ -32,6 +33,16 @@ def random_problem(rng: np.random.Generator, n: int, **overrides) -> Problem:
     )
     kw.update(overrides)
     return Problem(**kw)
+
+
+def brute_force(problem: Problem, mode: str, a1: float, a2: float) -> Plan:
+    """The oracle: every subset, every order (factorial; only for small n)."""
+    orders = (list(o) for k in range(1, problem.n + 1)
+              for subset in itertools.combinations(range(problem.n), k) for o in itertools.permutations(subset))
+    plan = best_plan(problem, orders, mode, a1, a2)
+    if plan is None:
+        raise DeploymentInfeasible("no subset and order fits")
+    return plan
 
 
 @pytest.mark.parametrize("seed", range(4))
