@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
+
+import redis
 
 from cohort import bus
 from cohort.logdb import finish_request, record_batch
@@ -23,6 +26,7 @@ from workers.celery_app import RUN_BATCH, celery_app
 from workers.decode import BatchRun, KVCacheOutOfMemory, RowResult, StepOutput
 
 log = logging.getLogger(__name__)
+REDIS_OUTAGE_S = 300.0  # how long a running batch waits for Redis before it gives up
 
 
 def _claim(rt: runtime.Runtime, batch_id: str) -> bool:
@@ -35,11 +39,31 @@ def _claim(rt: runtime.Runtime, batch_id: str) -> bool:
     return r.get(bus.claim_key(batch_id)) == rt.name
 
 
+def _execute(r: redis.Redis, fill: Callable[[Any], None], what: str, limit_s: float = REDIS_OUTAGE_S) -> list:
+    """Fill a pipeline and run it, waiting out a Redis outage (restart, failover) instead of
+    failing the batch: the rows keep their tokens and their events go out once Redis answers.
+    Each attempt builds a new pipeline (a failed one is reset). A retried pipeline may repeat a
+    delta; readers skip deltas that do not advance the token count."""
+    deadline, backoff = time.monotonic() + limit_s, 0.2
+    while True:
+        try:
+            pipe = r.pipeline(transaction=False)
+            fill(pipe)
+            return pipe.execute()
+        except redis.RedisError as e:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("Redis unavailable while sending %s (%s); retrying in %.1f s", what, e, backoff)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+
 def _complete(rt: runtime.Runtime, event: CompletionEvent) -> None:
-    pipe = rt.redis.pipeline()
-    pipe.set(bus.done_key(event.batch_id), event.outcome.value, ex=bus.CLAIM_TTL_S)
-    pipe.lpush(bus.pool_keys(rt.settings.pool).completions, event.to_json())
-    pipe.execute()
+    def fill(pipe) -> None:
+        pipe.set(bus.done_key(event.batch_id), event.outcome.value, ex=bus.CLAIM_TTL_S)
+        pipe.lpush(bus.pool_keys(rt.settings.pool).completions, event.to_json())
+
+    _execute(rt.redis, fill, "the batch's completion")
 
 
 def _end_event(res: RowResult, b: Batch, started: float) -> StreamEvent:
@@ -67,19 +91,21 @@ class _Reporter:
         for req, _code, message in out.failed:
             finish_request(self.rt.db, req.id, status="failed", error=message)
         alive = run.alive_ids()
-        pipe = self.rt.redis.pipeline(transaction=False)
-        for req, text, n, ids in out.deltas:
-            bus.publish(pipe, req.id, StreamEvent.delta(text, n, ids))
+        events = [(req.id, StreamEvent.delta(text, n, ids)) for req, text, n, ids in out.deltas]
+        events += [(res.request.id, _end_event(res, self.batch, self.started)) for res in out.finished]
+        events += [(req.id, StreamEvent.error(code, message)) for req, code, message in out.failed]
+
+        def fill(pipe) -> None:
+            for rid, ev in events:
+                bus.publish(pipe, rid, ev)
+            for rid in alive:
+                pipe.exists(bus.cancel_key(rid))
+
+        replies = _execute(self.rt.redis, fill, "a step's events")
         for res in out.finished:
-            bus.publish(pipe, res.request.id, _end_event(res, self.batch, self.started))
             self.answered.append(res.request.id)
             self.tokens[res.request.id] = res.tokens
-        for req, code, message in out.failed:
-            bus.publish(pipe, req.id, StreamEvent.error(code, message))
-            self.answered.append(req.id)
-        for rid in alive:
-            pipe.exists(bus.cancel_key(rid))
-        replies = pipe.execute()
+        self.answered.extend(req.id for req, _code, _message in out.failed)
         cancelled = [rid for rid, hit in zip(alive, replies[len(replies) - len(alive):], strict=True) if hit]
         if cancelled:
             run.cancel(cancelled)
@@ -96,14 +122,17 @@ class _Reporter:
 
     def fail_rest(self, code: FailureCode, message: str) -> None:
         """The batch raised: every row not yet answered gets an explicit error now."""
-        pipe = self.rt.redis.pipeline(transaction=False)
         handed_back = {c.id for c in self.continuations}
-        for req in self.batch.requests:
-            if req.id not in self.answered and req.id not in handed_back:
-                finish_request(self.rt.db, req.id, status="failed", error=message)
-                bus.publish(pipe, req.id, StreamEvent.error(code, message))
-                self.answered.append(req.id)
-        pipe.execute()
+        rest = [r.id for r in self.batch.requests if r.id not in self.answered and r.id not in handed_back]
+        for rid in rest:
+            finish_request(self.rt.db, rid, status="failed", error=message)
+
+        def fill(pipe) -> None:
+            for rid in rest:
+                bus.publish(pipe, rid, StreamEvent.error(code, message))
+
+        _execute(self.rt.redis, fill, "failures")
+        self.answered.extend(rest)
 
 
 @celery_app.task(name=RUN_BATCH, acks_late=True)
