@@ -22,6 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from tqdm import tqdm
+
+from bench.chaos import EXPERIMENTS, Outcome, run_all
+from bench.roofline import Instance, fitted_time_model, instance
+from bench.simulator import DEFAULT_THRESHOLD, parse_policy, parse_run, simulate
+from bench.workload import ORACLE, WorkloadConfig, build_rows, make_workload
+from cohort.datasets import data_files
 
 app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
 
@@ -33,14 +40,11 @@ def _floats(s: str) -> list[float]:
 
 
 def _files(data: list[Path] | None) -> list[str]:
-    from cohort.datasets import data_files
-
     return [str(p) for p in (data or data_files())]
 
 
-def _instance(gpu: str, model: str, theta_bytes: int | None, reserve_frac: float, step_overhead_s: float):
-    from bench.roofline import instance
-
+def _instance(gpu: str, model: str, theta_bytes: int | None, reserve_frac: float, step_overhead_s: float
+              ) -> Instance:
     return instance(gpu, model, reserve_frac=reserve_frac, step_overhead_s=step_overhead_s,
                     theta_override=theta_bytes)
 
@@ -75,7 +79,7 @@ def ratio_table(policies: dict[str, dict[str, float]], base: str = "vs", versus:
 
 def plot_sweep(by_rate: dict[str, dict[str, Any]], out: Path) -> list[Path]:
     """throughput.png and latency.png: metric vs request rate, one line per policy."""
-    import matplotlib
+    import matplotlib  # optional and slow to import: only when a plot is asked for
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -108,7 +112,7 @@ def plot_sweep(by_rate: dict[str, dict[str, Any]], out: Path) -> list[Path]:
 
 def plot_runs(policies: dict[str, dict[str, float]], out: Path, name: str = "compare.png") -> Path:
     """One rate, many runs (e.g. static vs elastic): bars of throughput, mean latency and TTFT."""
-    import matplotlib
+    import matplotlib  # optional and slow to import: only when a plot is asked for
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -173,7 +177,8 @@ def sim(
     step_overhead_s: float = typer.Option(0.01, help="Roofline: framework cost per decode step."),
     max_tokens: int = typer.Option(1024, help="max_tokens of every request (true lengths are capped here)."),
     max_input_tokens: int = typer.Option(1024, help="Longest allowed input (sets VS's worst-case batch size)."),
-    threshold: float = typer.Option(20_000.0, help="Φ for glp/abp/magnus (WMA token reads)."),
+    threshold: float = typer.Option(DEFAULT_THRESHOLD, help="Φ for glp/abp/magnus (WMA token reads; default: "
+                                    "the live batcher's COHORT_WMA_THRESHOLD default)."),
     batch_size: int = typer.Option(None, help="VS/GLP fixed batch size (default: worst case under Θ)."),
     l1: float = typer.Option(None, help="SLO-ODBS L1 (default in batcher.policies.slo)."),
     slo_k_min: float = typer.Option(2.0, help="SLO = U[k_min,k_max] × solo time."),
@@ -181,11 +186,6 @@ def sim(
     headroom: float = typer.Option(0.0, help="Policies plan with Θ·(1−headroom): slack for under-predictions."),
 ) -> None:
     """Simulate every policy on the same seeded workload; print ratios vs VS; write JSON/plots."""
-    from tqdm import tqdm
-
-    from bench.simulator import parse_policy, parse_run, simulate
-    from bench.workload import ORACLE, WorkloadConfig, build_rows, make_workload
-
     modes = [x.strip() for x in execution.split(",") if x.strip()]
     try:
         runs = [(name, *run) for p in policies.split(",") if (name := p.strip())
@@ -196,8 +196,6 @@ def sim(
     files = _files(data)
     inst = _instance(gpu, model, theta_bytes, reserve_frac, step_overhead_s)
     if batch_time:
-        from bench.roofline import fitted_time_model
-
         tm = fitted_time_model(batch_time)
         tm_desc = {"kind": "fitted", "samples": str(batch_time), **tm.to_dict()}
     else:
@@ -331,3 +329,30 @@ def live(
         out = prev
         typer.echo(ratio_table(out["policies"], base_key(out["policies"])))
     _write(out, json_out or merge, plot)
+
+
+@app.command()
+def chaos(
+    experiments: str = typer.Option(",".join(EXPERIMENTS), help=f"Comma-separated: {', '.join(EXPERIMENTS)}."),
+    requests: int = typer.Option(40, help="Requests in flight during a kill or a Redis restart."),
+    workdir: Path = typer.Option(Path("var/bench/chaos"), help="Where the stacks keep their files and logs."),
+    json_out: Path = typer.Option(None, "--json"),
+) -> None:
+    """Failure experiments on fresh local stacks: worker/batcher kill -9, Redis restart with and
+    without persistence, a burst over the queue limit, clients that leave, hostile inputs. Prints
+    sent / answered / explicit errors / lost / duplicated per experiment."""
+    names = [e.strip() for e in experiments.split(",") if e.strip()]
+    unknown = sorted(set(names) - set(EXPERIMENTS))
+    if unknown:
+        raise typer.BadParameter(f"unknown experiments {unknown}; choose from {list(EXPERIMENTS)}")
+    cols = ("sent", "answered", "explicit_errors", "lost", "duplicated", "server_errors_5xx", "records_disagree")
+    typer.echo(f"{'experiment':<20}" + "".join(f"{c:>18}" for c in cols))
+
+    def show(o: Outcome) -> None:
+        typer.echo(f"{o.experiment:<20}" + "".join(f"{getattr(o, c):>18}" for c in cols)
+                   + (f"   {o.notes}" if o.notes else ""))
+
+    results = run_all(names, workdir, requests, progress=show)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({"experiments": results}, indent=2))

@@ -26,6 +26,6 @@ def plan_device_map(model_path: str, mode: str, topology_file: str | None = None
     Thin lazy wrapper over :func:`deployer.planner.plan_device_map` (which pulls in torch);
     extra keyword arguments (``a1``, ``a2``, ``dtype``, ``require_cuda``) pass through.
     """
-    from deployer.planner import plan_device_map as _impl
+    from deployer.planner import plan_device_map as _impl  # torch + transformers: only when planning
 
     return _impl(model_path, mode, topology_file, gpus_file, kv_reserve_bytes, **kwargs)

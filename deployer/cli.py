@@ -9,10 +9,15 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from deployer.helr import DeploymentInfeasible, fmt_bytes
+from deployer.topology import GB, load_cluster
+
+if TYPE_CHECKING:
+    from deployer.planner import Deployment
 
 app = typer.Typer(
     help="HELR deployer: topology-aware placement of model layers on heterogeneous GPUs.",
@@ -31,11 +36,8 @@ def _main() -> None:
     """HELR deployer: topology-aware placement of model layers on heterogeneous GPUs."""
 
 
-def render_table(dep: object) -> str:
+def render_table(dep: Deployment) -> str:
     """Readable report of a :class:`~deployer.planner.Deployment` (plan + baselines)."""
-    from deployer.planner import Deployment
-
-    assert isinstance(dep, Deployment)
     shape, prob, plan = dep.shape, dep.problem, dep.plan
     by_id = {d.id: d for d in dep.cluster.devices}
     lines = [
@@ -99,9 +101,9 @@ def plan(
     json_out: Path | None = typer.Option(None, "--json", help="Write the plan as JSON here."),
 ) -> None:
     """Plan a device_map for MODEL on the cluster and compare it with the even and balanced maps."""
+    # torch and transformers (seconds): loaded by the one command that reads a model
     from deployer.model_shape import load_model_shape
     from deployer.planner import plan_deployment
-    from deployer.topology import GB, load_cluster
 
     try:
         cluster = load_cluster(topology, gpus)

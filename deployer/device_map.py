@@ -22,6 +22,9 @@ import logging
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+from accelerate import infer_auto_device_map
+from accelerate.utils import get_balanced_memory
 
 from deployer.helr import Plan, Problem
 from deployer.model_shape import ModelShape, Unit
@@ -67,10 +70,6 @@ def balanced_map(shape: ModelShape, max_memory: dict[int, int]) -> DeviceMap:
     """accelerate's "balanced" map for the meta model with the given per-device budgets."""
     if shape.model is None:
         raise ValueError("balanced map needs the meta model (ModelShape.model)")
-    import torch
-    from accelerate import infer_auto_device_map
-    from accelerate.utils import get_balanced_memory
-
     dtype = {2: torch.float16, 4: torch.float32, 1: torch.int8, 8: torch.float64}[shape.dtype_bytes]
     log = logging.getLogger("accelerate.utils.modeling")
     level = log.level

@@ -16,11 +16,13 @@ because that is where their inputs/storage live.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import init_empty_weights
 from torch import nn
 
 from cohort.units import dtype_bytes
@@ -234,7 +236,7 @@ def load_config(path: str | Path, trust_remote_code: bool = False) -> Any:
     ``trust_remote_code`` is needed for models that ship their own code (ChatGLM); it runs
     that code, exactly as loading the model would.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers (~2 s): only when a model is read
 
     p = Path(path)
     if not p.exists():
@@ -244,8 +246,7 @@ def load_config(path: str | Path, trust_remote_code: bool = False) -> Any:
 
 def meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
     """Instantiate ``config``'s causal-LM class on the meta device (no memory, no weights)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers (~2 s): only when a model is read
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
@@ -285,6 +286,4 @@ def describe(shape: ModelShape) -> dict[str, Any]:
 
 
 if __name__ == "__main__":  # pragma: no cover - manual inspection
-    import sys
-
     print(json.dumps(describe(load_model_shape(sys.argv[1])), indent=1))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from deployer.device_map import MapCost, balanced_map, evaluate_map, even_split_map, plan_map, usable_memory
 from deployer.helr import MODES, Plan, Problem, solve
@@ -124,8 +125,6 @@ def plan_device_map(model_path: str, mode: str, topology_file: str | None = None
     worker with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so they match CUDA ordinals.
     """
     if require_cuda:
-        import torch
-
         if not torch.cuda.is_available():
             log.info("no CUDA device: not planning a device_map")
             return None

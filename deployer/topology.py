@@ -441,7 +441,7 @@ def probe_gpus() -> list[Device]:
         except ValueError:
             pass
     try:
-        import torch
+        import torch  # seconds to import: only to probe live GPUs (parsing a topology needs none)
     except ImportError:  # pragma: no cover - torch is a dependency
         return []
     if not torch.cuda.is_available():
@@ -471,7 +471,7 @@ def probe_live() -> Cluster | None:
     n = len(gpus)
     names = [["X" if i == j else "SYS" for j in range(n)] for i in range(n)]
     try:
-        import torch
+        import torch  # only to probe live GPUs, as in probe_gpus
 
         for i in range(n):
             for j in range(n):
