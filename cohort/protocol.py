@@ -65,6 +65,17 @@ class BatchOutcome(str, Enum):
     FAILED = "failed"    # the worker raised; the batcher fails the rows still unanswered
 
 
+TokenLogprob = list  # [logprob of the chosen token, [[alternative id, logprob], ...] most likely first]
+
+
+class ScoredIds(list):
+    """Token ids (a plain ``list[int]``) that also carry one ``TokenLogprob`` per id."""
+
+    def __init__(self, ids: list[int] = (), logprobs: list[TokenLogprob] = ()) -> None:
+        super().__init__(ids)
+        self.logprobs = list(logprobs)
+
+
 class StreamKind(str, Enum):
     DELTA = "delta"
     END = "end"
@@ -76,7 +87,7 @@ class StreamEvent:
     """One message on a request's stream.
 
     ``delta``: ``text`` is new text (never a split multi-byte character), ``tokens`` the tokens
-    generated so far. ``end``: ``text`` is the whole answer, ``tokens`` its length, with
+    generated so far, ``ids`` their ids and, when asked for, ``logprobs`` (one per id). ``end``: ``text`` is the whole answer, ``tokens`` its length, with
     ``finish_reason``, the batch that finished it and the request's timings. ``error``: ``code``
     (a FailureCode value) and ``message`` written for the client.
     """
@@ -91,13 +102,21 @@ class StreamEvent:
     batch_size: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
     ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @classmethod
-    def delta(cls, text: str, tokens: int, ids: list[int] | None = None) -> StreamEvent:
+    def delta(cls, text: str, tokens: int, ids: list[int] | None = None,
+              logprobs: list[TokenLogprob] | None = None) -> StreamEvent:
         """``ids``: the token ids generated since the previous delta (text may be empty while a
         character or a possible stop string is incomplete). A stream's delta ids, in order, are
-        the answer's tokens: a batch re-run after a lost worker resumes from them."""
-        return cls(StreamKind.DELTA, text=text, tokens=tokens, ids=list(ids or []))
+        the answer's tokens: a batch re-run after a lost worker resumes from them.
+
+        ``logprobs``: one ``TokenLogprob`` per id when the request asked for them; when not
+        given they are taken from ``ids`` itself if it is a ``ScoredIds`` (the decode loop's
+        deltas carry them that way, so a publisher that forwards ``ids`` forwards them too)."""
+        if logprobs is None:
+            logprobs = getattr(ids, "logprobs", None)
+        return cls(StreamKind.DELTA, text=text, tokens=tokens, ids=list(ids or []), logprobs=list(logprobs or []))
 
     @classmethod
     def error(cls, code: FailureCode, message: str) -> StreamEvent:

@@ -99,6 +99,8 @@ class Settings(BaseSettings):
     # --- worker ---------------------------------------------------------------------------
     model: str = Field(default=DEFAULT_MODEL, description="HF model path, or the built-in tiny random Llama.")
     pool: str = Field(default="default", description="Model pool: one Celery queue per pool.")
+    served_model_name: str | None = Field(
+        default=None, description="The OpenAI `model` id of this pool (GET /v1/models); unset: COHORT_MODEL.")
     instance_name: str | None = None
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
     dtype: str = Field(default="auto", description="auto | float32 | float16 | bfloat16")

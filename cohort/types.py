@@ -24,6 +24,8 @@ class SamplingParams:
 
     ``logit_bias`` maps token id → bias (JSON keys arrive as strings and are converted back).
     ``stop`` strings end a row when its text contains one; the text is cut before the stop.
+    ``logprobs``: None = none; k ≥ 0 = each generated token's log-probability and the k most
+    likely alternatives, taken from the distribution the row samples from (after its processors).
     """
 
     temperature: float = 0.0
@@ -35,6 +37,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -214,6 +217,7 @@ class InstanceInfo:
     delta_bytes: int
     device: str = "cpu"
     started: float = 0.0
+    served_model_name: str = ""   # the OpenAI ``model`` id clients use for this pool ("": the model path)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -14,7 +14,10 @@ Admission is static — the rows are fixed when the batch starts — but departu
 
 Greedy rows without penalties take the batch's argmax in one op; other rows go through their
 own transformers logits processors (workers.sampling). Greedy output equals HF ``generate`` on
-the same batch.
+the same batch. A row that asked for logprobs gets each token's log-probability (and the top
+alternatives) from the same processed scores its token was chosen from; they ride on its
+deltas' ids (``ScoredIds``). Under static execution, where nothing is streamed before the
+batch ends, they go out as one text-less delta at the release (or when the row is evicted).
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ import torch
 from transformers import DynamicCache
 
 from batcher.elastic import eviction_order, next_step_kv_tokens
-from cohort.protocol import FailureCode, FinishReason
+from cohort.protocol import FailureCode, FinishReason, ScoredIds, TokenLogprob
 from cohort.types import ProfiledRequest
 from workers.detokenize import IncrementalDetokenizer
-from workers.sampling import RowSampler
+from workers.sampling import RowSampler, token_logprob
 
 
 class KVCacheOutOfMemory(RuntimeError):
@@ -55,7 +58,8 @@ class StepOutput:
     """What one step produced: text deltas, finished rows, continuations, failures."""
 
     deltas: list[tuple[ProfiledRequest, str, int, list[int]]] = field(default_factory=list)
-    # (request, new text, tokens generated so far, the new token ids: the stream is a checkpoint)
+    # (request, new text, tokens generated so far, the new token ids: the stream is a checkpoint;
+    # ``ScoredIds`` carrying their logprobs when the request asked for them)
     finished: list[RowResult] = field(default_factory=list)
     evicted: list[ProfiledRequest] = field(default_factory=list)
     failed: list[tuple[ProfiledRequest, FailureCode, str]] = field(default_factory=list)
@@ -77,6 +81,8 @@ class _Row:
         self.sent = len(self.detok.text()) if req.generated_ids else 0  # chars streamed so far
         self.pending = ""                                             # decoded, held back for stops
         self.unsent_ids: list[int] = []                               # generated, not yet on the stream
+        self.top_logprobs = req.sampling.logprobs                     # None: no logprobs
+        self.unsent_logprobs: list[TokenLogprob] = []                 # one per unsent id (when asked)
         self.done: RowResult | None = None
 
     @property
@@ -130,7 +136,7 @@ class BatchRun:
         self.input_len = 0
         self.steps = 0
         self.peak_kv_bytes = 0
-        self._held: list[RowResult] = []       # static execution: answers wait for the batch's end
+        self._held: list[tuple[_Row, RowResult]] = []  # static execution: answers wait for the batch's end
         self._cancelled: set[str] = set()
 
     def _prompt_ids(self, req: ProfiledRequest) -> list[int]:
@@ -182,6 +188,7 @@ class BatchRun:
                                [r.req.preemptions for r in self.rows], self.max_preemptions)
         row = self.rows[order[0]]
         self._flush(row, out)
+        self._send_scores(row, out)
         out.evicted.append(row.continuation())
         row.done = RowResult(row.req, "", row.total_tokens, FinishReason.LENGTH, row.first_token_at, self.clock())
         self._drop([order[0]])
@@ -306,15 +313,18 @@ class BatchRun:
         for i in live:
             row = self.rows[i]
             if row.sampler.plain_greedy:
-                tok = greedy[i]
+                tok, processed = greedy[i], scores[i:i + 1]
             else:
                 seq = torch.tensor([row.all_ids], device=scores.device)
-                tok = row.sampler.sample(seq, scores[i:i + 1], row.total_tokens)
+                processed = row.sampler.process(seq, scores[i:i + 1])
+                tok = row.sampler.choose(processed, row.total_tokens)
             tokens[i] = tok
-            self._advance(row, tok, now, out)
+            scored = None if row.top_logprobs is None else token_logprob(processed, tok, row.top_logprobs)
+            self._advance(row, tok, now, out, scored)
         self.last = torch.tensor(tokens, device=self.device)
 
-    def _advance(self, row: _Row, tok: int, now: float, out: StepOutput) -> None:
+    def _advance(self, row: _Row, tok: int, now: float, out: StepOutput,
+                 scored: TokenLogprob | None = None) -> None:
         if row.limit == 0:
             self._finish(row, FinishReason.LENGTH, now, out)
             return
@@ -323,6 +333,8 @@ class BatchRun:
             return
         row.new_ids.append(tok)
         row.unsent_ids.append(tok)
+        if scored is not None:
+            row.unsent_logprobs.append(scored)
         if row.first_token_at is None:
             row.first_token_at = now
         row.pending += row.detok.push(tok)
@@ -349,10 +361,22 @@ class BatchRun:
         text = row.pending[:max(0, n)]
         if not text and not row.unsent_ids:
             return
-        out.deltas.append((row.req, text, row.total_tokens, row.unsent_ids))
-        row.unsent_ids = []
+        out.deltas.append((row.req, text, row.total_tokens, self._take_ids(row)))
         row.sent += len(text)
         row.pending = row.pending[len(text):]
+
+    @staticmethod
+    def _take_ids(row: _Row) -> list[int]:
+        """The row's unsent ids (with their logprobs when it asked for them), now sent."""
+        ids = row.unsent_ids if row.top_logprobs is None else ScoredIds(row.unsent_ids, row.unsent_logprobs)
+        row.unsent_ids, row.unsent_logprobs = [], []
+        return ids
+
+    def _send_scores(self, row: _Row, out: StepOutput) -> None:
+        """Static execution streams nothing, but logprobs have no other way to the client: the
+        row's unsent ids and logprobs go out in one delta without text (the end event has it)."""
+        if not self.elastic and row.top_logprobs is not None and row.unsent_ids:
+            out.deltas.append((row.req, "", row.total_tokens, self._take_ids(row)))
 
     def _flush(self, row: _Row, out: StepOutput) -> None:
         self._send(row, len(row.pending), out)
@@ -361,14 +385,19 @@ class BatchRun:
         self._flush(row, out)
         full = row.detok.text() if text is None else text
         row.done = RowResult(row.req, full, row.total_tokens, reason, row.first_token_at, now)
-        (out.finished if self.elastic else self._held).append(row.done)
+        if self.elastic:
+            out.finished.append(row.done)
+        else:
+            self._held.append((row, row.done))
 
     def _release(self, out: StepOutput) -> StepOutput:
         """Static execution answers everyone when the batch ends: that is when each client gets
         its first (and last) text, so both times are the release time."""
         if not self.elastic and self.done and self._held:
             now = self.clock()
-            out.finished.extend(replace(r, first_token_at=now, finished_at=now) for r in self._held)
+            for row, res in self._held:
+                self._send_scores(row, out)
+                out.finished.append(replace(res, first_token_at=now, finished_at=now))
             self._held = []
         return out
 

@@ -72,10 +72,18 @@ class RowSampler:
         """Argmax of the raw logits: the batch can take these rows' tokens in one vectorised op."""
         return self.params.greedy and not self.processors
 
+    def process(self, seq: torch.LongTensor, logits: torch.FloatTensor) -> torch.FloatTensor:
+        """The row's scores after its processors: the distribution it samples from (1, vocab).
+        ``seq``: the row's tokens so far (1, n) incl. prompt."""
+        return self.processors(seq, logits.float()) if self.processors else logits.float()
+
     def sample(self, seq: torch.LongTensor, logits: torch.FloatTensor, position: int) -> int:
         """``seq``: the row's tokens so far (1, n) incl. prompt; ``logits``: (1, vocab);
         ``position``: index of the token being generated in the whole answer."""
-        scores = self.processors(seq, logits.float()) if self.processors else logits.float()
+        return self.choose(self.process(seq, logits), position)
+
+    def choose(self, scores: torch.FloatTensor, position: int) -> int:
+        """The next token from processed ``scores`` (``process``)."""
         if self.params.greedy:
             return int(scores.argmax(dim=-1))
         probs = torch.softmax(scores, dim=-1)
@@ -86,3 +94,18 @@ class RowSampler:
             self._gen.manual_seed((self.params.seed * _SEED_STRIDE + position) % _SEED_MOD)
             gen = self._gen
         return int(torch.multinomial(probs, 1, generator=gen))
+
+
+LOGPROB_FLOOR = -9999.0  # what -inf (a token the processors ruled out) is reported as: JSON has no -inf
+
+
+def token_logprob(scores: torch.FloatTensor, token: int, top: int) -> list:
+    """A generated token's log-probability and the ``top`` most likely alternatives, from the
+    processed ``scores`` (1, vocab) the token was chosen from: ``[logprob, [[id, logprob], ...]]``
+    (cohort.protocol.TokenLogprob)."""
+    logp = torch.log_softmax(scores.float(), dim=-1)[0]
+    alts: list[list] = []
+    if top > 0:
+        values, ids = torch.topk(logp, min(top, logp.shape[-1]))
+        alts = [[int(i), max(LOGPROB_FLOOR, float(v))] for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
+    return [max(LOGPROB_FLOOR, float(logp[token])), alts]

@@ -222,3 +222,48 @@ def test_cuda_oom_inside_a_step_rolls_the_cache_back_and_preempts(engine):
     assert {k: v.text for k, v in finished.items()} == {k: by_id(whole)[k].text for k in ("r1", "r2")}
     (rest,) = by_id(run(engine, evicted, emulate=True)[1]).values()
     assert rest.text == by_id(whole)["r0"].text and rest.tokens == 20
+
+
+def _stream_logprobs(outs, rid: str = "r0") -> tuple[list[int], list]:
+    ids, lps = [], []
+    for o in outs:
+        for d in o.deltas:
+            if d[0].id == rid:
+                ids += list(d[3])
+                lps += getattr(d[3], "logprobs", [])
+    return ids, lps
+
+
+def test_logprobs_come_from_the_distribution_the_row_samples_from(engine):
+    """Greedy: the chosen token is the top alternative; every generated token has one entry;
+    the text and the tokens are those of the same request without logprobs."""
+    plain = by_id(run(engine, [req(0, PROMPTS[0], max_tokens=8)])[1])["r0"]
+    _, outs = run(engine, [req(0, PROMPTS[0], max_tokens=8, sampling=SamplingParams(logprobs=3))])
+    res = by_id(outs)["r0"]
+    ids, lps = _stream_logprobs(outs)
+    assert res.text == plain.text and len(ids) == len(lps) == res.tokens
+    for tok, (lp, top) in zip(ids, lps, strict=True):
+        assert len(top) == 3 and top[0][0] == tok and top[0][1] == pytest.approx(lp)
+        assert lp <= 0 and [a[1] for a in top] == sorted((a[1] for a in top), reverse=True)
+
+
+def test_logprobs_follow_the_processors(engine):
+    """top_k=2 sampling: only two tokens have probability; the rest are at the floor, and the
+    two that remain sum to 1."""
+    sp = SamplingParams(temperature=1.0, top_k=2, seed=3, logprobs=3)
+    _, outs = run(engine, [req(0, PROMPTS[1], max_tokens=6, sampling=sp)])
+    ids, lps = _stream_logprobs(outs)
+    assert ids and len(lps) == len(ids)
+    for tok, (lp, top) in zip(ids, lps, strict=True):
+        assert tok in (top[0][0], top[1][0]) and lp in (top[0][1], top[1][1]) and top[2][1] == -9999.0
+        assert sum(torch.tensor([top[0][1], top[1][1]]).exp().tolist()) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_static_execution_sends_logprobs_at_the_release(engine):
+    reqs = [req(0, PROMPTS[0], max_tokens=5, emulated_tokens=5, sampling=SamplingParams(logprobs=0)),
+            req(1, PROMPTS[1], max_tokens=9, emulated_tokens=9)]
+    outs = engine.start(reqs, emulate=True, elastic=False).run_to_end()
+    assert not any(o.deltas for o in outs[:-1])
+    (d,) = outs[-1].deltas
+    assert d[0].id == "r0" and d[1] == "" and d[2] == 5 and len(d[3].logprobs) == 5
+    assert all(top == [] for _, top in d[3].logprobs)
