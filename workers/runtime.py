@@ -91,7 +91,8 @@ def start(settings: Settings) -> Runtime:
         name = settings.instance_name or f"{socket.gethostname()}-{os.getpid()}"
         info = InstanceInfo(name=name, pool=settings.pool, model=settings.model,
                             theta_bytes=engine.theta_bytes, delta_bytes=engine.delta_bytes,
-                            device=str(engine.device), started=time.time())
+                            device=str(engine.device), started=time.time(),
+                            served_model_name=settings.served_model_name or settings.model)
         rt = Runtime(settings, engine, bus.connect(settings.resolved_redis_url),
                      get_engine(settings.database_url), info)
         rt.start_heartbeat()
