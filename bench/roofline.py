@@ -103,10 +103,10 @@ class RooflineBatchTime:
     delta_bytes: float
     layers: int
     hidden: int
-    compute_eff: float = 0.5
-    bandwidth_eff: float = 0.8
-    step_overhead_s: float = 0.01
-    batch_overhead_s: float = 0.05
+    compute_eff: float       # the efficiency and overhead defaults are ``Instance``'s
+    bandwidth_eff: float
+    step_overhead_s: float
+    batch_overhead_s: float
 
     @property
     def _F(self) -> float:

@@ -3,14 +3,12 @@ that keeps progress, and split mode reproducing the static simulator."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from batcher.memory import KVMemory
 from bench.execution import run_batch
 from bench.simulator import parse_run, simulate
-from tests.bench.test_simulator import StepTime, bimodal, mk
+from tests.bench.helpers import TIGHT, TIGHT_RUN, StepTime, bimodal, mk, under_predicted
 
 
 class StepCost:
@@ -110,11 +108,7 @@ def test_simulated_latency_ends_at_the_request_own_length_not_its_batch():
 
 def test_preemption_keeps_progress_and_conserves_requests():
     """Under-predicted lengths overflow memory; preempted rows resume as continuations."""
-    rng = random.Random(5)
-    reqs = [mk(i, 20, g := rng.randint(100, 200), pred=max(1, int(g * rng.uniform(0.3, 0.8))), t=i * 0.01)
-            for i in range(300)]
-    mem = KVMemory(delta_bytes=1, theta_bytes=3000)
-    kw = dict(instances=2, max_input_tokens=50, max_tokens_limit=250, params={"threshold": 1e9})
+    reqs, mem, kw = under_predicted(300, seed=5, lo=0.3, hi=0.8), TIGHT, TIGHT_RUN
     pre = simulate(reqs, "abp", mem, StepTime(), execution="elastic", oom_recovery="preempt", **kw).metrics
     spl = simulate(reqs, "abp", mem, StepTime(), execution="elastic", oom_recovery="split", **kw).metrics
     assert pre["completed"] + pre["failed"] == 300 and pre["failed"] == 0
@@ -127,11 +121,7 @@ def test_preemption_keeps_progress_and_conserves_requests():
 
 
 def test_static_split_is_the_default_and_matches_naming_it():
-    rng = random.Random(9)
-    reqs = [mk(i, 20, g := rng.randint(100, 200), pred=max(1, int(g * rng.uniform(0.7, 1.1))), t=i * 0.01)
-            for i in range(400)]
-    mem = KVMemory(delta_bytes=1, theta_bytes=3000)
-    kw = dict(instances=2, max_input_tokens=50, max_tokens_limit=250, params={"threshold": 1e9})
+    reqs, mem, kw = under_predicted(400, seed=9, lo=0.7, hi=1.1), TIGHT, TIGHT_RUN
     a = simulate(reqs, "magnus", mem, StepTime(), **kw).metrics
     b = simulate(reqs, "magnus", mem, StepTime(), execution="static", oom_recovery="split", **kw).metrics
     assert a == b and a["oom_splits"] > 0 and a["preemptions"] == 0

@@ -2,43 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
-import numpy as np
 import pytest
 
 from batcher.memory import KVMemory
 from bench.roofline import instance
 from bench.simulator import METRICS, parse_policy, simulate
-from cohort.types import ProfiledRequest
-
-
-class StepTime:
-    """T = 0.1 + G·(0.02 + 0.0001·β): per-step cost grows slowly with β (decode is memory-bound)."""
-
-    def estimate(self, size, input_len, gen_len):
-        return 0.1 + gen_len * (0.02 + 0.0001 * size)
-
-    def estimate_many(self, shapes):
-        return np.array([self.estimate(*s) for s in shapes])
-
-
-def mk(i, L, G, pred=None, t=0.0, slo=100.0):
-    return ProfiledRequest(id=f"q{i}", prompt="", input_tokens=L, predicted_tokens=G if pred is None else pred,
-                           max_tokens=2048, arrival=t, slo_s=slo, true_tokens=G)
-
-
-def bimodal(n, rate, seed=0, noise=0.0):
-    """Half short (5–15 tokens), half long (150–250) requests, Poisson arrivals."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for i in range(n):
-        t += rng.expovariate(rate)
-        G = rng.randint(5, 15) if rng.random() < 0.5 else rng.randint(150, 250)
-        pred = max(1, round(G * (1 + rng.uniform(-noise, noise))))
-        out.append(mk(i, rng.randint(10, 50), G, pred, t))
-    return out
-
+from tests.bench.helpers import TIGHT, TIGHT_RUN, StepTime, bimodal, mk, under_predicted
 
 MEM = KVMemory(delta_bytes=1, theta_bytes=12_000)   # Θ in tokens
 
@@ -123,11 +92,7 @@ def test_default_testbed_runs_a_real_trace(tiny_files, tiny_rows):
 
 
 def test_headroom_cuts_ooms_from_under_predictions_but_not_vs():
-    rng = random.Random(9)
-    reqs = [mk(i, 20, g := rng.randint(100, 200), pred=max(1, int(g * rng.uniform(0.7, 1.1))), t=i * 0.01)
-            for i in range(400)]
-    mem = KVMemory(delta_bytes=1, theta_bytes=3000)
-    kw = dict(instances=2, max_input_tokens=50, max_tokens_limit=250, params={"threshold": 1e9})
+    reqs, mem, kw = under_predicted(400, seed=9, lo=0.7, hi=1.1), TIGHT, TIGHT_RUN
     tight = simulate(reqs, "abp", mem, StepTime(), **kw).metrics
     slack = simulate(reqs, "abp", mem, StepTime(), headroom=0.3, **kw).metrics
     assert slack["oom_splits"] < tight["oom_splits"]

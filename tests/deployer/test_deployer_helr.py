@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -33,6 +34,17 @@ def random_problem(rng: np.random.Generator, n: int, **overrides) -> Problem:
     )
     kw.update(overrides)
     return Problem(**kw)
+
+
+def feasible_he_lr(seed: int, tries: int, max_devices: int) -> Iterator[tuple[Problem, Plan, Plan]]:
+    """(problem, he plan, lr plan) for the random problems of 2..max_devices devices that have a plan."""
+    rng = np.random.default_rng(seed)
+    for _ in range(tries):
+        prob = random_problem(rng, int(rng.integers(2, max_devices + 1)))
+        try:
+            yield prob, solve(prob, "he"), solve(prob, "lr")
+        except DeploymentInfeasible:
+            continue
 
 
 def brute_force(problem: Problem, mode: str, a1: float, a2: float) -> Plan:
@@ -81,14 +93,8 @@ def test_plan_respects_memory_caps():
 
 
 def test_he_never_uses_more_devices_than_lr():
-    rng = np.random.default_rng(11)
     seen_difference = False
-    for _ in range(120):
-        prob = random_problem(rng, int(rng.integers(2, 8)))
-        try:
-            he, lr = solve(prob, "he"), solve(prob, "lr")
-        except DeploymentInfeasible:
-            continue
+    for _, he, lr in feasible_he_lr(seed=11, tries=120, max_devices=7):
         assert he.size <= lr.size
         assert lr.cost <= he.cost + 1e-12
         seen_difference |= he.size < lr.size
@@ -96,13 +102,7 @@ def test_he_never_uses_more_devices_than_lr():
 
 
 def test_helr_weights_interpolate():
-    rng = np.random.default_rng(3)
-    for _ in range(40):
-        prob = random_problem(rng, int(rng.integers(2, 7)))
-        try:
-            he, lr = solve(prob, "he"), solve(prob, "lr")
-        except DeploymentInfeasible:
-            continue
+    for prob, he, lr in feasible_he_lr(seed=3, tries=40, max_devices=6):
         assert solve(prob, "helr", a1=1.0, a2=0.0).cost == pytest.approx(lr.cost)
         assert solve(prob, "helr", a1=1e-6, a2=1.0).size == he.size
         mid = solve(prob, "helr", a1=1.0, a2=1.0)
