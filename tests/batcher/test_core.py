@@ -159,6 +159,22 @@ def test_requeued_batches_are_dispatched_whole():
     assert got.id == "half" and got.size == 2
 
 
+@pytest.mark.parametrize("name", ["vs", "glp", "abp", "magnus", "s3", "s3-hrrn", "slo-dbs", "odbs", "slo-odbs"])
+def test_a_requeued_batch_goes_first_on_a_tie_and_after_a_better_open_one(name):
+    """One rule for every policy (``Policy.pop``): the re-queued batch runs unless the open one
+    ranks strictly better under the policy's order; VS always runs re-queued batches first."""
+    def first_pop(open_arrival: float, open_slo: float) -> bool:
+        """Whether the re-queued batch pops before one open request of the same shape."""
+        p = make_policy(name, ctx(), threshold=10)
+        back = Batch("back", [req(10, 10, arrival=1.0, slo=50.0)], 1.0)
+        p.requeue(back, 2.0)
+        p.add(req(10, 10, arrival=open_arrival, slo=open_slo), 2.0)
+        return p.pop(3.0) is back
+
+    assert first_pop(1.0, 50.0)                        # same arrival and deadline: a tie
+    assert first_pop(0.0, 10.0) == (name == "vs")     # older, earlier deadline, longer wait
+
+
 @pytest.mark.parametrize("n,expect", [(2, (1, 1)), (7, (4, 3)), (8, (4, 4))])
 def test_oom_split_into_equal_halves(n, expect):
     b = Batch("b", [req(10, 10) for _ in range(n)], 0.0, attempt=1, splits=0)
