@@ -89,6 +89,7 @@ class ProfiledRequest:
     generated_ids: list[int] = field(default_factory=list)
     preemptions: int = 0
     first_token_at: float | None = None
+    priority: int = 0  # lower is served earlier (vLLM's convention); see batcher.policies.priority
 
     # A *continuation* is a request that was preempted mid-generation (elastic execution): its
     # ``prompt_ids`` are the original prompt's token ids and ``generated_ids`` what it produced

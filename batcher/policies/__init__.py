@@ -10,6 +10,7 @@ from typing import Any
 
 from batcher.memory import KVMemory
 from batcher.policies.base import BatchTimeModel, Policy, PolicyContext
+from batcher.policies.priority import PriorityLevels
 from batcher.policies.s3 import S3Policy
 from batcher.policies.slo import ODBSPolicy, SLODBSPolicy, SLOODBSPolicy
 from batcher.policies.vs import VanillaPolicy
@@ -49,12 +50,13 @@ def planning_memory(policy: str, memory: KVMemory, headroom: float) -> KVMemory:
 
 
 def make_policy(name: str, ctx: PolicyContext, **params: Any) -> Policy:
-    """Build a policy by name; ``params`` may carry settings a policy ignores (threshold, batch_size…)."""
+    """Build a policy by name; ``params`` may carry settings a policy ignores (threshold, batch_size…).
+    Every policy honours per-request priority the same way (batcher.policies.priority)."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return factory(ctx, **params)
+    return PriorityLevels(ctx, lambda: factory(ctx, **params))
 
 
 __all__ = ["POLICIES", "BatchTimeModel", "ODBSPolicy", "Policy", "PolicyContext", "S3Policy", "SLODBSPolicy",

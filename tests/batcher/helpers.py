@@ -14,6 +14,7 @@ import numpy as np
 from batcher.memory import KVMemory
 from batcher.policies import Policy, PolicyContext, S3Policy, SLOODBSPolicy, VanillaPolicy, WMAPolicy
 from batcher.policies.base import BatchTimeModel, batch_columns, hrrn_first, response_ratios
+from batcher.policies.priority import PriorityLevels
 from cohort.types import Batch, ProfiledRequest, SamplingParams
 
 _ids = itertools.count()
@@ -43,13 +44,23 @@ def ctx(theta_tokens: int = 10_000, delta: int = 1, max_input: int = 100, max_to
                          max_input_tokens=max_input, max_tokens_limit=max_tokens)
 
 
-def open_batches(p: WMAPolicy) -> list[Batch]:
+def level(p: Policy, priority: int = 0) -> Policy:
+    """The policy instance of one priority level (``make_policy`` wraps every policy in
+    PriorityLevels); a bare policy is returned as it is."""
+    if isinstance(p, PriorityLevels):
+        return p._level(priority)
+    return p
+
+
+def open_batches(p: Policy) -> list[Batch]:
     """A WMA policy's batches still being assembled, in opening order."""
-    return [ob.batch for ob in p._open]
+    return [ob.batch for ob in level(p)._open]
 
 
 def queued(p: Policy) -> list[ProfiledRequest]:
     """Every request waiting in ``p``: its own queue, then the re-queued batches."""
+    if isinstance(p, PriorityLevels):
+        return [r for lv in sorted(p.levels) for r in queued(p.levels[lv])]
     if isinstance(p, WMAPolicy):
         own = [r for b in open_batches(p) for r in b.requests]
     elif isinstance(p, S3Policy):

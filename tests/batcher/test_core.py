@@ -15,7 +15,7 @@ from batcher.policies import make_policy
 from batcher.policies.wma import WMAPolicy
 from batcher.wma import batch_wma, total_wma, wma_gen, wma_wait
 from cohort.types import Batch
-from tests.batcher.helpers import LinearTime, ctx, open_batches, pick_hrrn, queued, req
+from tests.batcher.helpers import LinearTime, ctx, level, open_batches, pick_hrrn, queued, req
 
 
 def literal_wma_wait(G_p: int, G_B: int, L_B: int) -> int:
@@ -107,7 +107,7 @@ def test_insertion_never_mixes_models_but_mixes_sampling():
 
 
 def test_glp_caps_batch_size():
-    p = make_policy("glp", ctx(), threshold=1e12, batch_size=3)
+    p = level(make_policy("glp", ctx(), threshold=1e12, batch_size=3))
     for _ in range(7):
         p.add(req(10, 10), 0)
     assert [x.size for x in open_batches(p)] == [3, 3, 1]
@@ -125,7 +125,7 @@ def test_hrrn_prefers_short_batches_then_long_waiters():
 
 
 def test_magnus_pops_by_hrrn_abp_by_age():
-    m, a = make_policy("magnus", ctx(), threshold=10), make_policy("abp", ctx(), threshold=10)
+    m, a = level(make_policy("magnus", ctx(), threshold=10)), level(make_policy("abp", ctx(), threshold=10))
     for pol in (m, a):
         pol.add(req(100, 900, arrival=0.0), 0.0)
         pol.add(req(10, 10, arrival=5.0), 5.0)
@@ -135,7 +135,7 @@ def test_magnus_pops_by_hrrn_abp_by_age():
 
 def test_vs_is_fcfs_with_the_memory_safe_fixed_size():
     c = ctx(theta_tokens=1000, max_input=100, max_tokens=150)  # 1000 // 250 = 4
-    p = make_policy("vs", c)
+    p = level(make_policy("vs", c))
     rs = [req(5, 5, arrival=i) for i in range(10)]
     for r in rs:
         p.add(r, r.arrival)
@@ -146,11 +146,11 @@ def test_vs_is_fcfs_with_the_memory_safe_fixed_size():
 
 def test_nothing_pops_from_an_empty_policy():
     for name in ("vs", "glp", "abp", "magnus"):
-        assert make_policy(name, ctx(), threshold=100).pop(0) is None
+        assert level(make_policy(name, ctx(), threshold=100)).pop(0) is None
 
 
 def test_requeued_batches_are_dispatched_whole():
-    p = make_policy("magnus", ctx(), threshold=10)
+    p = level(make_policy("magnus", ctx(), threshold=10))
     b = Batch("half", [req(10, 10, arrival=0.0), req(10, 10, arrival=0.0)], 0.0)
     p.requeue(b, 1.0)
     p.add(req(10, 10, arrival=1.0), 1.0)  # does not join the re-queued batch
@@ -165,7 +165,7 @@ def test_a_requeued_batch_goes_first_on_a_tie_and_after_a_better_open_one(name):
     ranks strictly better under the policy's order; VS always runs re-queued batches first."""
     def first_pop(open_arrival: float, open_slo: float) -> bool:
         """Whether the re-queued batch pops before one open request of the same shape."""
-        p = make_policy(name, ctx(), threshold=10)
+        p = level(make_policy(name, ctx(), threshold=10))
         back = Batch("back", [req(10, 10, arrival=1.0, slo=50.0)], 1.0)
         p.requeue(back, 2.0)
         p.add(req(10, 10, arrival=open_arrival, slo=open_slo), 2.0)
@@ -243,8 +243,8 @@ def test_elastic_planning_admits_a_batch_static_planning_refuses(name):
             p.add(req(10, 5, 0.1 * (i + 1), slo=1000.0), 0.1 * (i + 1))
         return p.pop(1.0)
 
-    static = load(make_policy(name, _elastic_ctx(False), threshold=1e12))
-    elastic = load(make_policy(name, _elastic_ctx(True), threshold=1e12))
+    static = load(level(make_policy(name, _elastic_ctx(False), threshold=1e12)))
+    elastic = load(level(make_policy(name, _elastic_ctx(True), threshold=1e12)))
     assert elastic.size == 10
     assert static.size < 10 and static.size * (10 + static.predicted_gen_len) <= 400
 
@@ -261,6 +261,6 @@ def test_memory_planning_uses_the_upper_quantile_grouping_the_point():
 
 
 def test_vs_keeps_worst_case_sizing_under_elastic():
-    a = make_policy("vs", _elastic_ctx(False))
-    b = make_policy("vs", _elastic_ctx(True))
-    assert a.batch_size == b.batch_size == 400 // 200
+    a = level(make_policy("vs", _elastic_ctx(False)))
+    b = level(make_policy("vs", _elastic_ctx(True)))
+    assert level(a).batch_size == level(b).batch_size == 400 // 200

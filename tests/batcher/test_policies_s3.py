@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from batcher.policies import make_policy
 from batcher.policies.s3 import S3Policy, bucket_of
-from tests.batcher.helpers import ctx, queued, req
+from tests.batcher.helpers import ctx, level, queued, req
 
 
 def test_buckets_follow_the_power_of_two_edges():
@@ -22,7 +22,7 @@ def test_ffd_packs_long_first_and_fills_gaps_under_theta():
 
 
 def test_pop_dispatches_the_bin_of_the_oldest_request():
-    p = make_policy("s3", ctx(theta_tokens=100))
+    p = level(make_policy("s3", ctx(theta_tokens=100)))
     old_short = req(10, 5, arrival=0.0)
     p.add(old_short, 0.0)
     for t in (1.0, 2.0):
@@ -38,7 +38,7 @@ def test_pop_dispatches_the_bin_of_the_oldest_request():
 
 
 def test_never_mixes_keys_and_respects_theta():
-    p = make_policy("s3", ctx(theta_tokens=60))
+    p = level(make_policy("s3", ctx(theta_tokens=60)))
     p.add(req(10, 10, arrival=0.0), 0.0)
     p.add(req(10, 10, arrival=0.5, model="other"), 0.5)
     for t in (1.0, 2.0, 3.0):
@@ -54,7 +54,7 @@ def test_never_mixes_keys_and_respects_theta():
 
 
 def test_requeued_batch_with_older_requests_goes_first():
-    p = make_policy("s3", ctx())
+    p = level(make_policy("s3", ctx()))
     p.add(req(10, 10, arrival=5.0), 5.0)
     p.add(req(10, 10, arrival=1.0), 5.0)  # arrives late in the queue but is older
     b = p.pop(6.0)
@@ -76,7 +76,7 @@ def test_window_limits_the_packing_to_the_oldest_requests():
 
 def test_s3_hrrn_dispatches_the_highest_response_ratio_bin():
     # Θ = 100 tokens: the two long requests (50 tokens each) fill one bin, the short ones another
-    p = make_policy("s3-hrrn", ctx(theta_tokens=100))
+    p = level(make_policy("s3-hrrn", ctx(theta_tokens=100)))
     long1, long2 = req(10, 40, arrival=0.0), req(10, 40, arrival=0.0)
     short1, short2 = req(10, 5, arrival=1.0), req(10, 6, arrival=1.0)
     for r in (long1, long2, short1, short2):

@@ -8,19 +8,19 @@ import pytest
 
 from batcher.policies import make_policy
 from batcher.policies.slo import SLOODBSPolicy
-from tests.batcher.helpers import ctx, req
+from tests.batcher.helpers import ctx, level, req
 
 
 def test_variants_set_the_weights():
     c = ctx()
-    assert (make_policy("slo-dbs", c).w1, make_policy("slo-dbs", c).w2) == (1.0, 0.0)
-    assert (make_policy("odbs", c).w1, make_policy("odbs", c).w2) == (0.0, 1.0)
-    p = make_policy("slo-odbs", c, threshold=123.0, l1=7.0)  # Φ is not the SLO threshold
+    assert (level(make_policy("slo-dbs", c)).w1, level(make_policy("slo-dbs", c)).w2) == (1.0, 0.0)
+    assert (level(make_policy("odbs", c)).w1, level(make_policy("odbs", c)).w2) == (0.0, 1.0)
+    p = level(make_policy("slo-odbs", c, threshold=123.0, l1=7.0))  # Φ is not the SLO threshold
     assert (p.w1, p.w2, p.l1, p.l2, p.threshold) == (1.0, 1.0, 7.0, 1.2, 15000.0)
 
 
 def test_pending_sorted_by_slo_then_predicted_length():
-    p = make_policy("odbs", ctx(theta_tokens=40))  # Θ holds one 20-token request... twice
+    p = level(make_policy("odbs", ctx(theta_tokens=40)))  # Θ holds one 20-token request... twice
     late, short, long_ = req(10, 10, 0.0, slo=50.0), req(10, 5, 1.0, slo=9.0), req(10, 9, 0.0, slo=10.0)
     for r in (late, long_, short):
         p.add(r, r.arrival)
@@ -31,7 +31,7 @@ def test_pending_sorted_by_slo_then_predicted_length():
 
 
 def test_odbs_closes_the_batch_on_length_mismatch():
-    p = make_policy("odbs", ctx(), slo_threshold=100.0)
+    p = level(make_policy("odbs", ctx(), slo_threshold=100.0))
     a, b, c = req(10, 10, 0.0, slo=1.0), req(10, 12, 0.0, slo=2.0), req(10, 100, 0.0, slo=3.0)
     d = req(10, 11, 0.0, slo=4.0)
     for r in (a, b, c, d):
@@ -48,7 +48,7 @@ def test_slo_dbs_keeps_a_long_request_out_of_a_tight_batch():
     tight, big = req(10, 10, 0.0, slo=0.5), req(100, 900, 0.0, slo=100.0)
     # T̂(2, 100, 900) = 0.01 + 0.001·2·1000 = 2.01 s; tight overruns by 1.51 s, big by 0
     for name, expect in (("slo-dbs", 1), ("odbs", 2)):
-        p = make_policy(name, ctx(), l1=10_000.0)   # T_l = 15100 > 15000 ; T_o = 890·2·1.2 = 2136
+        p = level(make_policy(name, ctx(), l1=10_000.0))   # T_l = 15100 > 15000 ; T_o = 890·2·1.2 = 2136
         p.add(tight, 0.0)
         p.add(big, 0.0)
         assert p.pop(0.0).size == expect, name
@@ -57,14 +57,14 @@ def test_slo_dbs_keeps_a_long_request_out_of_a_tight_batch():
 
 
 def test_memory_cap_closes_the_batch():
-    p = make_policy("slo-odbs", ctx(theta_tokens=60))
+    p = level(make_policy("slo-odbs", ctx(theta_tokens=60)))
     for i in range(4):
         p.add(req(10, 10, 0.0, slo=10.0 + i), 0.0)
     assert [p.pop(0.0).size, p.pop(0.0).size, p.pop(0.0)] == [3, 1, None]
 
 
 def test_requeued_batch_runs_earliest_deadline_first():
-    p = make_policy("slo-odbs", ctx(theta_tokens=20))
+    p = level(make_policy("slo-odbs", ctx(theta_tokens=20)))
     urgent, lax = req(10, 10, 0.0, slo=1.0), req(10, 10, 0.0, slo=100.0)
     p.add(urgent, 0.0)
     first = p.pop(0.0)
@@ -75,7 +75,7 @@ def test_requeued_batch_runs_earliest_deadline_first():
 
 
 def test_requests_of_other_keys_are_skipped_not_closing():
-    p = make_policy("slo-odbs", ctx())
+    p = level(make_policy("slo-odbs", ctx()))
     a, other, b = req(10, 10, 0.0, slo=1.0), req(10, 10, 0.0, slo=2.0, model="other"), req(10, 10, 0.0, slo=3.0)
     for r in (a, other, b):
         p.add(r, 0.0)
@@ -103,7 +103,7 @@ def _literal_first_batch(p: SLOODBSPolicy, reqs, now):
 def test_prefix_sum_pass_matches_the_literal_formulas(name):
     rng = random.Random(7)
     for trial in range(40):
-        p = make_policy(name, ctx(theta_tokens=3000), l1=rng.choice([1.0, 100.0, 3000.0]))
+        p = level(make_policy(name, ctx(theta_tokens=3000), l1=rng.choice([1.0, 100.0, 3000.0])))
         reqs = [req(rng.randint(1, 60), rng.randint(1, 120), arrival=rng.uniform(0, 5),
                     slo=rng.uniform(0.05, 3.0)) for _ in range(rng.randint(1, 25))]
         for r in sorted(reqs, key=lambda r: r.arrival):

@@ -9,7 +9,7 @@ import pytest
 
 from batcher.policies import make_policy
 from batcher.wma import batch_wma
-from tests.batcher.helpers import ctx, open_batches, pick_hrrn, pick_oldest, req
+from tests.batcher.helpers import ctx, level, open_batches, pick_hrrn, pick_oldest, req
 
 
 def _reference_add(open_batches, r, threshold, memory, cap):
@@ -31,7 +31,7 @@ def _reference_add(open_batches, r, threshold, memory, cap):
 def test_vectorised_policy_matches_the_literal_rule(name):
     rng = random.Random(3)
     c = ctx(theta_tokens=2000)
-    p = make_policy(name, c, threshold=3000.0, batch_size=4)
+    p = level(make_policy(name, c, threshold=3000.0, batch_size=4))
     cap = 4 if name == "glp" else None
     now = 0.0
     for step in range(400):
