@@ -57,6 +57,7 @@ class BatcherService:
     instances: dict[str, InstanceInfo] = field(default_factory=dict)
     _last_refresh: float = 0.0
     _last_sweep: float = 0.0
+    _waiting: dict[str, ProfiledRequest] = field(default_factory=dict)  # in the policy, not dispatched
 
     @property
     def keys(self) -> bus.PoolKeys:
@@ -98,7 +99,7 @@ class BatcherService:
         """Reload what a previous batcher left in Redis."""
         pending = [ProfiledRequest.from_dict(json.loads(v)) for v in self.redis.hvals(self.keys.pending)]
         for req in sorted(pending, key=lambda r: r.arrival):
-            self.policy.add(req, now)
+            self._add(req, now)
         for js in self.redis.hvals(self.keys.inflight):
             d = json.loads(js)
             b = Batch.from_dict(d["batch"])
@@ -147,15 +148,44 @@ class BatcherService:
         for js in msgs:
             req = ProfiledRequest.from_dict(json.loads(js))
             if self.redis.hsetnx(self.keys.pending, req.id, js):  # 0: already taken before a crash
-                self.policy.add(req, now)
+                self._add(req, now)
         self._trim(self.keys.incoming, len(msgs))
+        if msgs:
+            self._shed()
         return bool(msgs)
+
+    def _add(self, req: ProfiledRequest, now: float) -> None:
+        self.policy.add(req, now)
+        self._waiting[req.id] = req
+
+    def _shed(self) -> None:
+        """Overload shedding: when more requests wait than ``max_pending`` (the gateway admits a
+        request into a full queue when it is more urgent than the least urgent one waiting), the
+        least urgent — highest priority number, then the newest — are answered 429 and dropped.
+        Also publishes the least urgent priority waiting, which the gateway's admission reads."""
+        excess = len(self._waiting) - self.settings.max_pending
+        if excess > 0:
+            victims = sorted(self._waiting.values(), key=lambda r: (-r.priority, -r.arrival))[:excess]
+            pipe = self.redis.pipeline()
+            for r in victims:  # the cancel key keeps them out of their batch at dispatch
+                bus.cancel(pipe, r.id, self.settings.pool)
+            pipe.execute()
+            self.redis.hincrby(bus.STATS, "shed", len(victims))
+            self._fail(victims, FailureCode.QUEUE_FULL, "the queue is full and more urgent requests needed "
+                       "the room: this request was shed; retry later")
+        worst = max((r.priority for r in self._waiting.values()), default=None)
+        if worst is None:
+            self.redis.delete(self.keys.worst_priority)
+        else:
+            self.redis.set(self.keys.worst_priority, worst)
 
     def _take_cancels(self, limit: int = 1000) -> bool:
         """Requests whose client went away: out of the waiting set now, out of their batch at
         dispatch (``_dispatch`` filters on the cancel keys), out of a running batch by the worker."""
         msgs = self._peek(self.keys.cancels, limit)
         if msgs:
+            for rid in msgs:
+                self._waiting.pop(rid, None)
             gone = [rid for rid in msgs if self.redis.hdel(self.keys.pending, rid)]
             if gone:
                 self.redis.hincrby(bus.STATS, "cancelled_waiting", len(gone))
@@ -194,7 +224,7 @@ class BatcherService:
         pipe.hdel(self.keys.inflight, replaces)
         pipe.execute()
         for r in requests:
-            self.policy.add(r, now)
+            self._add(r, now)
 
     def _requeue(self, batches: list[Batch], now: float, replaces: str) -> None:
         """Give batches back to the policy; their requests go back to ``pending`` in the same
@@ -205,6 +235,7 @@ class BatcherService:
         pipe.execute()
         for b in batches:
             self.policy.requeue(b, now)
+            self._waiting.update({r.id: r for r in b.requests})
 
     def _split_oom(self, batch: Batch, rest: list[ProfiledRequest], now: float) -> None:
         """Split recovery: the rows not yet answered, in two halves, both restart."""
@@ -286,6 +317,8 @@ class BatcherService:
             gone = bus.cancelled_ids(self.redis, [r.id for r in batch.requests])
             if gone:  # withdrawn while it waited: never reaches a worker
                 self.redis.hdel(self.keys.pending, *gone)
+                for rid in gone:
+                    self._waiting.pop(rid, None)
                 batch.requests = [r for r in batch.requests if r.id not in gone]
                 if not batch.requests:
                     continue
@@ -301,6 +334,8 @@ class BatcherService:
         pipe.hincrby(bus.STATS, "batches_dispatched", 1)
         pipe.execute()
         self.inflight[batch.id] = Inflight(batch, now)
+        for r in batch.requests:
+            self._waiting.pop(r.id, None)
         self.send_task(batch)
         log.info("dispatched batch %s: β=%d L=%d G'=%d", batch.id, batch.size, batch.input_len,
                  batch.predicted_gen_len)
@@ -315,6 +350,7 @@ class BatcherService:
             finish_request(db, r.id, status="failed", error=message)
             bus.publish_now(self.redis, r.id, StreamEvent.error(code, message))
             self.redis.hdel(self.keys.pending, r.id)
+            self._waiting.pop(r.id, None)
         log.error("failed %d request(s): %s", len(requests), message)
 
 

@@ -62,6 +62,10 @@ class PoolKeys:
         return self._key("cancels")
 
     @property
+    def worst_priority(self) -> str:  # the least urgent priority waiting (absent: nothing waits)
+        return self._key("worst_priority")
+
+    @property
     def batcher_lock(self) -> str:  # one active batcher per pool
         return self._key("batcher:lock")
 

@@ -32,6 +32,7 @@ class FailureCode(str, Enum):
     BATCH_FAILED = "batch_failed"     # the worker raised while running the batch
     CANCELLED = "cancelled"           # the client went away; nobody reads the answer
     TIMEOUT = "timeout"               # no answer within the gateway's request timeout
+    QUEUE_FULL = "queue_full"         # overload: refused, or shed for a more urgent request
 
     @property
     def http_status(self) -> int:
@@ -47,7 +48,7 @@ class FailureCode(str, Enum):
 
 
 _HTTP_STATUS = {FailureCode.OUT_OF_MEMORY: 507, FailureCode.WORKER_LOST: 503, FailureCode.BATCH_FAILED: 500,
-                FailureCode.CANCELLED: 499, FailureCode.TIMEOUT: 504}
+                FailureCode.CANCELLED: 499, FailureCode.TIMEOUT: 504, FailureCode.QUEUE_FULL: 429}
 
 
 class FinishReason(str, Enum):

@@ -31,8 +31,10 @@ def register(r, name: str, theta: int = 10**9, delta: int = 1, alive: bool = Tru
         r.set(bus.alive_key(name), "1", ex=60)
 
 
-def arrive(r, i: int, L: int = 10, G: int = 10, t: float = 0.0) -> ProfiledRequest:
-    req = ProfiledRequest(id=f"q{i}", prompt="p", input_tokens=L, predicted_tokens=G, max_tokens=64, arrival=t)
+def arrive(r, i: int | str, L: int = 10, G: int = 10, t: float = 0.0, priority: int = 0) -> ProfiledRequest:
+    rid = i if isinstance(i, str) else f"q{i}"
+    req = ProfiledRequest(id=rid, prompt="p", input_tokens=L, predicted_tokens=G, max_tokens=64, arrival=t,
+                          priority=priority)
     r.lpush(KEYS.incoming, json.dumps(req.to_dict()))
     return req
 
@@ -255,3 +257,23 @@ def test_dead_instances_are_pruned_from_the_registry(r, tmp_path):
     svc = service(r, tmp_path, [])
     svc.step(now=1.0)
     assert set(svc.instances) == {"w1"} and set(r.hkeys(bus.INSTANCES)) == {"w1"}
+
+
+def test_overload_sheds_the_least_urgent_newest_requests(r, tmp_path):
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent, max_pending=3)
+    arrive(r, 0)
+    svc.step(now=1.0)  # q0 runs; the rest wait
+    for i, (prio, t) in enumerate([(1, 2.0), (0, 3.0), (1, 4.0), (2, 5.0), (0, 6.0)], start=1):
+        arrive(r, f"p{i}", t=t, priority=prio)
+        svc.step(now=t)
+    # 5 waited, 3 fit: the priority-2 one and the newest priority-1 one are shed
+    assert sorted(r.hkeys(KEYS.pending)) == ["p1", "p2", "p5"]
+    for shed in ("p3", "p4"):
+        (ev,) = events(r, shed)
+        assert ev.code == "queue_full" and r.exists(bus.cancel_key(shed))
+    assert r.get(KEYS.worst_priority) == "1" and int(r.hget(bus.STATS, "shed")) == 2
+    complete(r, sent[0].id, answered=["q0"])
+    svc.step(now=7.0)
+    assert {q.id for q in sent[-1].requests} <= {"p2", "p5"}  # the most urgent level goes first
