@@ -18,10 +18,10 @@ import numpy as np
 import typer
 
 from predictor.base import PredictItem
+from predictor.loading import KINDS
 
 app = typer.Typer(help="Length predictors: train, evaluate, register and roll back versions.", no_args_is_help=True)
 
-KINDS = ("magnus", "magnus_fast", "semantic", "lora", "linear", "mean")
 
 
 def _settings():

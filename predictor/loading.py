@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
 from predictor.base import LengthPredictor
 from predictor.conformal import ConformalTable
 
-KINDS = ("magnus", "magnus_fast", "semantic", "lora", "linear", "mean")
+# kind (meta.json) -> "module:Class". Imported only when a model of that kind is loaded: the
+# gateway serves one kind and should not pay for torch/peft imports of the others.
+CLASSES: dict[str, str] = {
+    "magnus": "predictor.magnus:MagnusPredictor",
+    "magnus_fast": "predictor.magnus_fast:MagnusFastPredictor",
+    "semantic": "predictor.semantic:SemanticPredictor",
+    "lora": "predictor.lora:LoraBucketPredictor",
+    "linear": "predictor.baselines:LinearLengthPredictor",
+    "mean": "predictor.baselines:MeanPredictor",
+}
+KINDS = tuple(CLASSES)
+
+
+def predictor_class(kind: str) -> type[LengthPredictor]:
+    """The class of a predictor kind (the one registry of kinds)."""
+    try:
+        module, _, name = CLASSES[kind].partition(":")
+    except KeyError:
+        raise ValueError(f"unknown predictor kind {kind!r} (expected one of {KINDS})") from None
+    return getattr(importlib.import_module(module), name)
 
 
 def predictor_kind(directory: str | Path) -> str:
@@ -19,35 +39,9 @@ def load_predictor(directory: str | Path) -> LengthPredictor:
     """The saved predictor (dispatched on meta.json's kind) with its conformal table attached as
     ``model.conformal`` (None for a model saved without one)."""
     directory = Path(directory)
-    model = _load_kind(directory, predictor_kind(directory))
+    try:
+        model = predictor_class(predictor_kind(directory)).load(directory)
+    except ValueError as e:
+        raise ValueError(f"{directory}: {e}") from None
     model.conformal = ConformalTable.load(directory)
     return model
-
-
-def _load_kind(directory: Path, kind: str) -> LengthPredictor:
-    """magnus | magnus_fast | lora | linear | mean | semantic; heavy imports only when needed."""
-    if kind == "magnus":
-        from predictor.magnus import MagnusPredictor
-
-        return MagnusPredictor.load(directory)
-    if kind == "magnus_fast":
-        from predictor.magnus_fast import MagnusFastPredictor
-
-        return MagnusFastPredictor.load(directory)
-    if kind == "semantic":
-        from predictor.semantic import SemanticPredictor
-
-        return SemanticPredictor.load(directory)
-    if kind == "lora":
-        from predictor.lora import LoraBucketPredictor
-
-        return LoraBucketPredictor.load(directory)
-    if kind == "linear":
-        from predictor.baselines import LinearLengthPredictor
-
-        return LinearLengthPredictor.load(directory)
-    if kind == "mean":
-        from predictor.baselines import MeanPredictor
-
-        return MeanPredictor.load(directory)
-    raise ValueError(f"{directory}: unknown predictor kind {kind!r} (expected one of {KINDS})")

@@ -15,6 +15,8 @@ import numpy as np
 
 from predictor.base import LengthPredictor, PredictItem
 from predictor.conformal import DEFAULT_LEVEL, ConformalTable, calibration_split
+from predictor.data import magnus_feature_matrix
+from predictor.loading import KINDS, predictor_class
 
 CALIBRATION_FRAC = 0.15
 
@@ -57,53 +59,54 @@ def save_model(model: LengthPredictor, directory: str | Path, meta: dict[str, An
         table.save(directory)
 
 
+_RF_KEYS = ("n_estimators", "max_depth", "min_samples_leaf", "seed")
+_SEMANTIC_KEYS = ("max_iter", "learning_rate", "max_leaf_nodes", "min_samples_leaf", "l2_regularization",
+                  "ridge_alpha", "seed")
+_LORA_INIT = ("base_model", "edges", "representative", "max_length", "lora_r", "lora_alpha", "lora_dropout",
+              "target_modules", "length_hint", "threads")
+_LORA_FIT = ("epochs", "batch_size", "lr", "max_examples", "max_steps", "seed")
+
+
+def _pick(options: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    return {k: options[k] for k in keys if options.get(k) is not None}
+
+
+def _fit_mean(cls, items, y, ctx, options):
+    return cls().fit(items, y)
+
+
+def _fit_forest(cls, items, y, ctx, options):
+    """magnus and magnus_fast: a random forest over the (cached) Magnus features."""
+    model = cls(encoder_path=ctx["encoder_path"], **_pick(options, _RF_KEYS))
+    if options.get("max_features") is not None:  # share of features tried per split
+        model.model.set_params(max_features=options["max_features"])
+    if getattr(cls, "kind", "") == "magnus":  # the paper's features go through the embedding cache
+        x = magnus_feature_matrix(items, ctx["cache_dir"], ctx["encoder_path"], show_progress=ctx["show_progress"])
+        return model.fit(items, y, features=x)
+    return model.fit(items, y)
+
+
+def _fit_semantic(cls, items, y, ctx, options):
+    return cls(encoder_path=ctx["encoder_path"], **_pick(options, _SEMANTIC_KEYS)).fit(items, y)
+
+
+def _fit_lora(cls, items, y, ctx, options):
+    return cls(**_pick(options, _LORA_INIT)).fit(items, y, show_progress=ctx["show_progress"],
+                                                 **_pick(options, _LORA_FIT))
+
+
+# kind -> how to build and fit it; the kinds themselves are predictor.loading's registry.
+_FIT = {"mean": _fit_mean, "linear": _fit_mean, "magnus": _fit_forest, "magnus_fast": _fit_forest,
+        "semantic": _fit_semantic, "lora": _fit_lora}
+assert set(_FIT) == set(KINDS), "every predictor kind needs a fit rule"
+
+
 def _fit_kind(kind: str, items: Sequence[PredictItem], y: np.ndarray, cache_dir: str | Path | None,
               encoder_path: str | None, show_progress: bool, **options: Any) -> LengthPredictor:
     """Fit one predictor of ``kind`` on all of ``items`` (no calibration)."""
-    if kind == "mean":
-        from predictor.baselines import MeanPredictor
-
-        return MeanPredictor().fit(items, y)
-    if kind == "linear":
-        from predictor.baselines import LinearLengthPredictor
-
-        return LinearLengthPredictor().fit(items, y)
-    if kind == "magnus":
-        from predictor.data import magnus_feature_matrix
-        from predictor.magnus import MagnusPredictor
-
-        rf_keys = ("n_estimators", "max_depth", "min_samples_leaf", "seed")
-        model = MagnusPredictor(encoder_path=encoder_path, **{k: options[k] for k in rf_keys if k in options})
-        if options.get("max_features") is not None:  # share of features tried per split
-            model.model.set_params(max_features=options["max_features"])
-        x = magnus_feature_matrix(items, cache_dir, encoder_path, show_progress=show_progress)
-        return model.fit(items, y, features=x)
-    if kind == "magnus_fast":
-        from predictor.magnus_fast import MagnusFastPredictor
-
-        rf_keys = ("n_estimators", "max_depth", "min_samples_leaf", "seed")
-        model = MagnusFastPredictor(encoder_path=encoder_path,
-                                    **{k: options[k] for k in rf_keys if k in options})
-        if options.get("max_features") is not None:
-            model.model.set_params(max_features=options["max_features"])
-        return model.fit(items, y)
-    if kind == "semantic":
-        from predictor.semantic import SemanticPredictor
-
-        keys = ("max_iter", "learning_rate", "max_leaf_nodes", "min_samples_leaf", "l2_regularization",
-                "ridge_alpha", "seed")
-        return SemanticPredictor(encoder_path=encoder_path,
-                                 **{k: options[k] for k in keys if options.get(k) is not None}).fit(items, y)
-    if kind == "lora":
-        from predictor.lora import LoraBucketPredictor
-
-        init_keys = ("base_model", "edges", "representative", "max_length", "lora_r", "lora_alpha",
-                     "lora_dropout", "target_modules", "length_hint", "threads")
-        fit_keys = ("epochs", "batch_size", "lr", "max_examples", "max_steps", "seed")
-        model = LoraBucketPredictor(**{k: options[k] for k in init_keys if options.get(k) is not None})
-        return model.fit(items, y, show_progress=show_progress,
-                         **{k: options[k] for k in fit_keys if options.get(k) is not None})
-    raise ValueError(f"unknown predictor kind {kind!r}")
+    cls = predictor_class(kind)
+    ctx = {"cache_dir": cache_dir, "encoder_path": encoder_path, "show_progress": show_progress}
+    return _FIT[kind](cls, items, y, ctx, options)
 
 
 def predict_items(model: LengthPredictor, items: Sequence[PredictItem], cache_dir: str | Path | None = None,
