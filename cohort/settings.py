@@ -51,9 +51,11 @@ class Settings(BaseSettings):
     default_max_tokens: int = 256
 
     # --- predictor ------------------------------------------------------------------------
-    predictor_kind: str = Field(default="magnus", description="What retraining trains: magnus (the paper: MiniLM "
-                                "sentence embeddings) | magnus_fast (token-embedding average, ~80x faster) | lora | "
-                                "linear | mean. The gateway serves the registry's active version.")
+    predictor_kind: str = Field(default="semantic", description="What retraining trains: semantic (ours: full static "
+                                "MiniLM vectors + words, ranks general instructions, ~900 predictions/s; "
+                                "docs/predictors.md) | magnus (the paper: MiniLM sentence embeddings) | magnus_fast "
+                                "(token-embedding average) | lora (UELLM) | linear | mean. The gateway serves the "
+                                "registry's active version.")
     predictor_dir: Path | None = Field(
         default=None, description="A trained predictor directory; unset: the registry's active version."
     )

@@ -110,7 +110,12 @@ class SemanticPredictor:
         self.ridge.fit(sparse, y)
         if folds is None:
             oof = self.ridge.predict(sparse)
+        # continuous learning starts from a few dozen logged rows: a leaf of 20 would leave the
+        # boosting no split at all, so small training sets get proportionally small leaves
+        leaf = self.model.get_params()["min_samples_leaf"]
+        self.model.set_params(min_samples_leaf=max(2, min(leaf, len(items) // 10)))
         self.model.fit(self._dense(items, shape, oof), y)
+        self.model.set_params(min_samples_leaf=leaf)
         return self
 
     def predict(self, items: Sequence[PredictItem]) -> np.ndarray:
