@@ -7,10 +7,17 @@ from a short profiling run (``fit``) and replaced by KNN once enough real batche
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
+import skops.io as sio
+from scipy.optimize import nnls
+from sklearn.neighbors import KNeighborsRegressor
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
 
 def _design(shapes: np.ndarray) -> np.ndarray:
@@ -38,7 +45,6 @@ class AnalyticBatchTime:
     @classmethod
     def fit(cls, shapes: Sequence[tuple[int, int, int]], seconds: Sequence[float]) -> AnalyticBatchTime:
         """Non-negative least squares on profiled (β, L, G) → wall seconds."""
-        from scipy.optimize import nnls
 
         x = _design(np.asarray(shapes, dtype=float).reshape(-1, 3))
         coef, _ = nnls(x, np.asarray(seconds, dtype=float))
@@ -66,9 +72,6 @@ class KNNBatchTime:
     kind = "knn"
 
     def __init__(self, n_neighbors: int = 5) -> None:
-        from sklearn.neighbors import KNeighborsRegressor
-        from sklearn.pipeline import make_pipeline
-        from sklearn.preprocessing import StandardScaler
 
         self.n_neighbors = int(n_neighbors)
         self.model = make_pipeline(StandardScaler(),
@@ -96,10 +99,7 @@ class KNNBatchTime:
         return np.maximum(self.model.predict(x), 1e-4)
 
     def save(self, directory, meta: dict | None = None) -> None:
-        import json
-        from pathlib import Path
 
-        import skops.io as sio
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -110,10 +110,7 @@ class KNNBatchTime:
 
     @classmethod
     def load(cls, directory) -> KNNBatchTime:
-        import json
-        from pathlib import Path
 
-        import skops.io as sio
 
         directory = Path(directory)
         meta = json.loads((directory / META_FILE).read_text())
@@ -130,8 +127,6 @@ class KNNBatchTime:
 
 def save_analytic(model: AnalyticBatchTime, directory, meta: dict | None = None) -> None:
     """An analytic estimator as a registry-style directory (JSON coefficients + meta.json)."""
-    import json
-    from pathlib import Path
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -142,8 +137,6 @@ def save_analytic(model: AnalyticBatchTime, directory, meta: dict | None = None)
 
 def load_estimator(directory) -> KNNBatchTime | AnalyticBatchTime:
     """Load an estimator directory by its meta kind (knn | analytic)."""
-    import json
-    from pathlib import Path
 
     directory = Path(directory)
     kind = json.loads((directory / META_FILE).read_text()).get("kind")

@@ -19,6 +19,7 @@ import numpy as np
 
 from cohort.settings import Settings
 from predictor.estimator import AnalyticBatchTime, KNNBatchTime, load_estimator
+from predictor.learning import _profile_samples
 from predictor.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ class EstimatorService:
         self.maybe_reload(force=True)
 
     def _analytic(self) -> AnalyticBatchTime:
-        from predictor.learning import _profile_samples
 
         try:
             samples = _profile_samples(self.settings)

@@ -28,9 +28,15 @@ from typing import Any
 
 import numpy as np
 
+from cohort.datasets import data_files, load_split
+from cohort.logdb import finished_batches, finished_requests, get_engine
 from cohort.settings import Settings
 from predictor.base import PredictItem
+from predictor.data import records_to_items
+from predictor.estimator import AnalyticBatchTime, KNNBatchTime, load_estimator
+from predictor.metrics import all_metrics
 from predictor.registry import Registry
+from predictor.training import fit_predictor, predict_items, save_model
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +164,6 @@ def seed_predictor_store(settings: Settings, limit_per_file: int | None = 500) -
         path.touch()
         return 0
     try:
-        from cohort.datasets import data_files, load_split
-        from predictor.data import records_to_items
 
         files = data_files()
         recs = load_split(files, "train", limit_per_file=limit_per_file)
@@ -205,9 +209,6 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
     (and without ``force``) nothing is retrained and the active version is returned.
     Metrics are measured on a seeded 10 % holdout of the stored set before the final fit on all of it.
     """
-    from cohort.logdb import finished_requests, get_engine
-    from predictor.metrics import all_metrics
-    from predictor.training import fit_predictor, predict_items, save_model
 
     kind = kind or settings.predictor_kind
     if kind == "lora":  # bound the CPU time of a periodic retrain
@@ -277,7 +278,6 @@ def _profile_samples(settings: Settings) -> list[dict[str, Any]]:
 def current_estimator(settings: Settings):
     """The estimator in force: active registry version, else analytic fitted on profile samples,
     else the analytic defaults."""
-    from predictor.estimator import AnalyticBatchTime, load_estimator
 
     reg = Registry(settings.data_dir, "estimator")
     path = reg.active_path()
@@ -302,8 +302,6 @@ def retrain_estimator(settings: Settings, force: bool = False, n_neighbors: int 
     ``{"version", "metrics", "n_added", "n_train", "retrained"}``; with fewer than ``min_samples``
     samples no KNN is trained (the analytic cold-start model stays in force).
     """
-    from cohort.logdb import finished_batches, get_engine
-    from predictor.estimator import KNNBatchTime
 
     reg = Registry(settings.data_dir, "estimator")
     with _lock(settings, "estimator"):

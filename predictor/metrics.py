@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from scipy.stats import kendalltau
 
 from predictor.buckets import DEFAULT_EDGES, bucket_index
 
@@ -40,7 +41,6 @@ def pearson(actual, predicted) -> float:
 
 def kendall_tau(actual, predicted) -> float:
     """Kendall tau-b (ties handled), via scipy."""
-    from scipy.stats import kendalltau
 
     a, p = _arr(actual), _arr(predicted)
     if a.size < 2 or np.ptp(a) == 0 or np.ptp(p) == 0:

@@ -28,6 +28,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sp
+import skops.io as sio
+from sklearn.base import clone
+from sklearn.ensemble import HistGradientBoostingRegressor
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import Ridge
+from sklearn.model_selection import KFold
 
 from predictor.base import PredictItem
 from predictor.magnus_fast import static_encode
@@ -51,9 +58,6 @@ class SemanticPredictor:
     def __init__(self, encoder_path: str | None = None, max_iter: int = 300, learning_rate: float = 0.08,
                  max_leaf_nodes: int = 63, min_samples_leaf: int = 20, l2_regularization: float = 1.0,
                  ridge_alpha: float = 3.0, seed: int = 0) -> None:
-        from sklearn.ensemble import HistGradientBoostingRegressor
-        from sklearn.feature_extraction.text import TfidfVectorizer
-        from sklearn.linear_model import Ridge
 
         self.encoder_path = encoder_path
         self.seed = seed
@@ -82,7 +86,6 @@ class SemanticPredictor:
         return out
 
     def _sparse(self, items: Sequence[PredictItem], shape: np.ndarray):
-        import scipy.sparse as sp
 
         return sp.hstack([self.tfidf_instruction.transform([it.instruction for it in items]),
                           self.tfidf_input.transform([it.user_input for it in items]),
@@ -94,8 +97,6 @@ class SemanticPredictor:
         return np.hstack([ridge_est.reshape(-1, 1), app, user, shape]).astype(np.float32)
 
     def fit(self, items: Sequence[PredictItem], targets: Sequence[float]) -> SemanticPredictor:
-        from sklearn.base import clone
-        from sklearn.model_selection import KFold
 
         y = np.log1p(np.maximum(np.asarray(targets, dtype=float), 0.0))
         shape = shape_features(items)
@@ -126,7 +127,6 @@ class SemanticPredictor:
         return np.maximum(np.expm1(self.model.predict(self._dense(items, shape, ridge_est))), 1.0)
 
     def save(self, directory: Path, meta: dict | None = None) -> None:
-        import skops.io as sio
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -137,7 +137,6 @@ class SemanticPredictor:
 
     @classmethod
     def load(cls, directory: Path) -> SemanticPredictor:
-        import skops.io as sio
 
         directory = Path(directory)
         meta = json.loads((directory / META_FILE).read_text())
