@@ -9,6 +9,8 @@ from typing import Protocol
 
 import numpy as np
 
+META_FILE = "meta.json"  # every model directory: its kind, options and training facts
+
 
 @dataclass(frozen=True)
 class PredictItem:

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor.base import PredictItem
+from predictor.base import META_FILE, PredictItem
 
 MODEL_FILE = "model.json"
-META_FILE = "meta.json"
 
 
 def _write(directory: Path, kind: str, params: dict, meta: dict | None) -> None:

@@ -13,11 +13,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import skops.io as sio
 from scipy.optimize import nnls
 from sklearn.neighbors import KNeighborsRegressor
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
+
+from predictor import safe_io
+from predictor.base import META_FILE
 
 
 def _design(shapes: np.ndarray) -> np.ndarray:
@@ -56,7 +58,6 @@ class AnalyticBatchTime:
 
 KNN_MODEL_FILE = "model.skops"
 ANALYTIC_MODEL_FILE = "analytic.json"
-META_FILE = "meta.json"
 
 
 class KNNBatchTime:
@@ -99,28 +100,20 @@ class KNNBatchTime:
         return np.maximum(self.model.predict(x), 1e-4)
 
     def save(self, directory, meta: dict | None = None) -> None:
-
-
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        sio.dump(self.model, directory / KNN_MODEL_FILE)
+        safe_io.dump(self.model, directory / KNN_MODEL_FILE)
         info = {"kind": self.kind, "n_neighbors": self.n_neighbors, "n_samples": self.n_samples,
                 **(meta or {})}
         (directory / META_FILE).write_text(json.dumps(info, indent=2, default=str))
 
     @classmethod
     def load(cls, directory) -> KNNBatchTime:
-
-
         directory = Path(directory)
         meta = json.loads((directory / META_FILE).read_text())
         path = directory / KNN_MODEL_FILE
-        untrusted = sio.get_untrusted_types(file=path)
-        bad = [t for t in untrusted if not t.startswith("sklearn.")]
-        if bad:
-            raise ValueError(f"{path}: refusing to load unexpected types {bad}")
         self = cls(n_neighbors=meta.get("n_neighbors", 5))
-        self.model = sio.load(path, trusted=untrusted)
+        self.model = safe_io.load(path)
         self.n_samples = int(meta.get("n_samples", 0))
         return self
 

@@ -6,7 +6,7 @@ import importlib
 import json
 from pathlib import Path
 
-from predictor.base import LengthPredictor
+from predictor.base import META_FILE, LengthPredictor
 from predictor.conformal import ConformalTable
 
 # kind (meta.json) -> "module:Class". Imported only when a model of that kind is loaded: the
@@ -32,7 +32,7 @@ def predictor_class(kind: str) -> type[LengthPredictor]:
 
 
 def predictor_kind(directory: str | Path) -> str:
-    return json.loads((Path(directory) / "meta.json").read_text()).get("kind", "")
+    return json.loads((Path(directory) / META_FILE).read_text()).get("kind", "")
 
 
 def load_predictor(directory: str | Path) -> LengthPredictor:

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor.base import PredictItem
+from predictor.base import META_FILE, PredictItem
 from predictor.buckets import DEFAULT_EDGES, bucket_index, bucket_values, n_buckets
 
-META_FILE = "meta.json"
 ADAPTER_DIR = "adapter"
 
 

@@ -20,9 +20,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from predictor.base import META_FILE
+
 TARGETS = ("predictor", "estimator")
 ACTIVE_FILE = "ACTIVE"
-META_FILE = "meta.json"
 
 
 class UnknownVersion(KeyError):

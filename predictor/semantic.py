@@ -29,18 +29,17 @@ from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
-import skops.io as sio
 from sklearn.base import clone
 from sklearn.ensemble import HistGradientBoostingRegressor
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import Ridge
 from sklearn.model_selection import KFold
 
-from predictor.base import PredictItem
+from predictor import safe_io
+from predictor.base import META_FILE, PredictItem
 from predictor.magnus_fast import static_encode
 
 PARTS = ("tfidf_instruction", "tfidf_input", "ridge", "model")  # one skops file each
-META_FILE = "meta.json"
 INSTRUCTION_CACHE = 4096
 
 
@@ -131,7 +130,7 @@ class SemanticPredictor:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         for name in PARTS:
-            sio.dump(getattr(self, name), directory / f"{name}.skops")
+            safe_io.dump(getattr(self, name), directory / f"{name}.skops")
         info = {"kind": self.kind, "encoder_path": self.encoder_path, "target": "log1p", **(meta or {})}
         (directory / META_FILE).write_text(json.dumps(info, indent=2, default=str))
 
@@ -145,9 +144,5 @@ class SemanticPredictor:
         self = cls(encoder_path=meta.get("encoder_path"))
         for name in PARTS:
             path = directory / f"{name}.skops"
-            types = sio.get_untrusted_types(file=path)
-            untrusted = [t for t in types if not t.startswith("sklearn.")]
-            if untrusted:
-                raise ValueError(f"{path}: refusing to load unexpected types {untrusted}")
-            setattr(self, name, sio.load(path, trusted=types))
+            setattr(self, name, safe_io.load(path))
         return self
