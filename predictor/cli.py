@@ -31,7 +31,10 @@ def _settings():
 
 
 def _cache_dir(use_cache: bool) -> Path | None:
-    return Path(_settings().data_dir) / "cache" / "emb" if use_cache else None
+    """The on-disk embedding cache holds torch-encoder vectors (it is keyed by encoder path only), so
+    with another ``encoder_backend`` it is bypassed: an eval of that backend must see its own vectors."""
+    s = _settings()
+    return Path(s.data_dir) / "cache" / "emb" if use_cache and s.encoder_backend == "torch" else None
 
 
 @app.command()
@@ -171,7 +174,8 @@ def evaluate(
                 "q90_coverage": None if upper is None else coverage(y[sel], upper[sel])}
 
     per_task = {t: metrics(tasks == t) for t in dict.fromkeys(tasks.tolist())}
-    result = {"model": str(model), "kind": m.kind, "representative": getattr(m, "representative", None),
+    result = {"model": str(model), "kind": m.kind, "encoder_backend": s.encoder_backend,
+              "representative": getattr(m, "representative", None),
               "level": None if m.conformal is None else m.conformal.level,
               "overall": metrics(np.ones(len(y), dtype=bool)), "per_task": per_task}
     if throughput_n > 0:
@@ -322,7 +326,8 @@ def bench_service(
     lat = asyncio.run(sequential())
     batches0 = svc.batches_run
     seconds = asyncio.run(concurrent())
-    res = {"model": str(model), "kind": svc.model.kind if svc.model else None, "n": len(sample),
+    res = {"model": str(model), "kind": svc.model.kind if svc.model else None,
+           "encoder_backend": s.encoder_backend, "n": len(sample),
            "batch1_p50_ms": float(np.median(lat) * 1000), "batch1_per_s": float(len(lat) / sum(lat)),
            "concurrency": concurrency, "micro_batched_per_s": float(len(sample) / seconds),
            "mean_batch": float(len(sample) / max(1, svc.batches_run - batches0))}
