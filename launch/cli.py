@@ -50,6 +50,23 @@ def serve(host: str | None = None, port: int | None = None) -> None:
 
 
 @app.command()
+def info() -> None:
+    """Print (JSON) what a client or benchmark tool needs: the base URL, the served model name,
+    the tokenizer directory (aiperf --tokenizer, guidellm --processor) and the request limits."""
+    import json
+
+    from cohort.tokenizer import tokenizer_path
+
+    s = get_settings()
+    host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
+    typer.echo(json.dumps({
+        "base_url": f"http://{host}:{s.port}/v1", "port": s.port, "served_model_name": s.served_model_name or s.model,
+        "pool": s.pool, "model": s.model, "tokenizer": tokenizer_path(s.model),
+        "max_input_tokens": s.max_input_tokens, "max_tokens_limit": s.max_tokens_limit,
+        "max_model_len": s.max_input_tokens + s.max_tokens_limit}, indent=2))
+
+
+@app.command()
 def gateway(host: str | None = None, port: int | None = None) -> None:
     """Run the REST gateway (with the predictor in-process)."""
     _logging()

@@ -1,7 +1,20 @@
 """OpenAI-compatible /v1/completions and /v1/chat/completions.
 
+``model`` picks the pool (gateway.pools; omitted: the default pool, unknown: 404). Every field
+is honoured or refused with a 400 naming it (schemas.UNSUPPORTED; README's parameter table):
+
+- ``n`` copies of a prompt, and each prompt of a prompt list, are requests of their own, admitted
+  together (so they can share a batch) and answered as choices ``index = prompt·n + copy``; a
+  seeded request's copy j samples with ``seed + j`` (equal seeds would give equal copies);
+- token-id prompts go to the worker as they are (L(p) = their count);
+- chat messages are rendered with the pool tokenizer's chat template when it has one, else with
+  the built-in template (cohort.tokenizer.builtin_chat_prompt); the predictor reads the system
+  text as the instruction and the conversation as the input either way;
+- ``logprobs``/``top_logprobs`` come from the worker (gateway.logprobs); ``echo`` prepends the
+  prompt, and is refused with logprobs (cohort does not compute the prompt's logprobs).
+
 ``stream: true`` relays tokens as they are generated (gateway.sse); without it the answer comes
-whole when the request's row finishes — not when its batch does. ``ignore_eos`` (vLLM's
+whole when the request's rows finish — not when their batch does. ``ignore_eos`` (vLLM's
 benchmark flag) asks for exactly max_tokens tokens and is honoured only when length emulation
 is on. Admission errors are plain HTTP errors even for streams: nothing is sent before admission.
 """
@@ -9,77 +22,166 @@ is on. Admission errors are plain HTTP errors even for streams: nothing is sent 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
+from cohort.tokenizer import builtin_chat_prompt, chat_prompt_ids, decode, has_chat_template
+from gateway import logprobs as lp
 from gateway.errors import APIError
-from gateway.relay import Answer, Relay, Ticket
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from gateway.sse import Chunks, sse_response, usage
-from gateway.submit import Submission, admit
+from gateway.pools import ServedModel
+from gateway.relay import Relay, Ticket
+from gateway.schemas import MAX_CHOICES, ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIRequest
+from gateway.sse import Chunks, collect_all, sse_response, usage
+from gateway.submit import Submission, admit_many
 
 router = APIRouter()
 
-
-def _usage(ticket: Ticket, ans: Answer) -> dict:
-    return usage(ticket.request.input_tokens, ans.tokens)
+TEXT_PARTS = ("text", "input_text")
 
 
-def _content_text(content) -> str:
-    if content is None:
+def _refuse_unsupported(body: OpenAIRequest) -> None:
+    if field := body.refused():
+        raise APIError(400, f"{field} is not supported by cohort (see the parameter table in the README); "
+                       "leave it out", code="unsupported_parameter", param=field)
+
+
+def _content_text(i: int, m: ChatMessage) -> str:
+    if m.content is None:
         return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for part in m.content:
+        if part.get("type", "text") not in TEXT_PARTS:
+            raise APIError(400, f"content parts of type {part.get('type')!r} are not supported: cohort serves "
+                           "text only", code="unsupported_parameter", param=f"messages.{i}.content")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
 
 
-def _submission(body: OpenAIRequest, request: Request, instruction: str, user_input: str,
-                max_tokens: int) -> Submission:
+def _copies(body: OpenAIRequest, base: Submission) -> list[Submission]:
+    """``n`` requests from one prompt; a seeded copy j samples with seed + j."""
+    seed = base.sampling.seed
+    return [base if j == 0 or seed is None else replace(base, sampling=replace(base.sampling, seed=seed + j))
+            for j in range(body.n)]
+
+
+def _submission(body: OpenAIRequest, request: Request, max_tokens: int, **kw) -> Submission:
     emulated = max_tokens if body.ignore_eos and request.app.state.settings.emulate_lengths else None
-    return Submission(instruction=instruction, user_input=user_input, max_tokens=max_tokens,
-                      slo_s=body.slo_seconds, sampling=body.sampling(), emulated_tokens=emulated)
+    return Submission(max_tokens=max_tokens, slo_s=body.slo_seconds, sampling=body.sampling(),
+                      emulated_tokens=emulated, **kw)
+
+
+async def _admit(request: Request, served: ServedModel, subs: list[Submission], endpoint: str,
+                 received: float) -> tuple[list[Ticket], list[Relay]]:
+    st = request.app.state
+    tickets = await admit_many(st, subs, endpoint, received, served)
+    return tickets, [Relay(st, t, request.is_disconnected) for t in tickets]
+
+
+def _prompt_tokens(tickets: list[Ticket], n: int) -> int:
+    """Usage counts each prompt once, however many copies (n) were generated from it."""
+    return sum(t.request.input_tokens for t in tickets[::n])
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     received = time.monotonic()
     st = request.app.state
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise APIError(400, "one prompt per request is supported", code="invalid_value", param="prompt")
-        prompt = prompt[0]
+    _refuse_unsupported(body)
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of other than n is not supported: cohort returns every sample it generates",
+                       code="unsupported_parameter", param="best_of")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs would need the prompt's logprobs, which cohort does not compute; "
+                       "drop one of them", code="unsupported_parameter", param="echo")
+    prompts = body.prompts()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise APIError(400, "prompt is empty", code="empty_prompt", param="prompt")
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts × n={body.n} exceeds {MAX_CHOICES} choices per request",
+                       code="invalid_value", param="n")
+    served = await st.pool.resolve(body.model)
     max_tokens = body.max_tokens or st.settings.default_max_tokens
-    ticket = await admit(st, _submission(body, request, "", prompt, max_tokens), "completions", received)
-    relay = Relay(st, ticket, request.is_disconnected)
-    cid, created, model = f"cmpl-{ticket.request.id}", int(ticket.request.arrival), body.model or st.settings.model
+    subs, texts = [], []
+    for p in prompts:
+        if isinstance(p, str):
+            base = _submission(body, request, max_tokens, instruction="", user_input=p)
+            texts.append(p)
+        else:
+            text = await run_in_threadpool(decode, p, served.path)
+            base = _submission(body, request, max_tokens, instruction="", user_input=text, prompt=text,
+                               prompt_ids=list(p))
+            texts.append(text)
+        subs += _copies(body, base)
+    tickets, relays = await _admit(request, served, subs, "completions", received)
+    cid, created = f"cmpl-{tickets[0].request.id}", int(tickets[0].request.arrival)
+    prefixes = [texts[k // body.n] for k in range(len(subs))] if body.echo else [""] * len(subs)
+    formatters = [lp.CompletionLogprobs(served.path) for _ in subs]
+
+    def render(index: int, pairs: list) -> dict:
+        return formatters[index](pairs)
+
     if body.stream:
-        return sse_response(relay, Chunks("completions", cid, created, model, body.include_usage))
-    ans = await relay.collect()
-    return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": ans.text, "logprobs": None, "finish_reason": ans.finish_reason}],
-            "usage": _usage(ticket, ans)}
+        chunks = Chunks("completions", cid, created, served.id, body.include_usage,
+                        render if body.logprobs is not None else None)
+        return sse_response(relays, chunks, prefixes, _prompt_tokens(tickets, body.n))
+    answers = await collect_all(relays)
+    choices = [{"index": k, "text": prefixes[k] + a.text, "finish_reason": a.finish_reason,
+                "logprobs": render(k, a.logprobs) if body.logprobs is not None else None}
+               for k, a in enumerate(answers)]
+    return {"id": cid, "object": "text_completion", "created": created, "model": served.id, "choices": choices,
+            "usage": usage(_prompt_tokens(tickets, body.n), sum(a.tokens for a in answers))}
+
+
+async def _chat_submission(body: ChatCompletionRequest, request: Request, served: ServedModel,
+                           max_tokens: int) -> Submission:
+    """The chat as the model reads it (its template) and as the predictor reads it (the system
+    text as the instruction, the conversation as the input)."""
+    texts = [_content_text(i, m) for i, m in enumerate(body.messages)]
+    for i, m in enumerate(body.messages):
+        if m.role == "tool" or m.tool_calls:
+            raise APIError(400, "tool calls and tool messages are not supported by cohort",
+                           code="unsupported_parameter", param=f"messages.{i}")
+    system = "\n".join(t for m, t in zip(body.messages, texts, strict=True) if m.role in ("system", "developer"))
+    convo = "\n".join(f"{m.role}: {t}" for m, t in zip(body.messages, texts, strict=True)
+                      if m.role not in ("system", "developer"))
+    if not convo.strip():
+        raise APIError(400, "messages need at least one non-system message", code="invalid_value",
+                       param="messages")
+    if await run_in_threadpool(has_chat_template, served.path):
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": t,
+                     **({"name": m.name} if m.name else {})} for m, t in zip(body.messages, texts, strict=True)]
+        prompt, ids = await run_in_threadpool(chat_prompt_ids, messages, served.path)
+        return _submission(body, request, max_tokens, instruction=system, user_input=convo, prompt=prompt,
+                           prompt_ids=ids)
+    return _submission(body, request, max_tokens, instruction=system, user_input=convo,
+                       prompt=builtin_chat_prompt(system, convo))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     received = time.monotonic()
     st = request.app.state
-    system = "\n".join(_content_text(m.content) for m in body.messages if m.role in ("system", "developer"))
-    convo = "\n".join(f"{m.role}: {_content_text(m.content)}" for m in body.messages
-                      if m.role not in ("system", "developer"))
-    if not convo.strip():
-        raise APIError(400, "messages need at least one non-system message", code="invalid_value",
-                       param="messages")
+    _refuse_unsupported(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
+    served = await st.pool.resolve(body.model)
     max_tokens = body.max_completion_tokens or body.max_tokens or st.settings.default_max_tokens
-    ticket = await admit(st, _submission(body, request, system, convo + "\nassistant:", max_tokens), "chat",
-                         received)
-    relay = Relay(st, ticket, request.is_disconnected)
-    cid, created, model = f"chatcmpl-{ticket.request.id}", int(ticket.request.arrival), body.model or st.settings.model
+    subs = _copies(body, await _chat_submission(body, request, served, max_tokens))
+    tickets, relays = await _admit(request, served, subs, "chat", received)
+    cid, created = f"chatcmpl-{tickets[0].request.id}", int(tickets[0].request.arrival)
+    render: Callable[[int, list], dict] | None = (lambda _i, pairs: lp.chat(served.path, pairs)) \
+        if body.logprobs else None
     if body.stream:
-        return sse_response(relay, Chunks("chat", cid, created, model, body.include_usage))
-    ans = await relay.collect()
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": ans.text},
-                         "logprobs": None, "finish_reason": ans.finish_reason}],
-            "usage": _usage(ticket, ans)}
+        return sse_response(relays, Chunks("chat", cid, created, served.id, body.include_usage, render),
+                            prompt_tokens=_prompt_tokens(tickets, body.n))
+    answers = await collect_all(relays)
+    choices = [{"index": k, "message": {"role": "assistant", "content": a.text},
+                "logprobs": render(k, a.logprobs) if render else None, "finish_reason": a.finish_reason}
+               for k, a in enumerate(answers)]
+    return {"id": cid, "object": "chat.completion", "created": created, "model": served.id, "choices": choices,
+            "usage": usage(_prompt_tokens(tickets, body.n), sum(a.tokens for a in answers))}

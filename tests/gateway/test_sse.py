@@ -9,7 +9,7 @@ from cohort import bus
 from cohort.protocol import FailureCode, FinishReason, StreamEvent
 from tests.gateway.harness import end, gateway, next_request, publish, sse_data, worker
 
-CHAT = {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+CHAT = {"model": "default", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
         "max_tokens": 8, "stream": True}
 PIECES = ["Hel", "lo, ", "wörld", "!"]
 
