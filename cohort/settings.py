@@ -62,9 +62,9 @@ class Settings(BaseSettings):
     encoder_path: str | None = Field(
         default=None, description="Sentence encoder path; unset: the bundled all-MiniLM-L6-v2."
     )
-    encoder_backend: Literal["torch", "onnx", "onnx-int8"] = Field(
+    encoder_backend: Literal["torch", "onnx"] = Field(
         default="torch", description="How the sentence encoder runs: torch (sentence-transformers) | onnx "
-        "(onnxruntime, exported once to <data_dir>/cache/onnx) | onnx-int8 (int8 weights). See docs/predictors.md."
+        "(onnxruntime, exported once to <data_dir>/cache/onnx; same vectors). See docs/predictors.md."
     )
     cold_start: str = Field(
         default="max_tokens",

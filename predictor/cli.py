@@ -115,6 +115,8 @@ def _throughput(model, items, n: int = 512, batch: int = 64) -> dict[str, float]
     pick = rng.choice(len(items), min(n + 64, len(items)), replace=False)
     sample = [items[i] for i in pick[:n]]
     single = [items[i] for i in pick[n:]] or sample[:64]
+    if hasattr(model, "clear_vector_caches"):  # the metric pass may have filled them with these items
+        model.clear_vector_caches()
     model.predict([PredictItem("warm up", "warm up", 2)])  # lazy encoder load
     t0 = time.perf_counter()
     for i in range(0, len(sample), batch):

@@ -1,15 +1,16 @@
 """The sentence encoder Magnus uses for semantic features (offline all-MiniLM-L6-v2 by default).
 
-Backends (``COHORT_ENCODER_BACKEND``): ``torch`` (sentence-transformers, the reference), ``onnx``
-(the same network exported to ONNX once and run by onnxruntime; vectors equal to torch's within
-float rounding) and ``onnx-int8`` (that export with dynamic int8 weights, per channel). The ONNX
-files are exported from the local model at first use and cached under
-``<data_dir>/cache/onnx/<encoder-id>/`` — nothing is downloaded.
+Backends (``COHORT_ENCODER_BACKEND``): ``torch`` (sentence-transformers, the reference) and
+``onnx`` (the same network exported to ONNX once and run by onnxruntime; vectors equal to torch's
+within float rounding, identical predictions on the validation rows). The ONNX file is exported
+from the local model at first use and cached under ``<data_dir>/cache/onnx/<encoder-id>/`` —
+nothing is downloaded. Dynamic int8 quantisation (onnxruntime ``quantize_dynamic``, per channel)
+was measured and dropped: MAE +8.7 %, Kendall τ −2.8 % on the Magnus validation rows, outside the
+2 % quality budget (docs/predictors.md).
 
 Why the export is done here and not by sentence-transformers' own ``backend="onnx"``: that path
 needs ``optimum-onnx``, which pins ``transformers<4.58``; this project runs transformers 5, so the
-export uses ``torch.onnx.export`` and the int8 step onnxruntime's ``quantize_dynamic`` (the tool
-optimum calls). Pooling and normalisation are re-done in NumPy exactly as the model's
+export uses ``torch.onnx.export``. Pooling and normalisation are re-done in NumPy exactly as the model's
 sentence-transformers pipeline does them (mean over real tokens, then L2); a model with another
 pipeline is refused rather than encoded differently.
 
@@ -17,7 +18,7 @@ Why texts are encoded in length-sorted batches of ``ENCODE_BATCH``, not 64: a ba
 its longest text, and the Magnus mix has a median of ~37 tokens with a tail at the 256-token
 limit (code), so one long text in a 64-text batch multiplies the work of the other 63. Measured on
 256 validation inputs in calls of 64 (2 cores): torch 36/s at batch 64, 94/s at 16, 115/s at 4,
-87/s at 1; onnx-int8 27/s, 98/s, 182/s, 164/s. Batch size changes only the padding, so the vectors
+87/s at 1; onnx 21/s, 71/s, 123/s, 109/s. Batch size changes only the padding, so the vectors
 are the same to float rounding.
 """
 
@@ -32,7 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
-BACKENDS = ("torch", "onnx", "onnx-int8")
+BACKENDS = ("torch", "onnx")
 ENCODE_BATCH = 4  # texts per forward pass; see the module docstring
 _ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -80,7 +81,7 @@ def load_encoder(path: str | None = None, device: str = "cpu", backend: str = "t
 
         return SentenceTransformer(path or default_encoder_path(), device=device)
     root = Path(cache_root) if cache_root else _onnx_cache_root()
-    return OnnxSentenceEncoder(path or default_encoder_path(), root, quantized=backend == "onnx-int8")
+    return OnnxSentenceEncoder(path or default_encoder_path(), root)
 
 
 def encode(texts: Sequence[str], path: str | None = None, batch_size: int = ENCODE_BATCH,
@@ -101,7 +102,7 @@ def _encoder_id(path: str) -> str:
 class OnnxSentenceEncoder:
     """A mean-pooled, L2-normalised sentence-transformers model run by onnxruntime."""
 
-    def __init__(self, path: str, cache_root: Path, quantized: bool = False) -> None:
+    def __init__(self, path: str, cache_root: Path) -> None:
         import onnxruntime as ort
         from sentence_transformers import SentenceTransformer
 
@@ -115,14 +116,9 @@ class OnnxSentenceEncoder:
         self.max_seq_length = int(st.max_seq_length)
         self.dim = int(st.get_embedding_dimension())
         folder = Path(cache_root) / _encoder_id(path)
-        fp32 = folder / "model.onnx"
-        if not fp32.exists():
-            _export(st, fp32)
-        model_file = fp32
-        if quantized:
-            model_file = folder / "model_qint8_per_channel.onnx"
-            if not model_file.exists():
-                _quantize(fp32, model_file)
+        model_file = folder / "model.onnx"
+        if not model_file.exists():
+            _export(st, model_file)
         del st  # the torch weights are not needed once the session exists
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -189,12 +185,3 @@ def _export(st, target: Path) -> None:
                           dynamic_axes=axes, opset_version=17)
     os.replace(tmp, target)
 
-
-def _quantize(source: Path, target: Path) -> None:
-    """Dynamic int8 weights, per output channel (per-tensor int8 lost too much here: cosine to the
-    torch vectors 0.94 on average, vs 0.99 per channel)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    tmp = target.with_name(f".{target.stem}.{os.getpid()}.tmp.onnx")
-    quantize_dynamic(str(source), str(tmp), per_channel=True, weight_type=QuantType.QInt8)
-    os.replace(tmp, target)

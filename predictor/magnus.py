@@ -50,6 +50,11 @@ class MagnusPredictor:
             cache.popitem(last=False)
         return out
 
+    def clear_vector_caches(self) -> None:
+        """Forget every cached vector (a speed measurement on new inputs starts from here)."""
+        self._app_cache.clear()
+        self._user_cache.clear()
+
     def _app_vectors(self, instructions: Sequence[str]) -> np.ndarray:
         """Application instructions repeat with every request: one encode per distinct instruction."""
         return self._cached(self._app_cache, instructions, APP_CACHE)

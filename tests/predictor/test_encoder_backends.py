@@ -1,9 +1,7 @@
 """ONNX encoder backends against the torch reference (the bundled MiniLM, no download).
 
 Why these tolerances: the fp32 export is the same network, so it must agree to float rounding
-(the RF sees only 20 grouped sums of the vector, so 1e-4 is far below any split it learned); the
-int8 export trades accuracy for speed and is held to the cosine it showed on the validation texts
-(mean ≥ 0.98), its model-level quality is measured in docs/predictors.md.
+(the RF sees only 20 grouped sums of the vector, so 1e-4 is far below any split it learned).
 """
 
 from __future__ import annotations
@@ -42,13 +40,6 @@ def test_onnx_matches_torch(onnx_root):
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
 
-def test_onnx_int8_close_to_torch(onnx_root):
-    ref = _vectors("torch", onnx_root, 64)
-    got = _vectors("onnx-int8", onnx_root, 16)
-    cos = (ref * got).sum(axis=1)
-    assert cos.mean() >= 0.98 and cos.min() >= 0.95, cos
-
-
 def test_encode_follows_the_configured_backend(monkeypatch, onnx_root):
     import predictor.encoder as enc
 
@@ -60,6 +51,6 @@ def test_encode_follows_the_configured_backend(monkeypatch, onnx_root):
 
 
 def test_unknown_backend_is_refused():
-    assert "onnx-int8" in BACKENDS
+    assert BACKENDS == ("torch", "onnx")
     with pytest.raises(ValueError):
-        load_encoder(None, backend="tensorrt")
+        load_encoder(None, backend="onnx-int8")  # measured and dropped (quality), see docs
