@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor.base import PredictItem
+from predictor import safe_io
+from predictor.base import META_FILE, PredictItem
 from predictor.encoder import encode
 from predictor.features import magnus_features
 
 MODEL_FILE = "model.skops"
-META_FILE = "meta.json"
 APP_CACHE = 4096  # distinct application instructions kept (LRU)
 USER_CACHE = 16384  # distinct user texts kept (LRU, ~1.5 kB each)
 
@@ -83,24 +83,16 @@ class MagnusPredictor:
 
     def save(self, directory: Path, meta: dict | None = None) -> None:
         """skops format: loading never unpickles arbitrary objects."""
-        import skops.io as sio
-
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        sio.dump(self.model, directory / MODEL_FILE)
+        safe_io.dump(self.model, directory / MODEL_FILE)
         info = {"kind": self.kind, "encoder_path": self.encoder_path, **(meta or {})}
         (directory / META_FILE).write_text(json.dumps(info, indent=2, default=str))
 
     @classmethod
     def load(cls, directory: Path) -> MagnusPredictor:
-        import skops.io as sio
-
         directory = Path(directory)
         meta = json.loads((directory / META_FILE).read_text())
-        path = directory / MODEL_FILE
-        untrusted = [t for t in sio.get_untrusted_types(file=path) if not t.startswith("sklearn.")]
-        if untrusted:
-            raise ValueError(f"{path}: refusing to load unexpected types {untrusted}")
         self = cls(encoder_path=meta.get("encoder_path"))
-        self.model = sio.load(path, trusted=sio.get_untrusted_types(file=path))
+        self.model = safe_io.load(directory / MODEL_FILE)
         return self

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor.base import PredictItem
+from predictor.base import META_FILE, PredictItem
 from predictor.features import magnus_features
-from predictor.magnus import META_FILE, MagnusPredictor
+from predictor.magnus import MagnusPredictor
 
 
 @lru_cache(maxsize=2)
