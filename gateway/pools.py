@@ -53,8 +53,8 @@ class PoolView:
         self._alive: set[str] = set()
         self._started = int(time.time())
 
-    async def _refresh(self) -> None:
-        if time.monotonic() - self._at <= CACHE_S:
+    async def _refresh(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._at <= CACHE_S:
             return
         infos = [InstanceInfo.from_dict(json.loads(js)) for js in (await self.redis.hgetall(bus.INSTANCES)).values()]
         pipe = self.redis.pipeline()
@@ -100,15 +100,20 @@ class PoolView:
         return out
 
     async def resolve(self, name: str | None) -> ServedModel:
-        """The pool a request's ``model`` names (None: the default pool), or 404."""
+        """The pool a request's ``model`` names (None: the default pool), or 404. A name not in
+        the cached view is looked up once more in Redis: a pool that just registered is served."""
         models = await self.models()
         if name is None:
             return models[0]
-        for m in models:
-            if name == m.id:
-                return m
-        for m in models:
-            if name == m.pool:
-                return m
+        for attempt in range(2):
+            if attempt:
+                await self._refresh(force=True)
+                models = await self.models()
+            for m in models:
+                if name == m.id:
+                    return m
+            for m in models:
+                if name == m.pool:
+                    return m
         raise APIError(404, f"the model {name!r} does not exist; served models: "
                        f"{', '.join(m.id for m in models)} (GET /v1/models)", code="model_not_found", param="model")

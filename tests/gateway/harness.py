@@ -48,11 +48,20 @@ async def gateway(tmp: Path, **kw):
     await st.redis.aclose()
 
 
-async def next_request(redis, timeout_s: float = 10.0) -> ProfiledRequest:
+async def register(redis, name: str, pool: str, model: str, served: str = "", alive: bool = True,
+                   theta: int = THETA) -> None:
+    """An instance of ``pool`` as a worker registers it (heart-beating unless ``alive`` is False)."""
+    info = InstanceInfo(name, pool, model, theta, DELTA, served_model_name=served, started=time.time())
+    await redis.hset(bus.INSTANCES, name, json.dumps(info.to_dict()))
+    if alive:
+        await redis.set(bus.alive_key(name), "1")
+
+
+async def next_request(redis, timeout_s: float = 10.0, pool: str = "default") -> ProfiledRequest:
     """The next request the gateway enqueued (what the batcher would receive)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        js = await redis.rpop(bus.pool_keys("default").incoming)
+        js = await redis.rpop(bus.pool_keys(pool).incoming)
         if js:
             return ProfiledRequest.from_dict(json.loads(js))
         await asyncio.sleep(0.01)
@@ -72,13 +81,15 @@ def end(text: str, tokens: int, reason: FinishReason = FinishReason.STOP) -> Str
 
 
 async def worker(redis, pieces: Sequence[str], final: StreamEvent | None = None, gap_s: float = 0.01,
-                 reason: FinishReason = FinishReason.STOP) -> ProfiledRequest:
-    """Answer the next request: one delta per piece, then ``final`` (default: the end event of
-    the concatenated pieces)."""
-    req = await next_request(redis)
+                 reason: FinishReason = FinishReason.STOP, pool: str = "default",
+                 logprobs: Sequence[list] | None = None) -> ProfiledRequest:
+    """Answer the next request: one delta per piece (token id 100 + i, with ``logprobs[i]`` when
+    given), then ``final`` (default: the end event of the concatenated pieces)."""
+    req = await next_request(redis, pool=pool)
     for i, piece in enumerate(pieces, 1):
         await asyncio.sleep(gap_s)
-        await publish(redis, req.id, StreamEvent.delta(piece, i))
+        scored = [logprobs[i - 1]] if logprobs is not None else None
+        await publish(redis, req.id, StreamEvent.delta(piece, i, [100 + i], scored))
     await asyncio.sleep(gap_s)
     await publish(redis, req.id, final or end("".join(pieces), len(pieces), reason))
     return req
