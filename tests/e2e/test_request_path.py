@@ -81,7 +81,7 @@ def test_concurrent_requests_answered_with_exact_lengths_in_homogeneous_batches(
 
 def test_openai_completions_chat_and_stream(stack):
     with httpx.Client(base_url=stack.url, timeout=120) as c:
-        r = c.post("/v1/completions", json={"model": "x", "prompt": "Hello there", "max_tokens": 5,
+        r = c.post("/v1/completions", json={"model": "default", "prompt": "Hello there", "max_tokens": 5,
                                              "ignore_eos": True, "logit_bias": {}, "user": "u1"})
         assert r.status_code == 200, r.text
         j = r.json()
