@@ -152,7 +152,8 @@ class Relay:
                 return
         except Withdrawn as w:
             self._settled = True
-            await withdraw(self.st, t, w.code)
+            with anyio.CancelScope(shield=True):  # the client leaving also cancels us: finish the withdrawal
+                await withdraw(self.st, t, w.code)
             raise _withdrawn_error(w.code, self.st.settings.request_timeout_s) from None
         finally:
             await self.abandon()  # closed or cancelled by the consumer: the client went away
