@@ -112,11 +112,7 @@ class StreamEvent:
         character or a possible stop string is incomplete). A stream's delta ids, in order, are
         the answer's tokens: a batch re-run after a lost worker resumes from them.
 
-        ``logprobs``: one ``TokenLogprob`` per id when the request asked for them; when not
-        given they are taken from ``ids`` itself if it is a ``ScoredIds`` (the decode loop's
-        deltas carry them that way, so a publisher that forwards ``ids`` forwards them too)."""
-        if logprobs is None:
-            logprobs = getattr(ids, "logprobs", None)
+        ``logprobs``: one ``TokenLogprob`` per id when the request asked for them."""
         return cls(StreamKind.DELTA, text=text, tokens=tokens, ids=list(ids or []), logprobs=list(logprobs or []))
 
     @classmethod

@@ -19,7 +19,7 @@ import redis
 
 from cohort import bus
 from cohort.logdb import finish_request, record_batch
-from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, StreamKind
+from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, ScoredIds, StreamEvent, StreamKind
 from cohort.types import Batch, ProfiledRequest
 from workers import runtime
 from workers.celery_app import RUN_BATCH, celery_app
@@ -91,7 +91,8 @@ class _Reporter:
         for req, _code, message in out.failed:
             finish_request(self.rt.db, req.id, status="failed", error=message)
         alive = run.alive_ids()
-        events = [(req.id, StreamEvent.delta(text, n, ids)) for req, text, n, ids in out.deltas]
+        events = [(req.id, StreamEvent.delta(text, n, ids, ids.logprobs if isinstance(ids, ScoredIds) else None))
+                  for req, text, n, ids in out.deltas]
         events += [(res.request.id, _end_event(res, self.batch, self.started)) for res in out.finished]
         events += [(req.id, StreamEvent.error(code, message)) for req, code, message in out.failed]
 
