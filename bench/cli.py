@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,13 @@ import typer
 from tqdm import tqdm
 
 from bench.chaos import EXPERIMENTS, Outcome, run_all
+from bench.live import check_loopback, run_live_sync
+from bench.live_stack import parse_env, spawned_stack
 from bench.roofline import Instance, fitted_time_model, instance
 from bench.simulator import DEFAULT_THRESHOLD, parse_policy, parse_run, simulate
 from bench.workload import ORACLE, WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
+from predictor.estimator import AnalyticBatchTime
 
 app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
 
@@ -270,13 +274,6 @@ def live(
 ) -> None:
     """Replay the workload over HTTP against a running stack (COHORT_EMULATE_LENGTHS=true), or with
     --spawn against a fresh local stack per policy, all in one run."""
-    from contextlib import nullcontext
-
-    from tqdm import tqdm
-
-    from bench.live import check_loopback, run_live_sync
-    from bench.live_stack import parse_env, spawned_stack
-    from bench.workload import WorkloadConfig, build_rows, make_workload
 
     targets = [p.strip() for p in spawn.split(",") if p.strip()] if spawn else [label]
     if spawn and any("+" in t for t in targets):
@@ -287,12 +284,8 @@ def live(
         check_loopback(url)
     files = _files(data)
     if batch_time:
-        from bench.roofline import fitted_time_model
-
         tm = fitted_time_model(batch_time)
     else:
-        from predictor.estimator import AnalyticBatchTime
-
         tm = AnalyticBatchTime()
     rows = build_rows(files, None)
     by_rate: dict[str, Any] = {}

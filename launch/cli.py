@@ -3,6 +3,7 @@ run benchmarks, plan deployments. Sub-command groups live next to the code they 
 
 from __future__ import annotations
 
+import json
 import logging
 
 import typer
@@ -12,6 +13,7 @@ from batcher.policies import POLICIES
 from batcher.service import run_batcher
 from bench.cli import app as bench_app
 from cohort.settings import Settings, get_settings
+from cohort.tokenizer import tokenizer_path
 from deployer.cli import app as deploy_app
 from launch.supervisor import serve_all
 from predictor.cli import app as predictor_app
@@ -53,9 +55,7 @@ def serve(host: str | None = None, port: int | None = None) -> None:
 def info() -> None:
     """Print (JSON) what a client or benchmark tool needs: the base URL, the served model name,
     the tokenizer directory (aiperf --tokenizer, guidellm --processor) and the request limits."""
-    import json
 
-    from cohort.tokenizer import tokenizer_path
 
     s = get_settings()
     host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host

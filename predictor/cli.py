@@ -9,6 +9,7 @@ without the cache (encoder included), as the gateway would see it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import defaultdict
@@ -17,15 +18,23 @@ from pathlib import Path
 import numpy as np
 import typer
 
+from cohort.datasets import load_split
+from cohort.settings import get_settings
 from predictor.base import PredictItem
-from predictor.loading import KINDS
+from predictor.buckets import parse_edges
+from predictor.conformal import coverage, predict_bounds
+from predictor.data import magnus_feature_matrix, records_to_items
+from predictor.loading import KINDS, load_predictor
+from predictor.metrics import all_metrics
+from predictor.registry import Registry, UnknownVersion, new_version_name
+from predictor.service import PredictorService
+from predictor.training import fit_predictor, predict_items, save_model
 
 app = typer.Typer(help="Length predictors: train, evaluate, register and roll back versions.", no_args_is_help=True)
 
 
 
 def _settings():
-    from cohort.settings import get_settings
 
     return get_settings()
 
@@ -66,11 +75,6 @@ def train(
     level: float = typer.Option(0.9, help="Coverage level of the upper bound (q90 = 0.9)."),
 ) -> None:
     """Train a predictor on the 80 % split of each file and write a model directory with meta.json."""
-    from cohort.datasets import load_split
-    from predictor.buckets import parse_edges
-    from predictor.data import records_to_items
-    from predictor.registry import new_version_name
-    from predictor.training import fit_predictor, save_model
 
     if kind not in KINDS:
         raise typer.BadParameter(f"--kind must be one of {KINDS}")
@@ -150,12 +154,6 @@ def evaluate(
                                               "(upper | lower | mid | mean)."),
 ) -> None:
     """Evaluate a model on the validation split: overall and per-task metrics, throughput."""
-    from cohort.datasets import load_split
-    from predictor.conformal import coverage, predict_bounds
-    from predictor.data import records_to_items
-    from predictor.loading import load_predictor
-    from predictor.metrics import all_metrics
-    from predictor.training import predict_items
 
     s = _settings()
     m = load_predictor(model)
@@ -193,7 +191,7 @@ def evaluate(
 
 
 def _plots(actual: np.ndarray, pred: np.ndarray, tasks: np.ndarray, out: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # optional and slow to import: only when a plot is asked for
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -234,7 +232,6 @@ def register(
     activate: bool = typer.Option(True, help="Make it the active version."),
 ) -> None:
     """Copy a trained model directory into the registry as a new version (and activate it)."""
-    from predictor.registry import Registry
 
     reg = Registry(_settings().data_dir, target)
     version = reg.register_dir(model, activate=activate)
@@ -244,7 +241,6 @@ def register(
 @app.command()
 def versions(target: str = typer.Option("predictor", help="predictor | estimator")) -> None:
     """List the registry's versions and the active one."""
-    from predictor.registry import Registry
 
     typer.echo(json.dumps(Registry(_settings().data_dir, target).listing(), indent=2))
 
@@ -252,7 +248,6 @@ def versions(target: str = typer.Option("predictor", help="predictor | estimator
 @app.command("activate")
 def activate_version(version: str, target: str = typer.Option("predictor", help="predictor | estimator")) -> None:
     """Activate a version (rollback = activate an older one)."""
-    from predictor.registry import Registry, UnknownVersion
 
     reg = Registry(_settings().data_dir, target)
     try:
@@ -270,8 +265,6 @@ def embed(
     limit_per_file: int | None = typer.Option(None, help="At most N rows per file."),
 ) -> None:
     """Pre-compute sentence embeddings into the on-disk cache (long; shows a progress bar)."""
-    from cohort.datasets import load_split
-    from predictor.data import magnus_feature_matrix, records_to_items
 
     s = _settings()
     recs = load_split(data, part, limit_per_file=limit_per_file)
@@ -290,11 +283,7 @@ def bench_service(
 ) -> None:
     """Gateway-side prediction speed: p50 latency one request at a time, and predictions/s with
     ``concurrency`` requests in flight (PredictorService micro-batching), encoder included."""
-    import asyncio
 
-    from cohort.datasets import load_split
-    from predictor.data import records_to_items
-    from predictor.service import PredictorService
 
     s = _settings().model_copy(update={"predictor_dir": model})
     recs = load_split(data, "val")

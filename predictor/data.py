@@ -19,6 +19,9 @@ from cohort.datasets import Record
 from cohort.settings import DEFAULT_MODEL
 from cohort.tokenizer import build_prompt, count_tokens, prompt_token_counts
 from predictor.base import PredictItem
+from predictor.embcache import EmbeddingCache
+from predictor.encoder import encode
+from predictor.features import magnus_features
 
 
 def input_token_counts(instructions: Sequence[str], inputs: Sequence[str],
@@ -42,16 +45,13 @@ def records_to_items(records: Sequence[Record], model: str = DEFAULT_MODEL
 def magnus_feature_matrix(items: Sequence[PredictItem], cache_dir: str | Path | None,
                           encoder_path: str | None = None, show_progress: bool = False) -> np.ndarray:
     """Magnus features for many items, through the on-disk embedding cache when one is given."""
-    from predictor.features import magnus_features
 
     if cache_dir is None:
-        from predictor.encoder import encode
 
         user = encode([it.user_input for it in items], encoder_path, show_progress=show_progress)
         app_texts = list(dict.fromkeys(it.instruction for it in items))
         app_map = dict(zip(app_texts, encode(app_texts, encoder_path), strict=True))
     else:
-        from predictor.embcache import EmbeddingCache
 
         cache = EmbeddingCache(cache_dir, encoder_path)
         user = cache.encode([it.user_input for it in items], show_progress=show_progress)

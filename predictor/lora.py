@@ -23,16 +23,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from predictor.base import META_FILE, PredictItem
 from predictor.buckets import DEFAULT_EDGES, bucket_index, bucket_values, n_buckets
+from predictor.encoder import default_encoder_path
 
 ADAPTER_DIR = "adapter"
 
 
 def _default_base() -> str:
-    from predictor.encoder import default_encoder_path
-
     return default_encoder_path()
 
 
@@ -68,13 +68,14 @@ class LoraBucketPredictor:
     def _torch(self):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        import torch
+        import torch  # the LoRA classifier is the only predictor that runs torch itself: loaded on use
 
         if self.threads:
             torch.set_num_threads(int(self.threads))
         return torch
 
     def _load_base(self):
+        # transformers / peft (seconds to import): only when the UELLM classifier is used
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -119,8 +120,7 @@ class LoraBucketPredictor:
         ``max_examples`` subsamples (seeded) and ``max_steps`` caps optimizer steps, so the
         training time on a CPU is bounded whatever the data size.
         """
-        from peft import LoraConfig, TaskType, get_peft_model
-        from tqdm.auto import tqdm
+        from peft import LoraConfig, TaskType, get_peft_model  # see _load_base
 
         torch = self._torch()
         torch.manual_seed(seed)
@@ -237,7 +237,7 @@ class LoraBucketPredictor:
     @classmethod
     def load(cls, directory: Path, merge: bool = True, threads: int | None = None) -> LoraBucketPredictor:
         """Base from its path + the saved adapter; merged into the base for faster inference."""
-        from peft import PeftModel
+        from peft import PeftModel  # see _load_base
 
         directory = Path(directory)
         meta = json.loads((directory / META_FILE).read_text())

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from sklearn.ensemble import RandomForestRegressor
 
 from predictor import safe_io
 from predictor.base import META_FILE, PredictItem
@@ -28,7 +29,6 @@ class MagnusPredictor:
 
     def __init__(self, encoder_path: str | None = None, n_estimators: int = 100,
                  max_depth: int | None = None, min_samples_leaf: int = 2, seed: int = 0) -> None:
-        from sklearn.ensemble import RandomForestRegressor
 
         self.encoder_path = encoder_path
         self.model = RandomForestRegressor(n_estimators=n_estimators, max_depth=max_depth,

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from predictor.base import META_FILE, PredictItem
+from predictor.encoder import default_encoder_path
 from predictor.features import magnus_features
 from predictor.magnus import MagnusPredictor
 
@@ -29,10 +30,9 @@ from predictor.magnus import MagnusPredictor
 def _static_tables(path: str | None) -> tuple[object, np.ndarray]:
     """(tokenizer, word-embedding matrix) of a BERT-style encoder directory."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # transformers (seconds to import): only when the tables are first read
     from safetensors import safe_open
     from transformers import AutoTokenizer
-
-    from predictor.encoder import default_encoder_path
 
     root = Path(path or default_encoder_path())
     tok = AutoTokenizer.from_pretrained(str(root))

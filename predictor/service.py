@@ -32,6 +32,7 @@ import numpy as np
 from cohort.settings import Settings
 from predictor.base import LengthPredictor, PredictItem
 from predictor.conformal import predict_bounds
+from predictor.loading import load_predictor
 from predictor.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,6 @@ class PredictorService:
         return (self.registry.path(version) if version else None), version, (version, mtime)
 
     def _load(self, directory: Path, version: str | None, key: Any) -> None:
-        from predictor.loading import load_predictor
 
         t0 = time.perf_counter()
         model = load_predictor(directory)
