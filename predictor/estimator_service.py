@@ -11,14 +11,13 @@ scheduling loop is synchronous and a KNN query over a few thousand samples takes
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from cohort.settings import Settings
 from predictor.estimator import AnalyticBatchTime, KNNBatchTime, load_estimator
+from predictor.hotswap import HotSwap
 from predictor.learning import _profile_samples
 from predictor.registry import Registry
 
@@ -31,12 +30,17 @@ class EstimatorService:
     def __init__(self, settings: Settings, reload_interval_s: float = 1.0) -> None:
         self.settings = settings
         self.registry = Registry(settings.data_dir, "estimator")
-        self.reload_interval_s = float(reload_interval_s)
-        self._current: tuple[KNNBatchTime | AnalyticBatchTime, str | None] = (self._analytic(), None)
-        self._loaded_key: object = None
-        self._last_check = 0.0
-        self._lock = threading.Lock()
+        self._swap: HotSwap[KNNBatchTime | AnalyticBatchTime] = HotSwap(
+            "estimator", self._source, self._analytic(), reload_interval_s)
         self.maybe_reload(force=True)
+
+    def _source(self):
+        """The ACTIVE KNN version, or the analytic model when there is none."""
+        mtime = self.registry.active_mtime()
+        version = self.registry.active() if mtime is not None else None
+        if version:
+            return (version, mtime), version, lambda: load_estimator(self.registry.path(version))
+        return (None, None), None, self._analytic
 
     def _analytic(self) -> AnalyticBatchTime:
 
@@ -51,39 +55,19 @@ class EstimatorService:
 
     @property
     def version(self) -> str | None:
-        return self._current[1]
+        return self._swap.current[1]
 
     @property
     def model(self) -> KNNBatchTime | AnalyticBatchTime:
-        return self._current[0]
+        return self._swap.current[0]
 
     def maybe_reload(self, force: bool = False) -> bool:
         """Swap in the ACTIVE version if it changed; back to analytic if ACTIVE disappeared."""
-        now = time.monotonic()
-        if not force and now - self._last_check < self.reload_interval_s:
-            return False
-        self._last_check = now
-        mtime = self.registry.active_mtime()
-        version = self.registry.active() if mtime is not None else None
-        key = (version, mtime)
-        if key == self._loaded_key:
-            return False
-        with self._lock:
-            if key == self._loaded_key:
-                return False
-            self._loaded_key = key
-            try:
-                model = load_estimator(self.registry.path(version)) if version else self._analytic()
-            except Exception:
-                log.exception("cannot load estimator %s; keeping %s", version, self.version)
-                return False
-            self._current = (model, version)
-            log.info("estimator now %s", version or "analytic")
-            return True
+        return self._swap.maybe_reload(force)
 
     def estimate(self, size: int, input_len: int, gen_len: int) -> float:
         return float(self.estimate_many([(size, input_len, gen_len)])[0])
 
     def estimate_many(self, shapes: Sequence[tuple[int, int, int]]) -> np.ndarray:
         self.maybe_reload()
-        return np.asarray(self._current[0].estimate_many(shapes), dtype=float)
+        return np.asarray(self._swap.current[0].estimate_many(shapes), dtype=float)

@@ -21,17 +21,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from cohort.settings import Settings
-from predictor.base import LengthPredictor, PredictItem
+from predictor.base import META_FILE, LengthPredictor, PredictItem
 from predictor.conformal import predict_bounds
+from predictor.hotswap import HotSwap
 from predictor.loading import load_predictor
 from predictor.registry import Registry
 
@@ -57,10 +57,8 @@ class PredictorService:
         self.max_wait_s = float(max_wait_s)
         self.reload_interval_s = float(reload_interval_s)
         self.registry = Registry(settings.data_dir, "predictor")
-        self._current: tuple[LengthPredictor | None, str | None] = (None, None)
-        self._loaded_key: Any = None
-        self._last_check = 0.0
-        self._reload_lock = threading.Lock()
+        self._swap: HotSwap[LengthPredictor | None] = HotSwap("predictor", self._source, None,
+                                                              reload_interval_s)
         self._reloading = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predictor")
         self._pending: list[tuple[PredictItem, asyncio.Future]] = []
@@ -73,65 +71,44 @@ class PredictorService:
     @property
     def version(self) -> str | None:
         """Version of the model in use (registry version, or the fixed directory's name)."""
-        return self._current[1]
+        return self._swap.current[1]
 
     @property
     def model(self) -> LengthPredictor | None:
-        return self._current[0]
+        return self._swap.current[0]
 
-    def _source(self) -> tuple[Path | None, str | None, Any]:
-        """(directory, version, change key) of the model that should be in use."""
+    def _source(self):
+        """(change key, version, loader) of the model that should be in use: the fixed directory
+        when ``predictor_dir`` is set, else the registry's ACTIVE version."""
         if self.settings.predictor_dir is not None:
             d = Path(self.settings.predictor_dir)
-            meta = d / "meta.json"
+            meta = d / META_FILE
             key = (str(d), meta.stat().st_mtime_ns if meta.exists() else None)
-            return (d if meta.exists() else None), d.name, key
+            return key, d.name, (lambda: self._load(d)) if meta.exists() else None
         mtime = self.registry.active_mtime()
         version = self.registry.active() if mtime is not None else None
-        return (self.registry.path(version) if version else None), version, (version, mtime)
+        path = self.registry.path(version) if version else None
+        return (version, mtime), version, (lambda: self._load(path)) if path else None
 
-    def _load(self, directory: Path, version: str | None, key: Any) -> None:
-
-        t0 = time.perf_counter()
+    @staticmethod
+    def _load(directory: Path) -> LengthPredictor:
         model = load_predictor(directory)
         inner = getattr(model, "model", None)
         if hasattr(inner, "n_jobs"):
             # Micro-batches are small: joblib's per-call thread dispatch over 100 trees costs more
             # (~30 ms) than the trees themselves, and the event loop needs the other core.
             inner.n_jobs = 1
-        self._current = (model, version)  # one assignment: readers see old or new, never a mix
-        self._loaded_key = key
-        log.info("predictor %s (%s) loaded in %.2fs", version, getattr(model, "kind", "?"),
-                 time.perf_counter() - t0)
+        return model
 
     def maybe_reload(self, force: bool = False) -> bool:
         """Load the model if the configured directory / ACTIVE version changed. Synchronous;
         cheap when nothing changed (one stat, at most once per ``reload_interval_s``).
         Returns True when a new model was swapped in."""
-        now = time.monotonic()
-        if not force and now - self._last_check < self.reload_interval_s:
-            return False
-        self._last_check = now
-        try:
-            directory, version, key = self._source()
-        except OSError:
-            return False
-        if key == self._loaded_key or directory is None:
-            return False
-        with self._reload_lock:
-            if key == self._loaded_key:
-                return False
-            try:
-                self._load(directory, version, key)
-            except Exception:
-                log.exception("cannot load predictor %s; keeping %s", directory, self.version)
-                self._loaded_key = key  # do not retry a broken version every second
-                return False
-        return True
+        return self._swap.maybe_reload(force)
 
     def _maybe_reload_background(self) -> None:
         """From the event loop: check cheaply, and load a new version off the loop."""
-        if self._reloading or time.monotonic() - self._last_check < self.reload_interval_s:
+        if self._reloading or not self._swap.due():
             return
         self._reloading = True
 
@@ -181,7 +158,7 @@ class PredictorService:
                             ) -> tuple[np.ndarray | None, np.ndarray | None, str | None]:
         """(point, upper quantile, version) for a batch; upper is None when the model has no
         conformal table, both are None when cold."""
-        model, version = self._current
+        model, version = self._swap.current
         if model is None or not items:
             return None, None, version
         point, upper = predict_bounds(model, items)

@@ -39,7 +39,7 @@ def test_micro_batching_and_clamp(settings):
     svc = PredictorService(settings, max_batch=32, max_wait_s=0.005)
     svc.warmup()
     model = CountingModel()
-    svc._current = (model, "vX")
+    svc._swap.current = (model, "vX")
 
     async def many():
         return await asyncio.gather(*[svc.predict(_item(i + 1), 50) for i in range(100)])
@@ -89,7 +89,7 @@ def test_failing_model_falls_back_to_cold(settings):
             raise RuntimeError("boom")
 
     svc = PredictorService(settings)
-    svc._current = (Broken(), "vB")
+    svc._swap.current = (Broken(), "vB")
     assert asyncio.run(svc.predict(_item(), 77)) == (77, None)
 
 
@@ -102,7 +102,7 @@ def test_predict_bounds_point_and_upper(settings):
     model = MeanPredictor(40)
     model.conformal = ConformalTable(level=0.9, quantiles={GLOBAL: float(np.log(2.0))})  # upper ≈ 2·(p+1)−1
     svc = PredictorService(settings)
-    svc._current = (model, "vQ")
+    svc._swap.current = (model, "vQ")
     got = asyncio.run(svc.predict_bounds(_item(), 500))
     assert got == Prediction(40, 81, "vQ")
     assert asyncio.run(svc.predict_bounds(_item(), 60)) == Prediction(40, 60, "vQ")  # clamped
