@@ -52,6 +52,14 @@ class AnalyticBatchTime:
         coef, _ = nnls(x, np.asarray(seconds, dtype=float))
         return cls(*map(float, coef))
 
+    @classmethod
+    def from_samples(cls, samples: Sequence[dict]) -> AnalyticBatchTime | None:
+        """Fitted to profiling samples ({size, input_len, gen_len, seconds}); None with fewer than
+        4 (four coefficients: underdetermined). The one cold-start fit."""
+        if len(samples) < 4:
+            return None
+        return cls.fit([(s["size"], s["input_len"], s["gen_len"]) for s in samples], [s["seconds"] for s in samples])
+
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
 

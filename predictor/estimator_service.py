@@ -18,7 +18,7 @@ import numpy as np
 from cohort.settings import Settings
 from predictor.estimator import AnalyticBatchTime, KNNBatchTime, load_estimator
 from predictor.hotswap import HotSwap
-from predictor.learning import _profile_samples
+from predictor.learning import cold_start_estimator
 from predictor.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -43,15 +43,7 @@ class EstimatorService:
         return (None, None), None, self._analytic
 
     def _analytic(self) -> AnalyticBatchTime:
-
-        try:
-            samples = _profile_samples(self.settings)
-        except (OSError, ValueError):
-            samples = []
-        if len(samples) >= 4:
-            return AnalyticBatchTime.fit([(s["size"], s["input_len"], s["gen_len"]) for s in samples],
-                                         [s["seconds"] for s in samples])
-        return AnalyticBatchTime()
+        return cold_start_estimator(self.settings)
 
     @property
     def version(self) -> str | None:

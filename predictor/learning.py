@@ -275,6 +275,16 @@ def _profile_samples(settings: Settings) -> list[dict[str, Any]]:
     return d.get("samples", d) if isinstance(d, dict) else d
 
 
+def cold_start_estimator(settings: Settings) -> AnalyticBatchTime:
+    """The analytic model fitted to the worker's profiling samples, else its defaults: what the
+    batcher estimates with before continuous learning has a KNN version."""
+    try:
+        samples = _profile_samples(settings)
+    except (OSError, ValueError):
+        samples = []
+    return AnalyticBatchTime.from_samples(samples) or AnalyticBatchTime()
+
+
 def current_estimator(settings: Settings):
     """The estimator in force: active registry version, else analytic fitted on profile samples,
     else the analytic defaults."""
@@ -286,11 +296,7 @@ def current_estimator(settings: Settings):
             return load_estimator(path)
         except Exception:  # a broken version must not stop learning; fall back
             log.exception("cannot load estimator version %s", path)
-    samples = _profile_samples(settings)
-    if len(samples) >= 4:
-        return AnalyticBatchTime.fit([(s["size"], s["input_len"], s["gen_len"]) for s in samples],
-                                     [s["seconds"] for s in samples])
-    return AnalyticBatchTime()
+    return cold_start_estimator(settings)
 
 
 def retrain_estimator(settings: Settings, force: bool = False, n_neighbors: int = 5,

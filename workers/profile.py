@@ -40,7 +40,7 @@ def run_profile(engine: ShapeRunner, shapes: Sequence[tuple[int, int, int]], out
     for b, L, G in tqdm([s for s in shapes for _ in range(repeats)], desc="profile", disable=not show_progress):
         seconds = float(engine.run_shape(b, L, G))
         samples.append({"size": b, "input_len": L, "gen_len": G, "seconds": seconds})
-    analytic = fit_analytic(samples)
+    analytic = AnalyticBatchTime.from_samples(samples)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp")
@@ -50,9 +50,4 @@ def run_profile(engine: ShapeRunner, shapes: Sequence[tuple[int, int, int]], out
     return samples
 
 
-def fit_analytic(samples: Sequence[dict[str, Any]]) -> AnalyticBatchTime | None:
-    """Least-squares analytic model from samples (None with fewer than 4: underdetermined)."""
-    if len(samples) < 4:
-        return None
-    return AnalyticBatchTime.fit([(s["size"], s["input_len"], s["gen_len"]) for s in samples],
-                                 [s["seconds"] for s in samples])
+
