@@ -1,6 +1,6 @@
 """The Redis protocol between gateway, batcher and workers: key names and message shapes.
 
-gateway  --LPUSH incoming-->  batcher   (a ProfiledRequest as JSON)
+gateway  --reserve (Lua), then LPUSH incoming-->  batcher   (a ProfiledRequest as JSON)
 gateway  --SET cancel:<id> + LPUSH cancels-->  batcher and worker (the client went away)
 batcher  --Celery queue per pool-->  worker  (a Batch as JSON)
 worker   --LPUSH completions-->  batcher (a CompletionEvent: outcome, measurements, continuations)
@@ -69,6 +69,10 @@ class PoolKeys:
     def batcher_lock(self) -> str:  # one active batcher per pool
         return self._key("batcher:lock")
 
+    @property
+    def reservations(self) -> str:  # sorted set request id -> expiry: admitted, not yet enqueued
+        return self._key("reservations")
+
 
 def pool_keys(pool: str) -> PoolKeys:
     return PoolKeys(pool)
@@ -95,6 +99,62 @@ def connect_async(url: str, max_connections: int = 4096) -> aioredis.Redis:
     """An asyncio client for the gateway."""
     return aioredis.Redis.from_url(url, retry=AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 6),
                                    max_connections=max_connections, **_client_options())
+
+
+RESERVATION_TTL_S = 30.0  # a reservation the gateway never enqueued (it died) frees its slot after this
+
+# Admission's one atomic step (see ``reserve``). KEYS: incoming, pending, reservations,
+# worst_priority; ARGV: now, expiry, max_pending, priority, request ids. Returns {admitted, depth}.
+_RESERVE_LUA = """
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[1])
+local depth = redis.call('LLEN', KEYS[1]) + redis.call('HLEN', KEYS[2]) + redis.call('ZCARD', KEYS[3])
+local n = #ARGV - 4
+local admitted = depth + n <= tonumber(ARGV[3])
+if not admitted then
+  local worst = redis.call('GET', KEYS[4])
+  admitted = worst ~= false and tonumber(ARGV[4]) < tonumber(worst)
+end
+if not admitted then
+  return {0, depth}
+end
+for i = 5, #ARGV do
+  redis.call('ZADD', KEYS[3], ARGV[2], ARGV[i])
+end
+return {1, depth}
+"""
+
+
+async def reserve(redis: aioredis.Redis, pool: str, request_ids: list[str], priority: int, max_pending: int,
+                  now: float) -> tuple[bool, int]:
+    """Admission control as one Redis step: take a slot in the pool's queue for each request, or
+    none. Admitted iff the requests waiting (incoming + pending + reserved) leave room for them
+    all under ``max_pending``, or they are more urgent than the least urgent waiting request
+    (``worst_priority``, published by the batcher, which then sheds the least urgent). Stale
+    reservations (a gateway that died between ``reserve`` and ``enqueue``) expire here first.
+
+    Why a reservation and not the push itself: the gateway writes the log-DB row between the
+    two (a client that sees its request's answer must find its record), and a refused request
+    must leave no row. Returns (admitted, depth seen)."""
+    k = pool_keys(pool)
+    script = redis.register_script(_RESERVE_LUA)
+    admitted, depth = await script(keys=[k.incoming, k.pending, k.reservations, k.worst_priority],
+                                   args=[now, now + RESERVATION_TTL_S, max_pending, priority, *request_ids])
+    return bool(admitted), int(depth)
+
+
+async def enqueue(redis: aioredis.Redis, pool: str, request_ids: list[str], payloads: list[str]) -> None:
+    """Hand reserved requests to the batcher: one LPUSH (they can share a batch) and the drop of
+    their reservations in one transaction, so a request is counted once at every instant."""
+    k = pool_keys(pool)
+    pipe = redis.pipeline(transaction=True)
+    pipe.zrem(k.reservations, *request_ids)
+    pipe.lpush(k.incoming, *payloads)
+    await pipe.execute()
+
+
+async def release(redis: aioredis.Redis, pool: str, request_ids: list[str]) -> None:
+    """Give reserved slots back (admission failed after ``reserve``)."""
+    await redis.zrem(pool_keys(pool).reservations, *request_ids)
 
 
 def stream_key(request_id: str) -> str:

@@ -112,10 +112,28 @@ def record_request(engine: Engine, row: Mapping[str, Any]) -> None:
     _upsert(engine, requests, {"created": time.time(), **row})
 
 
-def finish_request(engine: Engine, request_id: str, **values: Any) -> None:
+def record_requests(engine: Engine, rows: list[Mapping[str, Any]]) -> None:
+    """New request rows (one admission: n choices, prompt lists) in one transaction."""
     with engine.begin() as conn:
-        conn.execute(update(requests).where(requests.c.id == request_id)
-                     .values(finished=values.pop("finished", time.time()), **values))
+        conn.execute(requests.insert(), [{"created": time.time(), **row} for row in rows])
+
+
+OPEN = "queued"  # the one status a record is settled from
+
+
+def finish_request(engine: Engine, request_id: str, *, overrule: bool = False, **values: Any) -> bool:
+    """Settle a request's record (its final status and measurements). A record is settled once,
+    from ``queued``: the first owner to settle it wins, and a later writer changes nothing (a
+    worker finishing a row the gateway has already withdrawn, a re-run of an answered row).
+    ``overrule``: the gateway's withdrawal (``timeout``, ``cancelled``) replaces whatever was
+    written, because it is what the client saw — even when the worker finished the row in the
+    same instant. Returns whether the record changed."""
+    q = update(requests).where(requests.c.id == request_id)
+    if not overrule:
+        q = q.where(requests.c.status == OPEN)
+    with engine.begin() as conn:
+        res = conn.execute(q.values(finished=values.pop("finished", time.time()), **values))
+        return bool(res.rowcount)
 
 
 def fail_stale_queued(engine: Engine, created_before: float, error: str) -> int:

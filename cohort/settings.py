@@ -46,6 +46,8 @@ class Settings(BaseSettings):
         default=600.0, description="How long the gateway waits for a result before failing with 504."
     )
     max_pending: int = Field(default=10_000, description="Queue depth above which new requests get 429.")
+    max_text_chars: int = Field(default=100_000, ge=1, description="Characters one request's text may have in "
+                                "all (prompts, messages, instruction + input), checked before tokenizing.")
     max_input_tokens: int = 2048
     max_tokens_limit: int = Field(default=2048, description="Largest max_tokens a request may ask for.")
     default_max_tokens: int = 256

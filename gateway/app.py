@@ -14,10 +14,12 @@ from cohort import bus
 from cohort.logdb import get_engine
 from cohort.settings import Settings, get_settings
 from cohort.tokenizer import prompt_token_counts
+from gateway import openapi as openapi_doc
 from gateway.admin import make_admin_router
-from gateway.errors import install_error_handlers
+from gateway.errors import RequestIds, install_error_handlers
 from gateway.metrics import CountRequests, GatewayMetrics
 from gateway.submit import PoolView
+from gateway.validation import BodyLimit
 from gateway.views import generate, health, models, openai
 from predictor.service import PredictorService
 from workers.celery_app import enqueue_retrain, task_status
@@ -51,7 +53,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = s
     app.state.metrics = GatewayMetrics()
     app.state.predictor = PredictorService(s)  # cheap; the model loads in the lifespan (warmup)
-    app.add_middleware(CountRequests, metrics=app.state.metrics)
+    app.add_middleware(BodyLimit, max_chars=s.max_text_chars)
+    app.add_middleware(CountRequests, metrics=app.state.metrics)  # outside BodyLimit: 413s are counted
+    app.add_middleware(RequestIds)  # added last: outermost, so every response carries the id
     install_error_handlers(app)
     for view in (generate, openai, models, health):
         app.include_router(view.router)
@@ -59,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(make_admin_router(s, app.state.predictor, enqueue_retrain, task_status))
     else:
         log.warning("COHORT_ADMIN_TOKEN is not set: admin endpoints are disabled")
+    openapi_doc.install(app)
     return app
 
 

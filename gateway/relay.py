@@ -85,11 +85,12 @@ class Answer:
 async def withdraw(app_state, ticket: Ticket, code: FailureCode) -> None:
     """Record why in the log DB, tell the batcher and the worker to drop the request, count it.
     The record comes first (as the worker records before it answers): whoever sees the
-    withdrawal in Redis finds its status."""
+    withdrawal in Redis finds its status. It overrules a status already written (a worker that
+    finished the row as the deadline passed): the record says what the client saw."""
     rid = ticket.request.id
     error = ("the client disconnected" if code is FailureCode.CANCELLED
              else f"no answer within {app_state.settings.request_timeout_s:g} s")
-    await run_in_threadpool(finish_request, app_state.db, rid, status=code.value, error=error)
+    await run_in_threadpool(finish_request, app_state.db, rid, overrule=True, status=code.value, error=error)
     pipe = app_state.redis.pipeline()
     bus.cancel(pipe, rid, ticket.pool)
     await pipe.execute()

@@ -2,6 +2,10 @@
 
 Sampling fields are validated here, once, for every endpoint (``_Sampling``): a value out of
 range is a 400 naming the field (gateway.errors turns pydantic's errors into OpenAI's body).
+Every range is one the sampler can take: no NaN or infinity anywhere, seeds in 0..2⁶³−1,
+a repetition penalty whose inverse stays finite, temperatures below ``GREEDY_BELOW`` sampled
+greedily (dividing logits by 1e-40 gives infinities). Every string must be valid Unicode
+(gateway.validation.check_unicode, run on the raw body before the fields are read).
 """
 
 from __future__ import annotations
@@ -9,36 +13,53 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cohort.types import SamplingParams
+from gateway.validation import check_unicode
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_STOP_CHARS = 1000
+MAX_SEED = 2**63 - 1  # the worker seeds a torch generator: a signed 64-bit integer
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's convention too)
+PRIORITY_RANGE = 2**31  # priority lies in [-2³¹, 2³¹)
+MAX_SLO_S = 86_400.0
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class _Sampling(_Lenient):
     """How a request samples: OpenAI's fields plus vLLM's ``top_k`` and ``repetition_penalty``.
     Every field reaches the worker, which applies it per row (cohort.types.SamplingParams)."""
 
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0,
+                               description=f"0 (and anything below {GREEDY_BELOW:g}): greedy decoding.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    top_k: int = Field(default=0, ge=-1, description="0 or -1: off (vLLM's convention).")
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    top_k: int = Field(default=0, ge=-1, le=2**31 - 1, description="0 or -1: off (vLLM's convention).")
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=10.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(default=None, description="token id → bias in [-100, 100]")
     stop: str | list[str] | None = None
+    priority: int = Field(default=0, ge=-PRIORITY_RANGE, lt=PRIORITY_RANGE,
+                          description="Lower is served earlier (vLLM's convention). Levels are strict: waiting "
+                          "work of a lower number always goes first; under overload the highest numbers are "
+                          "refused or shed first (429).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        check_unicode(data)
+        return data
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for k, b in (v or {}).items():
-            if not k.strip().isdigit():
+            if not (k.strip().isascii() and k.strip().isdigit()):
                 raise ValueError(f"keys are token ids (non-negative integers as strings), got {k!r}")
             if not -100.0 <= b <= 100.0:
                 raise ValueError(f"bias of token {k} is {b}; biases lie in [-100, 100]")
@@ -52,12 +73,15 @@ class _Sampling(_Lenient):
             raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(stops)}")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences cannot be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences have at most {MAX_STOP_CHARS} characters")
         return v
 
     def sampling(self) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams.from_dict({
-            "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+            "temperature": self.temperature if self.temperature >= GREEDY_BELOW else 0.0,
+            "top_p": self.top_p, "seed": self.seed,
             "top_k": max(0, self.top_k), "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "logit_bias": self.logit_bias or {}, "stop": stop})
@@ -66,10 +90,10 @@ class _Sampling(_Lenient):
 class GenerateRequest(_Sampling):
     """Native endpoint: the instruction and the user input separately (the predictor uses both)."""
 
-    instruction: str = Field(default="", max_length=200_000)
-    input: str = Field(default="", max_length=200_000)
+    instruction: str = ""
+    input: str = ""
     max_tokens: int = Field(default=256, ge=1)
-    slo_seconds: float | None = Field(default=None, gt=0)
+    slo_seconds: float | None = Field(default=None, gt=0, le=MAX_SLO_S)
     emulated_tokens: int | None = Field(default=None, ge=0, description="Benchmarks: generate exactly this many.")
     task: str | None = Field(default=None, max_length=64)
 
@@ -129,13 +153,13 @@ class OpenAIRequest(_Sampling):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=512)
     max_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    slo_seconds: float | None = Field(default=None, gt=0)
+    slo_seconds: float | None = Field(default=None, gt=0, le=MAX_SLO_S)
     user: str | None = None
 
     @property
@@ -181,7 +205,7 @@ class CompletionRequest(OpenAIRequest):
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = ""
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=256)
     tool_calls: list[Any] | None = None
 
 

@@ -1,23 +1,36 @@
-"""The one path every generation endpoint takes in: validate, predict, enqueue (``admit``).
-The answer is then read from the request's stream by gateway.relay.
+"""The one path every generation endpoint takes in: validate, reserve, predict, record, enqueue
+(``admit``). The answer is then read from the request's stream by gateway.relay.
 
-Admission control happens before anything is written: a request that can never fit an instance
-of its pool, a full queue (429) or no live instance (503) is refused up front, so an accepted
-request is always one the system can answer — and it is answered, or failed explicitly, by the
-worker or the batcher. Every check, the tokenizer, the queue and the keys are those of the pool
-the request's ``model`` names (gateway.pools).
+Admission control happens before anything is written: a request that tokenizes to nothing or can
+never fit an instance of its pool (400), no live instance (503) or a full queue (429 with
+``Retry-After``) is refused up front and leaves no trace, so an accepted request is always one
+the system can answer — and it is answered, or failed explicitly, by the worker or the batcher.
+
+The queue limit holds under any burst because the depth check and the taking of a slot are one
+Redis step (``bus.reserve``): admitted iff incoming + pending + reserved < ``COHORT_MAX_PENDING``,
+or the request is more urgent (lower ``priority``) than the least urgent one waiting, which the
+batcher then sheds. The log-DB row is written while the slot is reserved and before the push
+(``bus.enqueue`` drops the reservation in the same transaction), so whoever sees the request in
+Redis finds its record, and a request that fails between the two steps gives its slot back and
+its record says ``failed`` — what its client is answered.
+
+Every check, the tokenizer, the queue and the keys are those of the pool the request's ``model``
+names (gateway.pools).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
+import anyio
 from starlette.concurrency import run_in_threadpool
 
 from batcher.memory import KVMemory
 from cohort import bus
-from cohort.logdb import record_request
+from cohort.logdb import finish_request, record_requests
 from cohort.protocol import dumps
 from cohort.settings import Settings
 from cohort.tokenizer import build_prompt, prompt_token_counts, vocab_size
@@ -27,7 +40,9 @@ from gateway.pools import PoolView, ServedModel
 from gateway.relay import Ticket
 from predictor.base import PredictItem
 
-__all__ = ["PoolView", "Submission", "admit", "admit_many"]
+__all__ = ["PoolView", "Submission", "admit", "admit_many", "check_token_ids"]
+
+log = logging.getLogger("cohort.gateway")
 
 
 @dataclass
@@ -46,6 +61,8 @@ class Submission:
     task: str | None = None
     prompt: str | None = None
     prompt_ids: list[int] | None = None
+    priority: int = 0
+    param: str = "input"  # the request field the prompt came from (errors about the prompt name it)
 
     @property
     def text(self) -> str:
@@ -66,7 +83,7 @@ async def _check(s: Settings, served: ServedModel, sub: Submission) -> int:
     """Everything about one request that needs no queue: its L(p), or an APIError."""
     if not (sub.instruction or sub.user_input or sub.prompt_ids):
         raise APIError(400, "the request has no text: give an instruction, an input or a prompt",
-                       code="empty_prompt", param="input")
+                       code="empty_prompt", param=sub.param)
     if sub.max_tokens > s.max_tokens_limit:
         raise APIError(400, f"max_tokens {sub.max_tokens} exceeds the limit of {s.max_tokens_limit}",
                        code="invalid_value", param="max_tokens")
@@ -78,19 +95,28 @@ async def _check(s: Settings, served: ServedModel, sub: Submission) -> int:
             raise APIError(400, "emulated_tokens cannot exceed max_tokens", code="invalid_value",
                            param="emulated_tokens")
     for param, ids in (("logit_bias", [t for t, _ in sub.sampling.logit_bias]), ("prompt", sub.prompt_ids or [])):
-        if ids:
-            vocab = await run_in_threadpool(vocab_size, served.path)
-            if bad := [t for t in ids if not 0 <= t < vocab]:
-                raise APIError(400, f"{param} names token {bad[0]}; the vocabulary of {served.id} has tokens "
-                               f"0..{vocab - 1}", code="invalid_value", param=param)
+        await check_token_ids(served, ids, param)
     if sub.prompt_ids is not None:
         input_tokens = len(sub.prompt_ids)
     else:
         (input_tokens,) = await run_in_threadpool(prompt_token_counts, [sub.text], served.path)
+    if input_tokens == 0:  # " ", "\u200b": text with characters but nothing the model can read
+        raise APIError(400, "the prompt is empty once tokenized (only whitespace or invisible characters)",
+                       code="empty_prompt", param=sub.param)
     if input_tokens > s.max_input_tokens:
         raise APIError(400, f"the prompt has {input_tokens} tokens; the limit is {s.max_input_tokens}",
-                       code="context_length_exceeded", param="input")
+                       code="context_length_exceeded", param=sub.param)
     return input_tokens
+
+
+async def check_token_ids(served: ServedModel, ids: list[int], param: str) -> None:
+    """Token ids must name tokens of the pool's vocabulary (checked before anything decodes them)."""
+    if not ids:
+        return
+    vocab = await run_in_threadpool(vocab_size, served.path)
+    if bad := [t for t in ids if not 0 <= t < vocab]:
+        raise APIError(400, f"{param} names token {bad[0]}; the vocabulary of {served.id} has tokens "
+                       f"0..{vocab - 1}", code="invalid_value", param=param)
 
 
 async def admit(app_state, sub: Submission, endpoint: str, received: float | None = None,
@@ -125,34 +151,59 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
                            f"{memory.mem(1, input_tokens, sub.max_tokens)} bytes of KV cache; an instance has "
                            f"{memory.theta_bytes}. Lower max_tokens or shorten the input.",
                            code="context_length_exceeded", param="max_tokens")
-    keys = bus.pool_keys(served.pool)
-    depth = await redis.llen(keys.incoming) + await redis.hlen(keys.pending)
-    if depth + len(subs) > s.max_pending:
-        raise APIError(429, f"the queue is full ({depth} requests waiting); retry later", code="queue_full")
+    ids = [new_id("req") for _ in subs]
+    priority = min(sub.priority for sub in subs)  # one request's choices share its priority
+    admitted, depth = await bus.reserve(redis, served.pool, ids, priority, s.max_pending, time.time())
+    if not admitted:
+        raise APIError(429, f"the queue of {served.id} is full ({depth} requests waiting); retry later",
+                       code="queue_full")
+    recorded = False
+    try:
+        reqs = await _profile(app_state, served, subs, counts, ids)
+        await run_in_threadpool(record_requests, app_state.db, [_row(served, r) for r in reqs])
+        recorded = True
+        await bus.enqueue(redis, served.pool, ids, [dumps(r.to_dict()) for r in reqs])
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            if recorded:  # the client is answered an error: so says the record
+                with contextlib.suppress(Exception):
+                    for rid in ids:
+                        await run_in_threadpool(finish_request, app_state.db, rid, status="failed",
+                                                error="not queued: the queue was unavailable")
+            with contextlib.suppress(Exception):
+                await bus.release(redis, served.pool, ids)
+        raise
+    deadline = time.monotonic() + s.request_timeout_s
+    for req in reqs:
+        app_state.metrics.predicted_tokens.observe(req.predicted_tokens)
+    return [Ticket(req, endpoint, received, deadline, served.pool) for req in reqs]
 
+
+async def _profile(app_state, served: ServedModel, subs: list[Submission], counts: list[int],
+                   ids: list[str]) -> list[ProfiledRequest]:
+    """The requests as the batcher reads them: each with its predicted length (one prediction
+    per distinct prompt: ``n`` copies share it)."""
     predictions: dict[tuple, tuple] = {}
     reqs: list[ProfiledRequest] = []
-    for sub, input_tokens in zip(subs, counts, strict=True):
+    for rid, sub, input_tokens in zip(ids, subs, counts, strict=True):
         key = (sub.instruction, sub.user_input, input_tokens, sub.task, sub.max_tokens)
         if key not in predictions:
             item = PredictItem(sub.instruction, sub.user_input, input_tokens, sub.task)
             predictions[key] = await app_state.predictor.predict_bounds(item, sub.max_tokens)
         predicted, upper, version = predictions[key]
         reqs.append(ProfiledRequest(
-            id=new_id("req"), prompt=sub.text, input_tokens=input_tokens, predicted_tokens=int(predicted),
+            id=rid, prompt=sub.text, input_tokens=input_tokens, predicted_tokens=int(predicted),
             predicted_upper=upper, max_tokens=sub.max_tokens, arrival=time.time(), model=served.path,
             sampling=sub.sampling, slo_s=sub.slo_s, instruction=sub.instruction, user_input=sub.user_input,
             task=sub.task, emulated_tokens=sub.emulated_tokens, predictor_version=version,
-            prompt_ids=list(sub.prompt_ids) if sub.prompt_ids is not None else None))
-    for req in reqs:
-        await run_in_threadpool(record_request, app_state.db, {
-            "id": req.id, "created": req.arrival, "model": served.path, "task": req.task,
+            prompt_ids=list(sub.prompt_ids) if sub.prompt_ids is not None else None, priority=sub.priority))
+    return reqs
+
+
+def _row(served: ServedModel, req: ProfiledRequest) -> dict:
+    """A request's log-DB row as admitted (``queued``; the answer's owner settles it)."""
+    return {"id": req.id, "created": req.arrival, "model": served.path, "task": req.task,
             "instruction": req.instruction, "user_input": req.user_input, "input_tokens": req.input_tokens,
             "max_tokens": req.max_tokens, "predicted_tokens": req.predicted_tokens,
             "predictor_version": req.predictor_version, "emulated_tokens": req.emulated_tokens,
-            "slo_s": req.slo_s, "status": "queued"})
-    await redis.lpush(keys.incoming, *[dumps(r.to_dict()) for r in reqs])
-    deadline = time.monotonic() + s.request_timeout_s
-    for req in reqs:
-        app_state.metrics.predicted_tokens.observe(req.predicted_tokens)
-    return [Ticket(req, endpoint, received, deadline, served.pool) for req in reqs]
+            "slo_s": req.slo_s, "status": "queued"}

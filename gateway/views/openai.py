@@ -33,9 +33,17 @@ from gateway import logprobs as lp
 from gateway.errors import APIError
 from gateway.pools import ServedModel
 from gateway.relay import Relay, Ticket
-from gateway.schemas import MAX_CHOICES, ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIRequest
+from gateway.schemas import (
+    MAX_CHOICES,
+    MAX_SEED,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    OpenAIRequest,
+)
 from gateway.sse import Chunks, collect_all, sse_response, usage
-from gateway.submit import Submission, admit_many
+from gateway.submit import Submission, admit_many, check_token_ids
+from gateway.validation import check_text_size
 
 router = APIRouter()
 
@@ -63,16 +71,18 @@ def _content_text(i: int, m: ChatMessage) -> str:
 
 
 def _copies(body: OpenAIRequest, base: Submission) -> list[Submission]:
-    """``n`` requests from one prompt; a seeded copy j samples with seed + j."""
+    """``n`` requests from one prompt; a seeded copy j samples with seed + j (wrapping within the
+    seed range)."""
     seed = base.sampling.seed
-    return [base if j == 0 or seed is None else replace(base, sampling=replace(base.sampling, seed=seed + j))
+    return [base if j == 0 or seed is None
+            else replace(base, sampling=replace(base.sampling, seed=(seed + j) % (MAX_SEED + 1)))
             for j in range(body.n)]
 
 
 def _submission(body: OpenAIRequest, request: Request, max_tokens: int, **kw) -> Submission:
     emulated = max_tokens if body.ignore_eos and request.app.state.settings.emulate_lengths else None
     return Submission(max_tokens=max_tokens, slo_s=body.slo_seconds, sampling=body.sampling(),
-                      emulated_tokens=emulated, **kw)
+                      emulated_tokens=emulated, priority=body.priority, **kw)
 
 
 async def _admit(request: Request, served: ServedModel, subs: list[Submission], endpoint: str,
@@ -101,6 +111,7 @@ async def completions(body: CompletionRequest, request: Request):
     prompts = body.prompts()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise APIError(400, "prompt is empty", code="empty_prompt", param="prompt")
+    check_text_size(st.settings.max_text_chars, [("prompt", p) for p in prompts])
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts × n={body.n} exceeds {MAX_CHOICES} choices per request",
                        code="invalid_value", param="n")
@@ -109,12 +120,13 @@ async def completions(body: CompletionRequest, request: Request):
     subs, texts = [], []
     for p in prompts:
         if isinstance(p, str):
-            base = _submission(body, request, max_tokens, instruction="", user_input=p)
+            base = _submission(body, request, max_tokens, instruction="", user_input=p, param="prompt")
             texts.append(p)
         else:
+            await check_token_ids(served, p, "prompt")
             text = await run_in_threadpool(decode, p, served.path)
             base = _submission(body, request, max_tokens, instruction="", user_input=text, prompt=text,
-                               prompt_ids=list(p))
+                               prompt_ids=list(p), param="prompt")
             texts.append(text)
         subs += _copies(body, base)
     tickets, relays = await _admit(request, served, subs, "completions", received)
@@ -142,6 +154,8 @@ async def _chat_submission(body: ChatCompletionRequest, request: Request, served
     """The chat as the model reads it (its template) and as the predictor reads it (the system
     text as the instruction, the conversation as the input)."""
     texts = [_content_text(i, m) for i, m in enumerate(body.messages)]
+    check_text_size(request.app.state.settings.max_text_chars,
+                    [(f"messages.{i}.content", t) for i, t in enumerate(texts)])
     for i, m in enumerate(body.messages):
         if m.role == "tool" or m.tool_calls:
             raise APIError(400, "tool calls and tool messages are not supported by cohort",
@@ -157,9 +171,9 @@ async def _chat_submission(body: ChatCompletionRequest, request: Request, served
                      **({"name": m.name} if m.name else {})} for m, t in zip(body.messages, texts, strict=True)]
         prompt, ids = await run_in_threadpool(chat_prompt_ids, messages, served.path)
         return _submission(body, request, max_tokens, instruction=system, user_input=convo, prompt=prompt,
-                           prompt_ids=ids)
+                           prompt_ids=ids, param="messages")
     return _submission(body, request, max_tokens, instruction=system, user_input=convo,
-                       prompt=builtin_chat_prompt(system, convo))
+                       prompt=builtin_chat_prompt(system, convo), param="messages")
 
 
 @router.post("/v1/chat/completions")
