@@ -31,9 +31,11 @@ class UnknownVersion(KeyError):
 
 
 def new_version_name() -> str:
-    """A sortable, unique version name: v<UTC date>-<time>-<random>."""
-    now = datetime.now(timezone.utc)
-    return f"v{now:%Y%m%d-%H%M%S}-{now.microsecond // 1000:03d}{uuid.uuid4().hex[:4]}"
+    """A sortable, unique version name: v<UTC date>-<time>-<nanoseconds><random>. Nanoseconds,
+    not milliseconds: two versions made in the same millisecond must still sort oldest first."""
+    ns = time.time_ns()
+    now = datetime.fromtimestamp(ns // 1_000_000_000, timezone.utc)
+    return f"v{now:%Y%m%d-%H%M%S}-{ns % 1_000_000_000:09d}{uuid.uuid4().hex[:4]}"
 
 
 class Registry:
