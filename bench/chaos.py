@@ -262,33 +262,66 @@ def run_experiment(name: str, workdir: Path, requests: int = 40) -> Outcome:
         if name == "bad-input":
             res = asyncio.run(bad_inputs(url))
             out = tally(name, res, h)
-            out.notes["cases"] = len(res)
+            out.notes.update(cases=len(res), expected_200=sum(e == "200" for _, _, e in BAD_BODIES),
+                             unexpected=_unexpected(res))
             return out
     raise ValueError(f"unknown experiment {name!r}; choose from {EXPERIMENTS}")
 
 
-BAD_BODIES: list[tuple[str, dict[str, Any]]] = [
-    ("/v1/generate", {"input": "hello", "max_tokens": 4, "temperature": 1e-40}),
-    ("/v1/generate", {"input": " ", "max_tokens": 4}),
-    ("/v1/generate", {"input": "\u200b", "max_tokens": 4}),
-    ("/v1/generate", {"input": "hello", "max_tokens": 4, "seed": 2**70}),
-    ("/v1/generate", {"input": "hello", "max_tokens": -1}),
-    ("/v1/generate", {"input": "x" * 3_000_000, "max_tokens": 4}),
-    ("/v1/completions", {"prompt": "x" * 3_000_000, "max_tokens": 4}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 4}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "top_p": 0}),
-    ("/v1/chat/completions", {"messages": [], "max_tokens": 4}),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logit_bias": {"abc": 1}}),
+SURROGATE_KEY = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "\\udc80x": 1}'
+# (path, body, what a correct server answers): a dict is sent as JSON (lone surrogates as JSON
+# escapes, as real clients send them), a str as it is (invalid JSON, NaN, stray escapes). Every
+# case is refused with a 4xx, except a tiny temperature, which is sampled greedily (documented).
+BAD_BODIES: list[tuple[str, dict[str, Any] | str, str]] = [
+    ("/v1/generate", {"input": "hello", "max_tokens": 4, "temperature": 1e-40}, "200"),
+    ("/v1/generate", {"input": " ", "max_tokens": 4}, "4xx"),
+    ("/v1/generate", {"input": "\u200b", "max_tokens": 4}, "4xx"),
+    ("/v1/generate", {"input": "hello", "max_tokens": 4, "seed": 2**70}, "4xx"),
+    ("/v1/generate", {"input": "hello", "max_tokens": -1}, "4xx"),
+    ("/v1/generate", {"input": "x" * 3_000_000, "max_tokens": 4}, "4xx"),
+    ("/v1/completions", {"prompt": "x" * 3_000_000, "max_tokens": 4}, "4xx"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 4}, "4xx"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "top_p": 0}, "4xx"),
+    ("/v1/chat/completions", {"messages": [], "max_tokens": 4}, "4xx"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logit_bias": {"abc": 1}}, "4xx"),
+    # added with the validation rules: each once failed, or could fail, past the gateway
+    ("/v1/generate", {"input": "hello", "max_tokens": 4, "seed": -1}, "4xx"),
+    ("/v1/generate", '{"input": "hello", "max_tokens": 4, "temperature": NaN}', "4xx"),
+    ("/v1/generate", '{"input": "hello", "max_tokens": 4, "slo_seconds": Infinity}', "4xx"),
+    ("/v1/generate", {"input": "\udfff tail", "max_tokens": 4}, "4xx"),
+    ("/v1/generate", {"input": "hello", "max_tokens": 4, "repetition_penalty": 1e-300}, "4xx"),
+    ("/v1/generate", {"input": "hello", "max_tokens": 4, "priority": "high"}, "4xx"),
+    ("/v1/generate", '{"input": "hello", "max_tokens": ', "4xx"),
+    ("/v1/generate", '["input", "hello"]', "4xx"),
+    ("/v1/completions", {"prompt": [2**70, 5], "max_tokens": 4}, "4xx"),
+    ("/v1/completions", {"prompt": [[]], "max_tokens": 4}, "4xx"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logit_bias": {"\u00b2": 1}}, "4xx"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "n": 2, "seed": 2**63 - 1}, "200"),
+    ("/v1/chat/completions", SURROGATE_KEY, "4xx"),
+    ("/v1/chat/completions", {"model": "\ud800", "messages": [{"role": "user", "content": "hi"}]}, "4xx"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "4xx"),
 ]
+
+
+def _unexpected(results: list[httpx.Response | Exception]) -> list[int]:
+    """Indexes of BAD_BODIES cases whose answer is not the expected one (or no answer at all)."""
+    bad = []
+    for i, ((_, _, expect), res) in enumerate(zip(BAD_BODIES, results, strict=True)):
+        status = res.status_code if isinstance(res, httpx.Response) else 0
+        if not (status == 200 if expect == "200" else 400 <= status < 500):
+            bad.append(i)
+    return bad
 
 
 async def bad_inputs(url: str) -> list[httpx.Response | Exception]:
     out: list[httpx.Response | Exception] = []
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        for path, b in BAD_BODIES:
-            raw = json.dumps(b)  # lone surrogates go out as JSON escapes, as real clients send them
+        for path, b, _ in BAD_BODIES:
+            raw = b if isinstance(b, str) else json.dumps(b)  # lone surrogates go out as JSON escapes
             try:
-                out.append(await c.post(path, content=raw, headers={"content-type": "application/json"}))
+                out.append(await c.post(path, content=raw.encode("utf-8", "surrogatepass"),
+                                        headers={"content-type": "application/json"}))
             except Exception as e:  # noqa: BLE001 - a reset connection is a lost answer
                 out.append(e)
     return out

@@ -103,3 +103,27 @@ def sse_data(body: str) -> list[dict | str]:
             data = block.removeprefix("data: ")
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+@asynccontextmanager
+async def answering(redis, pool: str = "default", text: str = "ok"):
+    """A worker that answers every request the gateway enqueues, at once, while the block runs.
+    Stopped by a flag, not by cancelling: the Redis client may absorb a CancelledError."""
+    stop = asyncio.Event()
+
+    async def loop() -> None:
+        while not stop.is_set():
+            js = await redis.rpop(bus.pool_keys(pool).incoming)
+            if js is None:
+                await asyncio.sleep(0.002)
+                continue
+            req = ProfiledRequest.from_dict(json.loads(js))
+            await publish(redis, req.id, StreamEvent.delta(text, 1, [100]))
+            await publish(redis, req.id, end(text, 1))
+
+    task = asyncio.create_task(loop())
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
