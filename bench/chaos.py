@@ -231,10 +231,16 @@ def run_experiment(name: str, workdir: Path, requests: int = 40) -> Outcome:
             depth: list[int] = []
 
             async def watch() -> None:
+                # what admission counts: waiting (incoming + pending) and reserved slots, every 2 ms
+                # for 5 s (the burst is admitted or refused within the first second)
                 keys = bus.pool_keys("default")
-                for _ in range(100):
-                    depth.append(h.redis.llen(keys.incoming) + h.redis.hlen(keys.pending))
-                    await asyncio.sleep(0.02)
+                for _ in range(2500):
+                    pipe = h.redis.pipeline(transaction=False)
+                    pipe.llen(keys.incoming)
+                    pipe.hlen(keys.pending)
+                    pipe.zcard(keys.reservations)
+                    depth.append(sum(pipe.execute()))
+                    await asyncio.sleep(0.002)
 
             res = asyncio.run(fire(url, [body(i, 20) for i in range(200)], h.timeout_s, watch))
             out = tally(name, res, h)
@@ -296,7 +302,7 @@ BAD_BODIES: list[tuple[str, dict[str, Any] | str, str]] = [
     ("/v1/completions", {"prompt": [2**70, 5], "max_tokens": 4}, "4xx"),
     ("/v1/completions", {"prompt": [[]], "max_tokens": 4}, "4xx"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logit_bias": {"\u00b2": 1}}, "4xx"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "n": 2, "seed": 2**63 - 1}, "200"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": 0.7, "seed": 2**63 - 1}, "200"),
     ("/v1/chat/completions", SURROGATE_KEY, "4xx"),
     ("/v1/chat/completions", {"model": "\ud800", "messages": [{"role": "user", "content": "hi"}]}, "4xx"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},

@@ -36,16 +36,23 @@ async def gateway(tmp: Path, **kw):
     live instance registered."""
     app = create_app(settings(tmp, **kw))
     st = app.state
+    await wire(app)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as client:
+        yield app, client, st.redis
+    st.predictor.close()
+    await st.redis.aclose()
+
+
+async def wire(app) -> None:
+    """Set up ``app.state`` as the lifespan would, on fakeredis (in the running event loop), with
+    one live instance registered."""
+    st = app.state
     st.redis = aioredis.FakeRedis(decode_responses=True)
     st.pool = PoolView(st.settings, st.redis)
     st.db = get_engine(st.settings.database_url)
     info = InstanceInfo("i0", st.settings.pool, st.settings.model, THETA, DELTA)
     await st.redis.hset(bus.INSTANCES, "i0", json.dumps(info.to_dict()))
     await st.redis.set(bus.alive_key("i0"), "1")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as client:
-        yield app, client, st.redis
-    st.predictor.close()
-    await st.redis.aclose()
 
 
 async def register(redis, name: str, pool: str, model: str, served: str = "", alive: bool = True,
