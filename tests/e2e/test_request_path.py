@@ -117,6 +117,26 @@ def test_bad_input_is_a_clear_400(stack, body, param):
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
 
 
+def test_hostile_inputs_never_reach_the_model(stack):
+    """What once failed a batch with a 500 and raw exception text is refused at the gateway (or,
+    for a tiny temperature, sampled greedily); every error carries the request id."""
+    chat = "/v1/chat/completions"
+    cases = [("/v1/generate", {"input": " ", "max_tokens": 4}, 400),
+             ("/v1/generate", {"input": "\u200b", "max_tokens": 4}, 400),
+             ("/v1/generate", {"input": "hello", "max_tokens": 4, "seed": 2**70}, 400),
+             ("/v1/completions", {"prompt": "x" * 3_000_000, "max_tokens": 4}, 413),
+             (chat, {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 4}, 400),
+             ("/v1/generate", {"input": "hello", "max_tokens": 4, "temperature": 1e-40, "priority": -1}, 200),
+             (chat, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": 2**63 - 1,
+                     "temperature": 0.9}, 200)]
+    with httpx.Client(base_url=stack.url, timeout=120) as c:
+        for path, body, status in cases:
+            r = c.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+            assert r.status_code == status, (path, str(body)[:80], r.text[:300])
+            if status != 200:
+                assert r.json()["error"]["request_id"] == r.headers["x-request-id"]
+
+
 def test_malformed_json_and_unknown_route(stack):
     r = httpx.post(f"{stack.url}/v1/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
