@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import APIError, error_response
@@ -86,7 +87,7 @@ class BodyLimit:
             declared = dict(scope.get("headers") or []).get(b"content-length", b"")
             if declared.isdigit() and int(declared) > self.limit:
                 resp = error_response(413, f"the request body is larger than {self.limit} bytes",
-                                      code="body_too_large")
+                                      code="body_too_large", request=Request(scope))
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
