@@ -173,6 +173,10 @@ class BatcherService:
             self.redis.hincrby(bus.STATS, "shed", len(victims))
             self._fail(victims, FailureCode.QUEUE_FULL, "the queue is full and more urgent requests needed "
                        "the room: this request was shed; retry later")
+        self._publish_worst()
+
+    def _publish_worst(self) -> None:
+        """The least urgent priority waiting, for the gateway's admission (absent: none waits)."""
         worst = max((r.priority for r in self._waiting.values()), default=None)
         if worst is None:
             self.redis.delete(self.keys.worst_priority)
@@ -324,6 +328,8 @@ class BatcherService:
                     continue
             self._send(batch, now)
             sent = True
+        if sent:
+            self._publish_worst()  # what left changes the least urgent priority still waiting
         return sent
 
     def _send(self, batch: Batch, now: float) -> None:

@@ -277,3 +277,17 @@ def test_overload_sheds_the_least_urgent_newest_requests(r, tmp_path):
     complete(r, sent[0].id, answered=["q0"])
     svc.step(now=7.0)
     assert {q.id for q in sent[-1].requests} <= {"p2", "p5"}  # the most urgent level goes first
+
+
+def test_the_worst_waiting_priority_follows_dispatch(r, tmp_path):
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    arrive(r, "a", t=1.0, priority=0)
+    svc.step(now=1.0)  # a runs
+    arrive(r, "b", t=2.0, priority=3)
+    svc.step(now=2.0)
+    assert r.get(KEYS.worst_priority) == "3"
+    complete(r, sent[-1].id, answered=["a"])
+    svc.step(now=3.0)  # b leaves: nothing waits any more
+    assert [q.id for q in sent[-1].requests] == ["b"] and r.get(KEYS.worst_priority) is None
