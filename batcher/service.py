@@ -220,23 +220,24 @@ class BatcherService:
         self._trim(self.keys.completions, len(msgs))
         return bool(msgs)
 
-    def _requeue_requests(self, requests: list[ProfiledRequest], now: float, replaces: str) -> None:
-        """Preempted rows wait again like new requests (their arrival time kept, so HRRN and
-        FCFS still see how long they have waited); same transaction rule as ``_requeue``."""
+    def _back_to_pending(self, requests: list[ProfiledRequest], replaces: str) -> None:
+        """Requests go back to ``pending`` in the same transaction that retires the in-flight
+        batch they came from, so a crash never loses them."""
         pipe = self.redis.pipeline()
         pipe.hset(self.keys.pending, mapping={r.id: dumps(r.to_dict()) for r in requests})
         pipe.hdel(self.keys.inflight, replaces)
         pipe.execute()
+
+    def _requeue_requests(self, requests: list[ProfiledRequest], now: float, replaces: str) -> None:
+        """Preempted rows wait again like new requests (their arrival time kept, so HRRN and
+        FCFS still see how long they have waited)."""
+        self._back_to_pending(requests, replaces)
         for r in requests:
             self._add(r, now)
 
     def _requeue(self, batches: list[Batch], now: float, replaces: str) -> None:
-        """Give batches back to the policy; their requests go back to ``pending`` in the same
-        transaction that retires the in-flight batch they came from, so a crash never loses them."""
-        pipe = self.redis.pipeline()
-        pipe.hset(self.keys.pending, mapping={r.id: dumps(r.to_dict()) for b in batches for r in b.requests})
-        pipe.hdel(self.keys.inflight, replaces)
-        pipe.execute()
+        """Give whole batches back to the policy (OOM halves, a lost worker's batch)."""
+        self._back_to_pending([r for b in batches for r in b.requests], replaces)
         for b in batches:
             self.policy.requeue(b, now)
             self._waiting.update({r.id: r for r in b.requests})
