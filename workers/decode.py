@@ -118,7 +118,7 @@ class BatchRun:
     def __init__(self, model, tokenizer, device: torch.device, delta_bytes: int, kv_capacity: int | None,
                  requests: Sequence[ProfiledRequest], *, elastic: bool = True,
                  recovery: Literal["preempt", "split"] = "preempt", max_preemptions: int = 8,
-                 emulate: bool = False, prompt_ids: Sequence[list[int]] | None = None,
+                 emulate: bool = False, prompt_ids: Sequence[list[int]],
                  clock: Callable[[], float] = time.time) -> None:
         self.model, self.tok, self.device = model, tokenizer, device
         self.delta, self.capacity = delta_bytes, kv_capacity
@@ -126,8 +126,8 @@ class BatchRun:
         self.clock = clock
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
-        ids = list(prompt_ids) if prompt_ids is not None else [self._prompt_ids(r) for r in requests]
-        self.rows = [_Row(r, p, tokenizer, emulate) for r, p in zip(requests, ids, strict=True)]
+        # prompt ids come from Engine.prompt_ids (the one tokenization rule, the gateway's count)
+        self.rows = [_Row(r, list(p), tokenizer, emulate) for r, p in zip(requests, prompt_ids, strict=True)]
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
@@ -138,11 +138,6 @@ class BatchRun:
         self.peak_kv_bytes = 0
         self._held: list[tuple[_Row, RowResult]] = []  # static execution: answers wait for the batch's end
         self._cancelled: set[str] = set()
-
-    def _prompt_ids(self, req: ProfiledRequest) -> list[int]:
-        if req.prompt_ids is not None:
-            return list(req.prompt_ids)
-        return self.tok(req.prompt, add_special_tokens=False)["input_ids"]
 
     @property
     def done(self) -> bool:

@@ -44,22 +44,14 @@ class Engine:
 
     @property
     def kv_budget(self) -> int | None:
-        """Enforced on the CPU only; on CUDA the allocator itself says when memory runs out."""
+        """KV bytes the decode loop enforces before each step: on the CPU only; on CUDA the
+        allocator itself says when memory runs out (a step's OutOfMemoryError)."""
         return None if self.device.type == "cuda" else int(self.settings.kv_budget_bytes)
-
-    @property
-    def kv_capacity(self) -> int | None:
-        """KV bytes the decode loop enforces before each step (None: CUDA raises by itself)."""
-        return self.kv_budget
 
     def fits(self, size: int, input_len: int, gen_len: int) -> bool:
         """Whether a batch of this shape fits the KV memory this instance really has."""
         cap = min(self.theta_bytes, self.kv_budget) if self.kv_budget is not None else self.theta_bytes
         return KVMemory(self.delta_bytes, cap).fits(size, input_len, gen_len)
-
-    def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        ids = self.tokenizer(list(texts), add_special_tokens=self._special)["input_ids"]
-        return [len(x) for x in ids]
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """A prompt's token ids exactly as the gateway counted them (cohort.tokenizer)."""
@@ -72,7 +64,7 @@ class Engine:
         s = self.settings
         ids = prompt_ids if prompt_ids is not None else [
             list(r.prompt_ids) if r.prompt_ids is not None else self.prompt_ids(r.prompt) for r in requests]
-        return BatchRun(self.model, self.tokenizer, self.device, self.delta_bytes, self.kv_capacity, requests,
+        return BatchRun(self.model, self.tokenizer, self.device, self.delta_bytes, self.kv_budget, requests,
                         elastic=(s.execution == "elastic") if elastic is None else elastic,
                         recovery=recovery or s.oom_recovery, max_preemptions=s.max_preemptions,
                         emulate=s.emulate_lengths if emulate is None else emulate, prompt_ids=ids)

@@ -66,13 +66,17 @@ def _complete(rt: runtime.Runtime, event: CompletionEvent) -> None:
     _execute(rt.redis, fill, "the batch's completion")
 
 
-def _end_event(res: RowResult, b: Batch, started: float) -> StreamEvent:
-    req = res.request
+def _timings(res: RowResult, started: float) -> dict[str, float]:
+    """A finished request's timings from its arrival: what its answer and its record both carry."""
+    arrival = res.request.arrival
     first = res.first_token_at if res.first_token_at is not None else res.finished_at
+    return {"queued_s": max(0.0, started - arrival), "first_token_s": first - arrival,
+            "run_s": res.finished_at - started, "total_s": res.finished_at - arrival}
+
+
+def _end_event(res: RowResult, b: Batch, started: float) -> StreamEvent:
     return StreamEvent(StreamKind.END, text=res.text, tokens=res.tokens, finish_reason=res.finish_reason.value,
-                       batch_id=b.id, batch_size=b.size,
-                       timings={"queued_s": max(0.0, started - req.arrival), "first_token_s": first - req.arrival,
-                                "run_s": res.finished_at - started, "total_s": res.finished_at - req.arrival})
+                       batch_id=b.id, batch_size=b.size, timings=_timings(res, started))
 
 
 class _Reporter:
@@ -116,10 +120,9 @@ class _Reporter:
         self.continuations.extend(out.evicted)
 
     def _record(self, res: RowResult) -> None:
-        req = res.request
-        finish_request(self.rt.db, req.id, status="done", actual_tokens=res.tokens, batch_id=self.batch.id,
-                       queued_s=max(0.0, self.started - req.arrival), run_s=res.finished_at - self.started,
-                       total_s=res.finished_at - req.arrival, finished=res.finished_at)
+        t = _timings(res, self.started)
+        finish_request(self.rt.db, res.request.id, status="done", actual_tokens=res.tokens, batch_id=self.batch.id,
+                       queued_s=t["queued_s"], run_s=t["run_s"], total_s=t["total_s"], finished=res.finished_at)
 
     def fail_rest(self, code: FailureCode, message: str) -> None:
         """The batch raised: every row not yet answered gets an explicit error now."""
