@@ -1,13 +1,11 @@
-"""The log DB on SQLite (embedded default) and PostgreSQL (by URL): same code, same results."""
+"""The log DB on SQLite (the embedded default); the same tests run on PostgreSQL in tests/e2e."""
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 
 import pytest
-from sqlalchemy import create_engine, select, text
+from sqlalchemy import select
 
 from cohort.logdb import (
     fail_stale_queued,
@@ -20,36 +18,11 @@ from cohort.logdb import (
     requests,
 )
 
-PG_ADMIN = os.environ.get("COHORT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
-
-def _pg_url():
-    """A fresh database on the local PostgreSQL, dropped afterwards; skipped where none runs."""
-    try:
-        admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 2})
-        name = f"cohort_test_{uuid.uuid4().hex[:8]}"
-        with admin.connect() as c:
-            c.execute(text(f"CREATE DATABASE {name}"))
-    except Exception as e:  # no server here: the embedded path is still tested
-        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN}: {e}")
-    url = PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
-
-    def drop():
-        get_engine(url).dispose()
-        with admin.connect() as c:
-            c.execute(text(f"DROP DATABASE IF EXISTS {name}"))
-        admin.dispose()
-    return url, drop
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.e2e)])
-def db(request, tmp_path):
-    if request.param == "sqlite":
-        yield get_engine(f"sqlite:///{tmp_path}/log.db")
-    else:
-        url, drop = _pg_url()
-        yield get_engine(url)
-        drop()
+@pytest.fixture
+def db(tmp_path):
+    """The embedded default; tests/e2e/test_logdb_postgres.py runs these same tests on PostgreSQL."""
+    return get_engine(f"sqlite:///{tmp_path}/log.db")
 
 
 def test_request_lifecycle_and_learning_queries(db):
