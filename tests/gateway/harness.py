@@ -55,6 +55,16 @@ async def wire(app) -> None:
     await st.redis.set(bus.alive_key("i0"), "1")
 
 
+def leaves_after(seconds: float):
+    """A ``request.is_disconnected`` stand-in: the client goes away ``seconds`` from now."""
+    gone_at = time.monotonic() + seconds
+
+    async def disconnected() -> bool:
+        return time.monotonic() > gone_at
+
+    return disconnected
+
+
 async def register(redis, name: str, pool: str, model: str, served: str = "", alive: bool = True,
                    theta: int = THETA) -> None:
     """An instance of ``pool`` as a worker registers it (heart-beating unless ``alive`` is False)."""

@@ -16,7 +16,7 @@ from gateway.errors import APIError
 from gateway.relay import Relay
 from gateway.sse import Chunks, sse_events, sse_response
 from gateway.submit import Submission, admit
-from tests.gateway.harness import gateway, next_request, publish, worker
+from tests.gateway.harness import gateway, leaves_after, next_request, publish, worker
 
 
 def _status(app, request_id: str) -> tuple[str, str | None]:
@@ -56,13 +56,8 @@ def test_disconnect_while_waiting_withdraws(tmp_path):
     async def scenario():
         async with gateway(tmp_path) as (app, _, redis):
             ticket = await admit(app.state, Submission("", "hello", 4), "chat")
-            gone_at = time.monotonic() + 0.2
-
-            async def disconnected() -> bool:
-                return time.monotonic() > gone_at
-
             with pytest.raises(APIError) as e:
-                await Relay(app.state, ticket, disconnected).collect()
+                await Relay(app.state, ticket, leaves_after(0.2)).collect()
             return app, ticket, e.value, await _withdrawn(redis, ticket.request.id)
 
     app, ticket, err, (exists, _, cancels) = asyncio.run(scenario())

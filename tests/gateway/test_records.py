@@ -5,7 +5,6 @@ the gateway's withdrawal, which overrules (the client saw the 504 or left)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from sqlalchemy import select
@@ -14,7 +13,7 @@ from cohort.logdb import finish_request, requests
 from gateway.errors import APIError
 from gateway.relay import Relay
 from gateway.submit import Submission, admit
-from tests.gateway.harness import end, gateway, next_request, publish
+from tests.gateway.harness import end, gateway, leaves_after, next_request, publish
 
 
 def _row(app, request_id: str):
@@ -69,13 +68,8 @@ def test_disconnect_is_final_and_the_worker_cannot_reopen(tmp_path):
     async def scenario():
         async with gateway(tmp_path) as (app, _, redis):
             ticket = await admit(app.state, Submission("", "hello", 4), "chat")
-            gone_at = time.monotonic() + 0.2
-
-            async def disconnected() -> bool:
-                return time.monotonic() > gone_at
-
             with pytest.raises(APIError):
-                await Relay(app.state, ticket, disconnected).collect()
+                await Relay(app.state, ticket, leaves_after(0.2)).collect()
             return app, ticket.request.id
 
     app, rid = asyncio.run(scenario())
