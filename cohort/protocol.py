@@ -155,8 +155,7 @@ class CompletionEvent:
     seconds: float = 0.0
     generated_tokens: list[int] = field(default_factory=list)
     answered: list[str] = field(default_factory=list)
-    continuations: list[ProfiledRequest] = field(default_factory=list)
-    preemptions: int = 0
+    continuations: list[ProfiledRequest] = field(default_factory=list)  # their count: the preemptions
     cancelled: int = 0
 
     def to_json(self) -> str:

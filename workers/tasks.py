@@ -178,7 +178,7 @@ def run_batch(batch: dict[str, Any]) -> dict[str, Any]:
     _complete(rt, CompletionEvent(outcome=BatchOutcome.DONE, finished=finished, input_len=run.input_len,
                                   gen_len=run.steps, seconds=seconds, generated_tokens=generated,
                                   answered=rep.answered, continuations=rep.continuations,
-                                  preemptions=len(rep.continuations), cancelled=rep.cancelled, **base))
+                                  cancelled=rep.cancelled, **base))
     record_batch(rt.db, {**batch_row, "finished": finished, "actual_gen_len": max(generated, default=0),
                          "batch_time_s": seconds, "peak_mem_bytes": run.peak_kv_bytes, "oom": False})
     if rep.continuations:
