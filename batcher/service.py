@@ -205,7 +205,8 @@ class BatcherService:
             if fl is None:
                 self.redis.hdel(self.keys.inflight, ev.batch_id)
                 continue  # a superseded copy finished after we re-queued it; its results are harmless
-            rest = [r for r in fl.batch.requests if r.id not in set(ev.answered)]
+            answered = set(ev.answered)
+            rest = [r for r in fl.batch.requests if r.id not in answered]
             if ev.outcome is BatchOutcome.OOM:
                 self._split_oom(fl.batch, rest, now)
             elif ev.outcome is BatchOutcome.FAILED:
