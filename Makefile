@@ -21,9 +21,10 @@ serve: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# Every test that needs no service (no Redis, PostgreSQL or spawned stack): the fast loop.
+# Every test that needs no service (no Redis, PostgreSQL or spawned stack): the fast loop, one
+# pytest-xdist worker per core; tests/e2e is not even imported.
 test-unit: install
-	$(BIN)/python -m pytest -q -m "not e2e"
+	$(BIN)/python -m pytest -q -m "not e2e" --ignore=tests/e2e -n auto
 
 lint: install
 	$(BIN)/ruff check .

@@ -18,8 +18,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from cohort import bus
 from cohort.protocol import FailureCode, StreamEvent
 
-SLICE_S = 1.0  # longest single blocking read: bounds how late a disconnect is noticed
-
 
 class Withdrawn(Exception):
     """The request was given up before its final event: ``code`` is CANCELLED or TIMEOUT."""
@@ -31,10 +29,11 @@ class Withdrawn(Exception):
 
 async def read_events(redis, request_id: str, deadline: float,
                       disconnected: Callable[[], Awaitable[bool]] | None = None,
-                      slice_s: float = SLICE_S) -> AsyncIterator[StreamEvent]:
+                      slice_s: float = 1.0) -> AsyncIterator[StreamEvent]:
     """The request's events in order, ending after the first final (end/error) one.
 
-    ``deadline`` is a ``time.monotonic()`` instant; ``disconnected`` is polled between slices.
+    ``deadline`` is a ``time.monotonic()`` instant; ``disconnected`` is polled between slices of
+    at most ``slice_s`` (``Settings.disconnect_check_s``).
     The stream is left in place (it expires with its TTL): the batcher reads a lost batch's
     streams to tell answered rows from unanswered ones (``bus.stream_progress``).
     """

@@ -11,8 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import skops.io as sio
-
 TRUSTED_TYPES = frozenset({
     "sklearn.tree._tree.Tree",                                             # random forests (Magnus)
     "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",    # the semantic predictor
@@ -21,13 +19,21 @@ TRUSTED_TYPES = frozenset({
 })
 
 
+def _skops():
+    # skops enumerates scikit-learn's types on import (and through them imports torch when it is
+    # installed): seconds that a process which never reads or writes a model file should not pay.
+    import skops.io as sio
+
+    return sio
+
+
 def dump(obj: Any, path: str | Path) -> None:
-    sio.dump(obj, Path(path))
+    _skops().dump(obj, Path(path))
 
 
 def load(path: str | Path) -> Any:
     """The object in ``path``; raises ValueError naming any type outside the allow-list."""
-    path = Path(path)
+    path, sio = Path(path), _skops()
     needed = sio.get_untrusted_types(file=path)
     refused = sorted(set(needed) - TRUSTED_TYPES)
     if refused:

@@ -39,12 +39,13 @@ def _claim(rt: runtime.Runtime, batch_id: str) -> bool:
     return r.get(bus.claim_key(batch_id)) == rt.name
 
 
-def _execute(r: redis.Redis, fill: Callable[[Any], None], what: str, limit_s: float = REDIS_OUTAGE_S) -> list:
+def _execute(r: redis.Redis, fill: Callable[[Any], None], what: str, limit_s: float = REDIS_OUTAGE_S,
+             first_backoff_s: float = 0.2) -> list:
     """Fill a pipeline and run it, waiting out a Redis outage (restart, failover) instead of
     failing the batch: the rows keep their tokens and their events go out once Redis answers.
     Each attempt builds a new pipeline (a failed one is reset). A retried pipeline may repeat a
     delta; readers skip deltas that do not advance the token count."""
-    deadline, backoff = time.monotonic() + limit_s, 0.2
+    deadline, backoff = time.monotonic() + limit_s, first_backoff_s
     while True:
         try:
             pipe = r.pipeline(transaction=False)

@@ -80,7 +80,7 @@ def test_errors_and_the_time_limit_count_as_failures(workload):
     assert res.metrics["completed"] == 40 and res.metrics["failed"] == 20
     slow = fake_gateway(per_token_s=0.05)   # a batch of 64 tokens takes 3.2 s
     res = asyncio.run(run_live(workload, "http://testserver", transport=httpx.ASGITransport(app=slow),
-                               time_limit_s=1.0))
+                               time_limit_s=0.3))
     assert res.errors.get("time_limit", 0) > 0
     assert res.metrics["completed"] + res.metrics["failed"] == 60
     assert res.wall_s < 5.0

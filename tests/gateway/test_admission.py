@@ -59,7 +59,7 @@ def test_burst_never_exceeds_the_limit(tmp_path):
 
 def test_more_urgent_request_enters_a_full_queue(tmp_path):
     async def scenario():
-        async with gateway(tmp_path, max_pending=1, request_timeout_s=0.3) as (app, client, redis):
+        async with gateway(tmp_path, max_pending=1, request_timeout_s=0.15) as (app, client, redis):
             first = asyncio.create_task(client.post("/v1/generate", json={"input": "a", "priority": 5}))
             await asyncio.sleep(0.1)
             await redis.set(KEYS.worst_priority, 5)  # what the batcher publishes once it has taken it
@@ -82,7 +82,7 @@ def test_more_urgent_request_enters_a_full_queue(tmp_path):
 ])
 def test_priority_reaches_the_batcher(tmp_path, path, body):
     async def scenario():
-        async with gateway(tmp_path, request_timeout_s=0.3) as (_, client, redis):
+        async with gateway(tmp_path, request_timeout_s=0.15) as (_, client, redis):
             task = asyncio.create_task(client.post(path, json={**body, "priority": 7}))
             await task
             out = []
@@ -97,7 +97,7 @@ def test_priority_reaches_the_batcher(tmp_path, path, body):
 def test_stale_reservations_expire(tmp_path):
     """A gateway that died between reserving and enqueueing does not hold its slots for ever."""
     async def scenario():
-        async with gateway(tmp_path, max_pending=2, request_timeout_s=0.3) as (_, client, redis):
+        async with gateway(tmp_path, max_pending=2, request_timeout_s=0.15) as (_, client, redis):
             await redis.zadd(KEYS.reservations, {"req-dead-1": time.time() - 1, "req-dead-2": time.time() - 1})
             r = await client.post("/v1/generate", json={"input": "hi"})
             return r, await redis.zrange(KEYS.reservations, 0, -1)

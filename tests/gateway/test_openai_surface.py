@@ -57,7 +57,7 @@ def test_models_lists_every_pool_and_unknown_models_are_404(tmp_path):
 
 def test_model_routes_to_its_pool_and_withdrawals_go_there(tmp_path):
     async def scenario():
-        async with gateway(tmp_path, request_timeout_s=0.5) as (_, client, redis):
+        async with gateway(tmp_path, request_timeout_s=0.3) as (_, client, redis):
             await register(redis, "b0", "pool-b", DEFAULT_MODEL, served="tiny-b")
             w = asyncio.create_task(worker(redis, ["ok"], pool="pool-b"))
             r = await client.post("/v1/completions", json={"model": "tiny-b", "prompt": "hi", "max_tokens": 2})

@@ -23,7 +23,7 @@ def _row(app, request_id: str):
 
 def test_worker_done_after_the_timeout_changes_nothing(tmp_path):
     async def scenario():
-        async with gateway(tmp_path, request_timeout_s=0.3) as (app, client, redis):
+        async with gateway(tmp_path, request_timeout_s=0.15) as (app, client, redis):
             r = await client.post("/v1/generate", json={"input": "slow", "max_tokens": 4})
             req = await next_request(redis)
             late = finish_request(app.state.db, req.id, status="done", actual_tokens=4)  # the worker, too late
@@ -37,7 +37,7 @@ def test_worker_done_after_the_timeout_changes_nothing(tmp_path):
 
 def test_timeout_overrules_a_done_written_as_the_deadline_passed(tmp_path):
     async def scenario():
-        async with gateway(tmp_path, request_timeout_s=0.4) as (app, client, redis):
+        async with gateway(tmp_path, request_timeout_s=0.2) as (app, client, redis):
             task = asyncio.create_task(client.post("/v1/generate", json={"input": "racing", "max_tokens": 4}))
             req = await next_request(redis)
             finish_request(app.state.db, req.id, status="done", actual_tokens=4)  # recorded, not yet published

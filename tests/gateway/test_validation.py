@@ -92,7 +92,7 @@ def test_openai_refusals_name_the_field(tmp_path, path, body, param):
 
 def test_tiny_temperature_is_greedy_and_big_seeds_wrap(tmp_path):
     async def scenario():
-        async with gateway(tmp_path, request_timeout_s=0.3) as (_, client, redis):
+        async with gateway(tmp_path, request_timeout_s=0.15) as (_, client, redis):
             t1 = asyncio.create_task(client.post("/v1/generate", json={"input": "hi", "temperature": 1e-40}))
             first = await next_request(redis)
             t2 = asyncio.create_task(client.post("/v1/completions", json={

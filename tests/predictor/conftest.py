@@ -35,8 +35,8 @@ def small_items(data_paths):
     from cohort.datasets import load_split
     from predictor.data import records_to_items
 
-    tr_items, tr_y = records_to_items(load_split(data_paths, "train", limit_per_file=30))
-    va_items, va_y = records_to_items(load_split(data_paths, "val", limit_per_file=10))
+    tr_items, tr_y = records_to_items(load_split(data_paths, "train", limit_per_file=16))
+    va_items, va_y = records_to_items(load_split(data_paths, "val", limit_per_file=8))
     return tr_items, tr_y, va_items, va_y
 
 

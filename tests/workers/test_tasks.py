@@ -30,7 +30,7 @@ class FlakyRedis:
 
 def test_events_go_out_once_redis_is_back():
     r = FlakyRedis(fail=2)
-    out = _execute(r, lambda p: bus.publish(p, "q1", StreamEvent.delta("hi", 1, [5])), "test", limit_s=30)
+    out = _execute(r, lambda p: bus.publish(p, "q1", StreamEvent.delta("hi", 1, [5])), "test", limit_s=30, first_backoff_s=0.01)
     assert r.attempts == 3 and out[0]  # the XADD of the third attempt
     assert [f[bus.STREAM_FIELD] for _, f in r.inner.xrange(bus.stream_key("q1"))] == [
         StreamEvent.delta("hi", 1, [5]).to_json()]  # written once: failed attempts wrote nothing
@@ -39,4 +39,4 @@ def test_events_go_out_once_redis_is_back():
 def test_a_long_outage_still_ends_in_an_error():
     r = FlakyRedis(fail=10**6)
     with pytest.raises(redis.ConnectionError):
-        _execute(r, lambda p: p.exists("x"), "test", limit_s=0.5)
+        _execute(r, lambda p: p.exists("x"), "test", limit_s=0.2, first_backoff_s=0.01)

@@ -1,0 +1,39 @@
+"""Session-wide test settings, and how ``make test-unit`` spreads the tests over cores.
+
+Under pytest-xdist each worker gets one intra-op thread: two workers with a thread pool per core
+each would fight over the same cores, and OpenMP threads spin while they wait. Set here, before
+any test module imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+# Test files that run whole on one xdist worker, because their tests share a costly set-up
+# (loading the sentence encoder and encoding the shared data, or starting a gateway and importing
+# schemathesis, takes seconds). Every other test is a unit of its own. The biggest units are
+# handed out first, so they start early instead of finishing alone at the end.
+ONE_WORKER = {
+    "tests/predictor/test_predictors.py": "sentence-encoder",
+    "tests/predictor/test_encoder_backends.py": "sentence-encoder",
+    "tests/gateway/test_schemathesis.py": "api-fuzz",  # one gateway, schemathesis imported once
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's own ``loadgroup`` (``xdist_group`` marks) does not group under pytest ≥ 9.2, which
+    derives node ids instead of letting plugins rename them; this keys work units by file here."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return ONE_WORKER.get(nodeid.split("::", 1)[0], nodeid)
+
+    return FileGroups(config, log)
