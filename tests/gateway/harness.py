@@ -131,11 +131,10 @@ async def answering(redis, pool: str = "default", text: str = "ok"):
 
     async def loop() -> None:
         while not stop.is_set():
-            js = await redis.rpop(bus.pool_keys(pool).incoming)
-            if js is None:
-                await asyncio.sleep(0.002)
+            got = await redis.brpop([bus.pool_keys(pool).incoming], timeout=0.05)  # wakes on a push
+            if got is None:
                 continue
-            req = ProfiledRequest.from_dict(json.loads(js))
+            req = ProfiledRequest.from_dict(json.loads(got[1]))
             await publish(redis, req.id, StreamEvent.delta(text, 1, [100]))
             await publish(redis, req.id, end(text, 1))
 
