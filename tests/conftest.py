@@ -7,13 +7,38 @@ any test module imports torch.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 
 import pytest
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+_finished = False
+
+if _WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
+def pytest_unconfigure(config) -> None:
+    global _finished
+    _finished = True
+
+
+def _skip_interpreter_teardown() -> None:
+    """An xdist worker has sent every report by the time it unconfigures; what is left is the
+    interpreter's own tear-down of torch, transformers and friends, which takes seconds while
+    the whole run waits for it. Registered before any other exit handler, so it runs after all
+    of them (atexit runs last-registered first); a worker that did not finish exits normally."""
+    if _finished:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+if _WORKER:
+    atexit.register(_skip_interpreter_teardown)
 
 # Test files that run whole on one xdist worker, because their tests share a costly set-up
 # (loading the sentence encoder and encoding the shared data, or starting a gateway and importing
