@@ -40,14 +40,21 @@ def _skip_interpreter_teardown() -> None:
 if _WORKER:
     atexit.register(_skip_interpreter_teardown)
 
-# Test files that run whole on one xdist worker, because their tests share a costly set-up
-# (loading the sentence encoder and encoding the shared data, or starting a gateway and importing
-# schemathesis, takes seconds). Every other test is a unit of its own. The biggest units are
-# handed out first, so they start early instead of finishing alone at the end.
+# Test files that run whole on one xdist worker, because their tests share a costly set-up.
+# "models": the files whose tests build HF models or load the sentence encoder — importing
+# transformers' model classes and sentence-transformers, loading the encoder and encoding the
+# shared data take seconds, paid once on one worker, which the other never pays. "api-fuzz": one
+# gateway, schemathesis imported once. Every other test is a unit of its own; the biggest units
+# are handed out first, so they start early instead of finishing alone at the end.
 ONE_WORKER = {
-    "tests/predictor/test_predictors.py": "sentence-encoder",
-    "tests/predictor/test_encoder_backends.py": "sentence-encoder",
-    "tests/gateway/test_schemathesis.py": "api-fuzz",  # one gateway, schemathesis imported once
+    "tests/predictor/test_predictors.py": "models",
+    "tests/predictor/test_encoder_backends.py": "models",
+    "tests/workers/test_decode.py": "models",
+    "tests/deployer/test_deployer_device_map.py": "models",
+    "tests/deployer/test_deployer_helr.py": "models",
+    "tests/deployer/test_deployer_cli.py": "models",
+    "tests/bench/test_roofline.py": "models",
+    "tests/gateway/test_schemathesis.py": "api-fuzz",
 }
 
 

@@ -12,7 +12,6 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from cohort.settings import DEFAULT_MODEL, Settings
 from cohort.tokenizer import load_tokenizer
@@ -37,12 +36,18 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
 
 
 def tiny_llama_config(vocab_size: int, pad_id: int, eos_id: int, bos_id: int | None):
+    # transformers' model classes pull in torch._dynamo (seconds): imported when a model is built,
+    # not by every process that imports the worker package (the CLI, the batcher, `cohort --help`).
+    from transformers import LlamaConfig
+
     return LlamaConfig(vocab_size=vocab_size, pad_token_id=pad_id, eos_token_id=eos_id,
                        bos_token_id=bos_id, tie_word_embeddings=True, **TINY_LLAMA)
 
 
 def load_model(settings: Settings) -> tuple[Any, Any, torch.device]:
     """(model, tokenizer, input device). Honours COHORT_DEVICE_MAP=helr|he|lr via the deployer."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # seconds to import: see above
+
     # HELR plans use nvidia-smi indices; make CUDA number devices the same way (before CUDA starts).
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     tok = load_tokenizer(settings.model)

@@ -73,10 +73,12 @@ def test_tiny_preset_is_the_built_in_model():
     parameter count, the dtype the worker picks on a CPU."""
     torch = pytest.importorskip("torch")  # torch and transformers: this test only
     model = pytest.importorskip("workers.model")
+    from transformers import LlamaForCausalLM  # the model classes: this test only
+
     tok = load_tokenizer(DEFAULT_MODEL)
     cfg = model.tiny_llama_config(len(tok), tok.pad_token_id, tok.eos_token_id, tok.cls_token_id)
     with torch.device("meta"):
-        params = sum(p.numel() for p in model.LlamaForCausalLM(cfg).parameters())
+        params = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
     m = MODELS["tiny"]
     assert (m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim) == (
         cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
