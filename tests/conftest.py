@@ -64,6 +64,10 @@ def pytest_xdist_make_scheduler(config, log):
     derives node ids instead of letting plugins rename them; this keys work units by file here."""
     from xdist.scheduler import LoadScopeScheduling
 
+    missing = [path for path in ONE_WORKER if not (config.rootpath / path).is_file()]
+    if missing:  # a renamed file would silently lose its grouping
+        raise pytest.UsageError(f"tests/conftest.py ONE_WORKER names files that do not exist: {missing}")
+
     class FileGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return ONE_WORKER.get(nodeid.split("::", 1)[0], nodeid)
