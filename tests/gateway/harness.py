@@ -23,6 +23,19 @@ from gateway.app import create_app
 from gateway.submit import PoolView
 
 THETA, DELTA = 1 << 30, 2048
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def post_alone(tmp: Path, path: str, body: dict, **kw) -> tuple[object, httpx.Response, int]:
+    """(app, response, requests waiting in the default pool) for one request to a fresh gateway
+    (settings ``kw``). The body goes out as raw JSON, so lone surrogates reach the server as such."""
+    async def scenario():
+        async with gateway(tmp, **kw) as (app, client, redis):
+            raw = json.dumps(body).encode("utf-8", "surrogatepass")
+            r = await client.post(path, content=raw, headers={"content-type": "application/json"})
+            return app, r, await redis.llen(bus.pool_keys("default").incoming)
+
+    return asyncio.run(scenario())
 
 
 def settings(tmp: Path, **kw) -> Settings:

@@ -14,10 +14,9 @@ from sqlalchemy import select
 
 from cohort import bus
 from cohort.logdb import requests
-from tests.gateway.harness import gateway, next_request
+from tests.gateway.harness import MSG, gateway, next_request
 
 KEYS = bus.pool_keys("default")
-MSG = [{"role": "user", "content": "hi"}]
 
 
 def _statuses(app) -> list[str]:

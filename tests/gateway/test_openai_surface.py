@@ -14,9 +14,8 @@ from transformers import AutoTokenizer
 from cohort import bus
 from cohort.settings import DEFAULT_MODEL
 from cohort.tokenizer import tokenizer_path
-from tests.gateway.harness import gateway, next_request, register, sse_data, worker
+from tests.gateway.harness import MSG, gateway, next_request, post_alone, register, sse_data, worker
 
-MSG = [{"role": "user", "content": "hi"}]
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -93,12 +92,7 @@ def test_model_routes_to_its_pool_and_withdrawals_go_there(tmp_path):
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}, "messages.1"),
 ])
 def test_unsupported_chat_fields_are_a_400_naming_them(tmp_path, extra, param):
-    async def scenario():
-        async with gateway(tmp_path) as (_, client, redis):
-            r = await client.post("/v1/chat/completions", json={"messages": MSG, **extra})
-            return r, await redis.llen(bus.pool_keys("default").incoming)
-
-    r, queued = asyncio.run(scenario())
+    _, r, queued = post_alone(tmp_path, "/v1/chat/completions", {"messages": MSG, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert queued == 0
 

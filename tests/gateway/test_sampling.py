@@ -6,11 +6,8 @@ import asyncio
 
 import pytest
 
-from cohort import bus
 from cohort.types import SamplingParams
-from tests.gateway.harness import gateway, worker
-
-MSG = [{"role": "user", "content": "hi"}]
+from tests.gateway.harness import MSG, gateway, post_alone, worker
 
 
 def test_sampling_parameters_reach_the_worker(tmp_path):
@@ -47,12 +44,7 @@ def test_sampling_parameters_reach_the_worker(tmp_path):
     ({"temperature": 3}, "temperature"),
 ])
 def test_out_of_range_is_a_clear_400(tmp_path, extra, param):
-    async def scenario():
-        async with gateway(tmp_path) as (_, client, redis):
-            r = await client.post("/v1/chat/completions", json={"messages": MSG, **extra})
-            return r, await redis.llen(bus.pool_keys("default").incoming)
-
-    r, queued = asyncio.run(scenario())
+    _, r, queued = post_alone(tmp_path, "/v1/chat/completions", {"messages": MSG, **extra})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]

@@ -14,9 +14,7 @@ from sqlalchemy import func, select
 from bench.chaos import BAD_BODIES
 from cohort import bus
 from cohort.logdb import requests
-from tests.gateway.harness import answering, gateway, next_request
-
-MSG = [{"role": "user", "content": "hi"}]
+from tests.gateway.harness import MSG, answering, gateway, next_request, post_alone
 
 
 def _rows(app) -> int:
@@ -59,12 +57,7 @@ def test_every_bad_body_gets_its_expected_answer(tmp_path):
     ({"input": "ok \ud800"}, "input", "invalid_text"),
 ])
 def test_generate_refusals_name_the_field(tmp_path, body, param, code):
-    async def scenario():
-        async with gateway(tmp_path, max_text_chars=1000) as (app, client, _):
-            raw = json.dumps(body).encode("utf-8", "surrogatepass")
-            return app, await client.post("/v1/generate", content=raw, headers={"content-type": "application/json"})
-
-    app, r = asyncio.run(scenario())
+    app, r, _ = post_alone(tmp_path, "/v1/generate", body, max_text_chars=1000)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == (param, code), err
@@ -81,12 +74,7 @@ def test_generate_refusals_name_the_field(tmp_path, body, param, code):
     ("/v1/completions", {"prompt": [5, 2**70]}, "prompt"),
 ])
 def test_openai_refusals_name_the_field(tmp_path, path, body, param):
-    async def scenario():
-        async with gateway(tmp_path, max_text_chars=1000) as (_, client, _r):
-            raw = json.dumps(body).encode("utf-8", "surrogatepass")
-            return await client.post(path, content=raw, headers={"content-type": "application/json"})
-
-    r = asyncio.run(scenario())
+    _, r, _ = post_alone(tmp_path, path, body, max_text_chars=1000)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
