@@ -124,8 +124,8 @@ class Relay:
         request fails or is withdrawn (499 client gone, 504 deadline)."""
         t, m = self.ticket, self.st.metrics
         try:
-            async for ev in read_events(self.st.redis, t.request.id, t.deadline, self.disconnected,
-                                            self.st.settings.disconnect_check_s):
+            async for ev in read_events(self.st.redis, t.request.id, t.deadline,
+                                        self.st.settings.disconnect_check_s, self.disconnected):
                 if ev.kind is StreamKind.DELTA:
                     self._take_logprobs(ev)
                     if ev.tokens > self.sent_tokens and ev.text:

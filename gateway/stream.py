@@ -27,9 +27,8 @@ class Withdrawn(Exception):
         self.code = code
 
 
-async def read_events(redis, request_id: str, deadline: float,
-                      disconnected: Callable[[], Awaitable[bool]] | None = None,
-                      slice_s: float = 1.0) -> AsyncIterator[StreamEvent]:
+async def read_events(redis, request_id: str, deadline: float, slice_s: float,
+                      disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[StreamEvent]:
     """The request's events in order, ending after the first final (end/error) one.
 
     ``deadline`` is a ``time.monotonic()`` instant; ``disconnected`` is polled between slices of
