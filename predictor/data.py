@@ -45,17 +45,15 @@ def records_to_items(records: Sequence[Record], model: str = DEFAULT_MODEL
 def magnus_feature_matrix(items: Sequence[PredictItem], cache_dir: str | Path | None,
                           encoder_path: str | None = None, show_progress: bool = False) -> np.ndarray:
     """Magnus features for many items, through the on-disk embedding cache when one is given."""
+    cache = EmbeddingCache(cache_dir, encoder_path) if cache_dir is not None else None
 
-    if cache_dir is None:
+    def vectors(texts: list[str], progress: bool = False) -> np.ndarray:
+        if cache is not None:
+            return cache.encode(texts, show_progress=progress)
+        return encode(texts, encoder_path, show_progress=progress)
 
-        user = encode([it.user_input for it in items], encoder_path, show_progress=show_progress)
-        app_texts = list(dict.fromkeys(it.instruction for it in items))
-        app_map = dict(zip(app_texts, encode(app_texts, encoder_path), strict=True))
-    else:
-
-        cache = EmbeddingCache(cache_dir, encoder_path)
-        user = cache.encode([it.user_input for it in items], show_progress=show_progress)
-        app_texts = list(dict.fromkeys(it.instruction for it in items))
-        app_map = dict(zip(app_texts, cache.encode(app_texts), strict=True))
+    user = vectors([it.user_input for it in items], show_progress)
+    app_texts = list(dict.fromkeys(it.instruction for it in items))
+    app_map = dict(zip(app_texts, vectors(app_texts), strict=True))
     app = np.stack([app_map[it.instruction] for it in items])
     return magnus_features(user, app, np.array([it.input_tokens for it in items]))

@@ -139,7 +139,6 @@ class OnnxSentenceEncoder:
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         steps = range(0, len(order), batch_size)
         if show_progress_bar:
-
             steps = tqdm(steps, desc="encode (onnx)")
         pad = int(self.tokenizer.pad_token_id or 0)
         for start in steps:

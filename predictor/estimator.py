@@ -81,7 +81,6 @@ class KNNBatchTime:
     kind = "knn"
 
     def __init__(self, n_neighbors: int = 5) -> None:
-
         self.n_neighbors = int(n_neighbors)
         self.model = make_pipeline(StandardScaler(),
                                    KNeighborsRegressor(n_neighbors=self.n_neighbors, weights="distance"))

@@ -164,7 +164,6 @@ def seed_predictor_store(settings: Settings, limit_per_file: int | None = 500) -
         path.touch()
         return 0
     try:
-
         files = data_files()
         recs = load_split(files, "train", limit_per_file=limit_per_file)
         items, y = records_to_items(recs, settings.model)

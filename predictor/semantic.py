@@ -85,7 +85,6 @@ class SemanticPredictor:
         return out
 
     def _sparse(self, items: Sequence[PredictItem], shape: np.ndarray):
-
         return sp.hstack([self.tfidf_instruction.transform([it.instruction for it in items]),
                           self.tfidf_input.transform([it.user_input for it in items]),
                           sp.csr_matrix(shape)]).tocsr()
@@ -96,7 +95,6 @@ class SemanticPredictor:
         return np.hstack([ridge_est.reshape(-1, 1), app, user, shape]).astype(np.float32)
 
     def fit(self, items: Sequence[PredictItem], targets: Sequence[float]) -> SemanticPredictor:
-
         y = np.log1p(np.maximum(np.asarray(targets, dtype=float), 0.0))
         shape = shape_features(items)
         self.tfidf_instruction.fit([it.instruction for it in items])
@@ -126,7 +124,6 @@ class SemanticPredictor:
         return np.maximum(np.expm1(self.model.predict(self._dense(items, shape, ridge_est))), 1.0)
 
     def save(self, directory: Path, meta: dict | None = None) -> None:
-
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         for name in PARTS:
@@ -136,7 +133,6 @@ class SemanticPredictor:
 
     @classmethod
     def load(cls, directory: Path) -> SemanticPredictor:
-
         directory = Path(directory)
         meta = json.loads((directory / META_FILE).read_text())
         if meta.get("kind") != cls.kind:

@@ -113,7 +113,6 @@ def predict_items(model: LengthPredictor, items: Sequence[PredictItem], cache_di
                   batch_size: int = 256) -> np.ndarray:
     """Predictions for many items; Magnus goes through the embedding cache when one is given."""
     if getattr(model, "kind", "") == "magnus" and cache_dir is not None:
-
         x = magnus_feature_matrix(items, cache_dir, getattr(model, "encoder_path", None))
         return model.predict_features(x)
     out = [model.predict(items[i:i + batch_size]) for i in range(0, len(items), batch_size)]
