@@ -158,7 +158,7 @@ def _write(result: dict[str, Any], json_out: Path | None, plot: Path | None) -> 
 def sim(
     data: list[Path] = typer.Option(None, help="Shared-data JSONL files (repeat); default: the 8 Magnus tasks."),
     predictor: str = typer.Option("oracle", help="Predictor model dir (cohort predictor train), or 'oracle'."),
-    policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated NAME[+oracle][@EXECUTION[/RECOVERY]]; "
+    policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated NAME\\[+oracle]\\[@EXECUTION\\[/RECOVERY]]; "
                                  "+oracle feeds true lengths; without @ a name runs under every --execution."),
     execution: str = typer.Option("elastic", help="Comma-separated execution modes: static (rows stay until the "
                                   "longest ends, the papers) | elastic (rows leave as they finish)."),
