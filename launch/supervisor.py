@@ -15,8 +15,9 @@ import os
 import signal
 import time
 
-from cohort.settings import get_settings
-from launch.stack import EmbeddedRedis, Stack
+from cohort.settings import Settings
+from procstack.embedded_redis import EmbeddedRedis
+from procstack.stack import Stack
 
 log = logging.getLogger("cohort.serve")
 MAX_RESTARTS = 5
@@ -38,8 +39,7 @@ class RestartBudget:
         return True
 
 
-def serve_all(host: str | None = None, port: int | None = None, with_learning: bool = True) -> int:
-    s = get_settings()
+def serve_all(s: Settings, host: str | None = None, port: int | None = None, with_learning: bool = True) -> int:
     host, port = host or s.host, port or s.port
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from launch.stack import Stack
 from launch.supervisor import RestartBudget
+from procstack.stack import Stack
 
 
 def test_restart_budget_allows_a_few_restarts_per_window():

@@ -2,6 +2,11 @@
 
 The visibility timeout must be longer than the longest batch, or Redis hands a running batch
 to a second worker; it is set in the broker, result-backend and app options (SPEC "Workers").
+
+The app exists at import (the task modules decorate their functions with it) but holds no
+settings until an entry point passes them (``configure_celery``); a process that never does —
+``celery -A workers.celery_app:celery_app flower`` in docker-compose — reads them from the
+environment when Celery first looks at its configuration, not when this module is imported.
 """
 
 from __future__ import annotations
@@ -20,40 +25,67 @@ LEARNING_QUEUE = "cohort.learning"
 RETRAIN_TASKS = {"predictor": "cohort.retrain_predictor", "estimator": "cohort.retrain_estimator"}
 
 
-def make_celery() -> Celery:
-    s = get_settings()
+def celery_config(s: Settings) -> dict[str, Any]:
+    """The Celery configuration for one set of settings."""
     url = s.redis_url or "redis://127.0.0.1:6379/0"  # only used when a task is actually sent
     transport = {"visibility_timeout": s.visibility_timeout_s}
-    app = Celery("cohort", broker=url, backend=url,
-                 include=["workers.tasks", "workers.learning_tasks"])
-    app.conf.update(
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        event_serializer="json",
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        task_ignore_result=True,
-        broker_transport_options=transport,
-        result_backend_transport_options=transport,
-        visibility_timeout=s.visibility_timeout_s,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-        task_default_queue=queue_for_pool(s.pool),
-        task_routes={
+    return {
+        "broker_url": url,
+        "result_backend": url,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_ignore_result": True,
+        "broker_transport_options": transport,
+        "result_backend_transport_options": transport,
+        "visibility_timeout": s.visibility_timeout_s,
+        "broker_connection_retry_on_startup": True,
+        "worker_hijack_root_logger": False,
+        "task_default_queue": queue_for_pool(s.pool),
+        "task_routes": {
             RUN_BATCH: {"queue": queue_for_pool(s.pool)},
             **{name: {"queue": LEARNING_QUEUE} for name in RETRAIN_TASKS.values()},
         },
-        beat_schedule={
+        "beat_schedule": {
             "retrain-predictor": {"task": RETRAIN_TASKS["predictor"], "schedule": s.predictor_retrain_every_s},
             "retrain-estimator": {"task": RETRAIN_TASKS["estimator"], "schedule": s.estimator_retrain_every_s},
         },
-    )
+    }
+
+
+class _SettingsPromise:
+    """Celery's lazy defaults: the configuration of the settings handed over by then, else of
+    the environment's, computed when Celery first reads its configuration."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings
+
+    def __call__(self) -> dict[str, Any]:
+        return celery_config(self.settings or get_settings())
+
+
+def make_celery(settings: Settings | None = None, promise: _SettingsPromise | None = None) -> Celery:
+    """A Celery app configured from ``settings``, or, when none are given, from the environment
+    the first time its configuration is read (nothing is read at construction)."""
+    app = Celery("cohort", include=["workers.tasks", "workers.learning_tasks"])
+    app.add_defaults(promise or _SettingsPromise(settings))
     return app
 
 
-celery_app = make_celery()
+_promise = _SettingsPromise()
+celery_app = make_celery(promise=_promise)
+
+
+def configure_celery(settings: Settings) -> None:
+    """Hand an entry point's settings to the process's app, before or after its configuration
+    was first read."""
+    _promise.settings = settings
+    if celery_app.configured:
+        celery_app.conf.update(celery_config(settings))
 
 
 def batch_sender(settings: Settings) -> Callable[[Batch], None]:

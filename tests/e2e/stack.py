@@ -11,7 +11,8 @@ from pathlib import Path
 
 import redis
 
-from launch.stack import EmbeddedRedis, Stack, free_port
+from procstack.embedded_redis import EmbeddedRedis
+from procstack.stack import Stack, free_port
 
 TEST_DBS = range(1, 16)
 LOCK = "cohort-test:owner"

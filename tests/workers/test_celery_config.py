@@ -26,3 +26,21 @@ def test_json_only_late_acks_prefetch_one_and_visibility_timeout(monkeypatch):
     assert conf.task_routes["cohort.retrain_predictor"]["queue"] == "cohort.learning"
     assert {e["task"] for e in conf.beat_schedule.values()} == {"cohort.retrain_predictor",
                                                                "cohort.retrain_estimator"}
+
+
+def test_settings_are_read_when_first_needed_or_taken_as_given(monkeypatch):
+    """No settings are built when the app is made (the module's import makes one); given
+    settings win over the environment."""
+    from cohort.settings import Settings, get_settings
+
+    monkeypatch.setenv("COHORT_VISIBILITY_TIMEOUT_S", "7300")
+    get_settings.cache_clear()
+    try:
+        app = make_celery()
+        assert not app.configured and get_settings.cache_info().currsize == 0
+        assert app.conf.visibility_timeout == 7300 and get_settings.cache_info().currsize == 1
+    finally:
+        get_settings.cache_clear()
+    given = make_celery(Settings(visibility_timeout_s=900, pool="second", redis_url="redis://h:1/3"))
+    assert given.conf.visibility_timeout == 900 and given.conf.broker_url == "redis://h:1/3"
+    assert given.conf.task_default_queue == queue_for_pool("second")

