@@ -28,7 +28,7 @@ from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import Policy, PolicyContext, make_policy, planning_memory
 from cohort import bus
-from cohort.logdb import fail_stale_queued, finish_request, get_engine
+from cohort.logdb import fail_stale_queued, finish_request, get_db_engine
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, dumps
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest, new_id
@@ -129,7 +129,7 @@ class BatcherService:
         """Fail log-DB rows left ``queued`` past the gateway's timeout (see logdb.fail_stale_queued)."""
         self._last_sweep = now
         cutoff = now - self.settings.request_timeout_s - SWEEP_EVERY_S
-        n = fail_stale_queued(get_engine(self.settings.database_url), cutoff,
+        n = fail_stale_queued(get_db_engine(self.settings.database_url), cutoff,
                               "never scheduled: lost before the batcher received it")
         if n:
             log.warning("marked %d request record(s) failed that stayed queued past the timeout", n)
@@ -353,7 +353,7 @@ class BatcherService:
         if not requests:
             return
         self.redis.hincrby(bus.STATS, "requests_failed", len(requests))
-        db = get_engine(self.settings.database_url)
+        db = get_db_engine(self.settings.database_url)
         for r in requests:  # record first, then answer: a client that sees the error finds the record
             finish_request(db, r.id, status="failed", error=message)
             bus.publish_now(self.redis, r.id, StreamEvent.error(code, message))

@@ -78,7 +78,7 @@ batches = Table(
 
 
 @lru_cache(maxsize=8)
-def get_engine(url: str) -> Engine:
+def get_db_engine(url: str) -> Engine:
     """One engine per URL per process; creates the tables (and the SQLite folder) on first use."""
     if url.startswith("sqlite:///"):
         path = url.removeprefix("sqlite:///")

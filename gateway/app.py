@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from cohort import bus
-from cohort.logdb import get_engine
+from cohort.logdb import get_db_engine
 from cohort.settings import Settings, get_settings
 from cohort.tokenizer import prompt_token_counts
 from gateway import openapi as openapi_doc
@@ -35,7 +35,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         st = app.state
         st.redis = bus.connect_async(s.resolved_redis_url)
         st.pool = PoolView(s, st.redis)
-        st.db = get_engine(s.database_url)
+        st.db = get_db_engine(s.database_url)
         await run_in_threadpool(st.predictor.warmup)
         await run_in_threadpool(prompt_token_counts, ["warm up"], s.model)
         reloader = asyncio.create_task(_reload_loop(st.predictor))

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from cohort.datasets import data_files, load_split
-from cohort.logdb import finished_batches, finished_requests, get_engine
+from cohort.logdb import finished_batches, finished_requests, get_db_engine
 from cohort.settings import Settings
 from predictor.base import PredictItem
 from predictor.data import records_to_items
@@ -219,7 +219,7 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
             seed_limit_per_file = settings.learning_seed_rows_per_task
         seeded = seed_predictor_store(settings, seed_limit_per_file)
         since = float(load_state(settings).get("predictor_since", 0.0))
-        rows = finished_requests(get_engine(settings.database_url), since)
+        rows = finished_requests(get_db_engine(settings.database_url), since)
         served = [r for r in rows if r.get("model") in (None, settings.model)]
         picked = select_predictor_rows(served)
         new = [{"instruction": r.get("instruction") or "", "user_input": r.get("user_input") or "",
@@ -319,7 +319,7 @@ def retrain_estimator(settings: Settings, force: bool = False, n_neighbors: int 
             _append_jsonl(store, prof)
             seeded = len(prof)
         since = float(load_state(settings).get("estimator_since", 0.0))
-        rows = [r for r in finished_batches(get_engine(settings.database_url), since)
+        rows = [r for r in finished_batches(get_db_engine(settings.database_url), since)
                 if r.get("batch_time_s") is not None and r.get("size") and r.get("actual_gen_len") is not None]
         est = current_estimator(settings)
         shapes = [(int(r["size"]), int(r["input_len"] or 0), int(r["actual_gen_len"])) for r in rows]

@@ -31,7 +31,7 @@ import numpy as np
 import typer
 
 from cohort.datasets import data_files, load_split
-from cohort.logdb import finish_request, get_engine, record_request
+from cohort.logdb import finish_request, get_db_engine, record_request
 from cohort.settings import Settings
 from predictor.conformal import coverage, predict_bounds
 from predictor.data import records_to_items
@@ -65,7 +65,7 @@ def main(kind: str = typer.Option("magnus_fast", help="Predictor kind to retrain
         actual = np.maximum(1, np.ceil(verbosity * ref))
         model_v1 = load_predictor(reg.path(v1))
         pred_v1 = model_v1.predict(items[:served])
-        engine = get_engine(s.database_url)
+        engine = get_db_engine(s.database_url)
         now = time.time()
         for i, it in enumerate(items[:served]):
             rid = f"req-{i}"

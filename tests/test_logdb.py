@@ -12,7 +12,7 @@ from cohort.logdb import (
     finish_request,
     finished_batches,
     finished_requests,
-    get_engine,
+    get_db_engine,
     record_batch,
     record_request,
     requests,
@@ -22,7 +22,7 @@ from cohort.logdb import (
 @pytest.fixture
 def db(tmp_path):
     """The embedded default; tests/e2e/test_logdb_postgres.py runs these same tests on PostgreSQL."""
-    return get_engine(f"sqlite:///{tmp_path}/log.db")
+    return get_db_engine(f"sqlite:///{tmp_path}/log.db")
 
 
 def test_request_lifecycle_and_learning_queries(db):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import redis
 
 from cohort import bus
-from cohort.logdb import get_engine
+from cohort.logdb import get_db_engine
 from cohort.protocol import dumps
 from cohort.settings import Settings
 from cohort.types import InstanceInfo
@@ -94,7 +94,7 @@ def start(settings: Settings) -> Runtime:
                             device=str(engine.device), started=time.time(),
                             served_model_name=settings.served_model_name or settings.model)
         rt = Runtime(settings, engine, bus.connect(settings.resolved_redis_url),
-                     get_engine(settings.database_url), info)
+                     get_db_engine(settings.database_url), info)
         rt.start_heartbeat()
         log.info("instance %s registered in pool %s: Θ=%d bytes, Δ=%d bytes/token", name, settings.pool,
                  info.theta_bytes, info.delta_bytes)

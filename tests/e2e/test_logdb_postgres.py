@@ -9,7 +9,7 @@ import uuid
 import pytest
 from sqlalchemy import create_engine, text
 
-from cohort.logdb import get_engine
+from cohort.logdb import get_db_engine
 from tests.test_logdb import (  # noqa: F401 - collected here again, with this module's ``db``
     test_batch_records_are_idempotent_upserts,
     test_request_lifecycle_and_learning_queries,
@@ -33,7 +33,7 @@ def _pg_url():
     url = PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
 
     def drop():
-        get_engine(url).dispose()
+        get_db_engine(url).dispose()
         with admin.connect() as c:
             c.execute(text(f"DROP DATABASE IF EXISTS {name}"))
         admin.dispose()
@@ -43,5 +43,5 @@ def _pg_url():
 @pytest.fixture
 def db():
     url, drop = _pg_url()
-    yield get_engine(url)
+    yield get_db_engine(url)
     drop()

@@ -15,7 +15,7 @@ import httpx
 from fakeredis import aioredis
 
 from cohort import bus
-from cohort.logdb import get_engine
+from cohort.logdb import get_db_engine
 from cohort.protocol import FinishReason, StreamEvent, StreamKind
 from cohort.settings import Settings
 from cohort.types import InstanceInfo, ProfiledRequest
@@ -63,7 +63,7 @@ async def wire(app) -> None:
     st = app.state
     st.redis = aioredis.FakeRedis(decode_responses=True)
     st.pool = PoolView(st.settings, st.redis)
-    st.db = get_engine(st.settings.database_url)
+    st.db = get_db_engine(st.settings.database_url)
     info = InstanceInfo("i0", st.settings.pool, st.settings.model, THETA, DELTA)
     await st.redis.hset(bus.INSTANCES, "i0", json.dumps(info.to_dict()))
     await st.redis.set(bus.alive_key("i0"), "1")

@@ -1,7 +1,7 @@
 import json
 import time
 
-from cohort.logdb import get_engine, record_batch, record_request
+from cohort.logdb import get_db_engine, record_batch, record_request
 from predictor import learning
 from predictor.registry import Registry
 
@@ -44,7 +44,7 @@ def _log_requests(engine, n, t0, pred, actual):
 
 
 def test_retrain_predictor_incremental(settings):
-    engine = get_engine(settings.database_url)
+    engine = get_db_engine(settings.database_url)
     t0 = time.time()
     _log_requests(engine, 30, t0, pred=5, actual=60)      # all badly predicted
     _log_requests(engine, 5, t0 + 1, pred=61, actual=60)  # well predicted: not added
@@ -73,7 +73,7 @@ def test_retrain_estimator_from_profile_and_log(settings):
     prof.write_text(json.dumps({"samples": samples}))
     out = learning.retrain_estimator(settings)
     assert out["retrained"] and out["n_train"] == len(samples) and out["n_added"] == 0
-    engine = get_engine(settings.database_url)
+    engine = get_db_engine(settings.database_url)
     t = time.time()
     # a batch far slower than anything profiled (30 s): selected; a well-estimated one: not
     record_batch(engine, {"id": "b1", "created": t, "finished": t, "size": 16, "input_len": 128,
