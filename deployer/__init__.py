@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deployer.helr import DeploymentInfeasible
+from deployer.helr_cost import DeploymentInfeasible
 
 __all__ = ["DeploymentInfeasible", "plan_device_map"]
 

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from deployer.helr import DeploymentInfeasible, fmt_bytes
-from deployer.topology import GB, load_cluster
+from deployer.cluster import GB
+from deployer.helr_cost import DeploymentInfeasible, fmt_bytes
+from deployer.topology import load_cluster
 
 if TYPE_CHECKING:
     from deployer.planner import Deployment

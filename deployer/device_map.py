@@ -26,7 +26,7 @@ import torch
 from accelerate import infer_auto_device_map
 from accelerate.utils import get_balanced_memory
 
-from deployer.helr import Plan, Problem
+from deployer.helr_cost import Plan, Problem
 from deployer.model_shape import ModelShape, Unit
 
 #: Relative performance and hop latency (ms) assumed for modules accelerate puts on the CPU

@@ -15,10 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from deployer.cluster import GB, Cluster
 from deployer.device_map import MapCost, balanced_map, evaluate_map, even_split_map, plan_map, usable_memory
-from deployer.helr import MODES, Plan, Problem, solve
+from deployer.helr import solve
+from deployer.helr_cost import MODES, Plan, Problem
 from deployer.model_shape import ModelShape, load_model_shape
-from deployer.topology import GB, Cluster, load_cluster
+from deployer.topology import load_cluster
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import deployer
+from deployer.cluster import Cluster, Device
 from deployer.device_map import (
     balanced_map,
     evaluate_map,
@@ -17,10 +18,9 @@ from deployer.device_map import (
     usable_memory,
     validate_device_map,
 )
-from deployer.helr import Problem
+from deployer.helr_cost import Problem
 from deployer.model_shape import load_model_shape, shape_from_module
 from deployer.planner import build_problem, plan_deployment
-from deployer.topology import Cluster, Device
 
 
 def tensor_names(model: nn.Module) -> list[str]:

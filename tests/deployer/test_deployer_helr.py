@@ -9,9 +9,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from deployer.helr import EXACT_LIMIT, MODES, DeploymentInfeasible, Plan, Problem, best_plan, solve
+from deployer.cluster import GB
+from deployer.helr import EXACT_LIMIT, solve
+from deployer.helr_cost import MODES, DeploymentInfeasible, Plan, Problem, best_plan
 from deployer.planner import plan_deployment
-from deployer.topology import GB, load_cluster
+from deployer.topology import load_cluster
 
 
 def random_problem(rng: np.random.Generator, n: int, **overrides) -> Problem:

@@ -5,17 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deployer import topology
-from deployer.topology import (
-    GB,
-    MIB,
-    cluster_from_dict,
-    is_topo_text,
-    link_class,
-    load_cluster,
-    parse_gpu_csv,
-    parse_topo_text,
-)
+from cohort.units import MIB
+from deployer import gpu_probe
+from deployer.cluster import GB, link_class
+from deployer.cluster_files import cluster_from_dict, is_topo_text, parse_gpu_csv, parse_topo_text
+from deployer.topology import load_cluster
 
 DGX_LIKE = """\
 \tGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity
@@ -106,6 +100,6 @@ def test_detection_and_merge(examples):
 
 
 def test_topo_text_without_memory_is_a_clear_error(examples, monkeypatch):
-    monkeypatch.setattr(topology, "probe_gpus", lambda: [])
+    monkeypatch.setattr(gpu_probe, "probe_gpus", lambda: [])
     with pytest.raises(ValueError, match="--gpus"):
         load_cluster(examples / "thesis_4gpu_topo.txt")
