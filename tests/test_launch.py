@@ -1,12 +1,19 @@
-"""The entry points refuse a misspelt policy at start-up."""
+"""The entry points refuse a misspelt policy at start-up, and start the gateway's uvicorn with
+the limits the settings give."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import pytest
 import typer
+import uvicorn
 
-from cohort.settings import get_settings
-from launch.cli import checked_settings
+from cohort.settings import Settings, get_settings
+from launch.cli import checked_settings, gateway_server_options
+from procstack.stack import free_port
 
 
 def test_an_unknown_policy_is_refused_at_start(monkeypatch):
@@ -20,3 +27,66 @@ def test_an_unknown_policy_is_refused_at_start(monkeypatch):
         assert checked_settings().policy == "s3-hrrn"
     finally:
         get_settings.cache_clear()
+
+
+def test_gateway_server_options_carry_the_settings():
+    s = Settings(_env_file=None, http_max_header_bytes=4096, http_limit_concurrency=7, http_keep_alive_s=3)
+    opts = gateway_server_options(s)
+    assert opts == {"http": "h11", "h11_max_incomplete_event_size": 4096, "limit_concurrency": 7,
+                    "timeout_keep_alive": 3}
+    config = uvicorn.Config("gateway.app:create_app", factory=True, **opts)  # names the installed uvicorn knows
+    assert (config.h11_max_incomplete_event_size, config.limit_concurrency, config.timeout_keep_alive) == (4096, 7, 3)
+
+
+async def _hello(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _raw(port: int, *parts: bytes) -> tuple[int, socket.socket]:
+    """Send a request in ``parts`` (a pause between them, so the server reads each on its own);
+    the status code of the answer and the open socket."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        for i, part in enumerate(parts):
+            if i:
+                time.sleep(0.05)
+            sock.sendall(part)
+    except OSError:  # the server answered and closed before it had read everything
+        pass
+    head = sock.recv(65536).split(b"\r\n", 1)[0]
+    return int(head.split()[1]), sock
+
+
+def test_a_real_uvicorn_with_those_options_refuses_a_huge_unfinished_head_and_too_many_clients():
+    s = Settings(_env_file=None, http_max_header_bytes=2048, http_limit_concurrency=2)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(_hello, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off", **gateway_server_options(s)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ok = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+        status, held = _raw(port, ok)
+        assert status == 200
+        status, other = _raw(port, ok)  # a second connection (the limit counts the one asking)
+        assert status == 503
+        other.close()
+        held.close()
+        time.sleep(0.05)  # the server notices the closed connection
+        # h11 bounds what it buffers of an unfinished head (2 KiB here, 16 KiB by h11's default):
+        # 1 KiB read, then the rest, passes; 5 KiB read with the head still open is refused.
+        for first, expected in ((1024, 200), (5000, 400)):
+            head = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n"
+            status, sock = _raw(port, head[:first], head[first:])
+            sock.close()
+            assert status == expected, first
+            time.sleep(0.05)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)

