@@ -40,7 +40,7 @@ class GPU:
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class RooflineShape:
     """What the roofline needs from a model config: parameter count and the KV geometry."""
 
     name: str
@@ -75,15 +75,15 @@ GPUS: dict[str, GPU] = {
     "h100-80gb": GPU("H100-80GB", 80 * GIB, 989e12, 3350e9),
 }
 
-MODELS: dict[str, ModelShape] = {
+MODELS: dict[str, RooflineShape] = {
     # THUDM/chatglm-6b: 28 layers, hidden 4096, 32 heads (no MQA in v1), 6.17 B parameters.
-    "chatglm-6b": ModelShape("ChatGLM-6B", 6.173e9, 28, 4096, 32, 32, 128),
+    "chatglm-6b": RooflineShape("ChatGLM-6B", 6.173e9, 28, 4096, 32, 32, 128),
     # LLaMA-7B: 32 layers, hidden 4096, 32 heads, 6.74 B parameters.
-    "llama-7b": ModelShape("Llama-7B", 6.738e9, 32, 4096, 32, 32, 128),
+    "llama-7b": RooflineShape("Llama-7B", 6.738e9, 32, 4096, 32, 32, 128),
     # The built-in model (cohort/tiny-random-llama, workers.model.TINY_LLAMA) as a CPU worker runs it,
     # in fp32: 4 layers, hidden 128, 4 heads, 2 KV heads of 32; 4.50 M parameters, 3.9 M of them the
     # MiniLM vocabulary's (30,522) tied embeddings (tests/bench/test_roofline.py checks the match).
-    "tiny": ModelShape("tiny-random-llama", 4_497_792, 4, 128, 4, 2, 32, dtype="float32"),
+    "tiny": RooflineShape("tiny-random-llama", 4_497_792, 4, 128, 4, 2, 32, dtype="float32"),
 }
 
 
@@ -154,7 +154,7 @@ class Instance:
     """One LLM instance: a model shape on a GPU. Gives Θ/Δ (KVMemory) and the batch-time model."""
 
     gpu: GPU
-    model: ModelShape
+    model: RooflineShape
     reserve_frac: float = 0.1
     compute_eff: float = 0.5
     bandwidth_eff: float = 0.8

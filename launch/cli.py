@@ -11,7 +11,7 @@ import typer
 import uvicorn
 
 from batcher.policies import POLICIES
-from batcher.service import run_batcher
+from batcher.process import run_batcher
 from bench.cli import app as bench_app
 from cohort.settings import Settings, get_settings
 from cohort.tokenizer import tokenizer_path

@@ -48,7 +48,7 @@ def _score(directory: Path, items: list, actual: np.ndarray) -> dict[str, float 
             "q90_coverage": None if upper is None else coverage(actual, upper)}
 
 
-def main(kind: str = typer.Option("magnus_fast", help="Predictor kind to retrain."),
+def served_shift_experiment(kind: str = typer.Option("magnus_fast", help="Predictor kind to retrain."),
          verbosity: float = typer.Option(1.5, help="Served model's length = this × reference length."),
          served: int = typer.Option(2000, help="Logged (served) requests used for retraining."),
          test: int = typer.Option(2000, help="Other served requests the two versions are scored on."),
@@ -85,4 +85,4 @@ def main(kind: str = typer.Option("magnus_fast", help="Predictor kind to retrain
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    typer.run(served_shift_experiment)

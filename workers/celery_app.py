@@ -89,7 +89,7 @@ def configure_celery(settings: Settings) -> None:
 
 
 def batch_sender(settings: Settings) -> Callable[[Batch], None]:
-    """How the batcher hands a batch to its pool: the run_batch task on the pool's queue, with the
+    """How the batcher hands a batch to its pool: the ``cohort.run_batch`` task on the pool's queue, with the
     batch id as the task id (a redelivery is recognised by it)."""
     queue = queue_for_pool(settings.pool)
 

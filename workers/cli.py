@@ -64,7 +64,7 @@ def beat(schedule_file: Path = Path("var/celerybeat-schedule")) -> None:
 def profile(out: Path = typer.Option(None, help="Where to store samples (default: data_dir)."),
             sizes: str = "1,4,16", input_lens: str = "16,128,512", gen_lens: str = "16,64,256") -> None:
     """Run a grid of batch shapes on the configured model and store (β, L, G, seconds) samples."""
-    from workers.engine import Engine  # torch + transformers: see worker()
+    from workers.engine import LLMEngine  # torch + transformers: see worker()
     from workers.profile import run_profile
 
     _setup_logging()
@@ -72,7 +72,7 @@ def profile(out: Path = typer.Option(None, help="Where to store samples (default
     grid = [(b, L, G) for b in map(int, sizes.split(",")) for L in map(int, input_lens.split(","))
             for G in map(int, gen_lens.split(","))]
     out = out or profile_samples_path(s)
-    engine = Engine(s)
+    engine = LLMEngine(s)
     too_big = [shape for shape in grid if not engine.fits(*shape)]
     if too_big:
         typer.echo(f"skipping {len(too_big)} shapes that exceed the instance's KV memory: {too_big}", err=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -33,36 +33,9 @@ from transformers import DynamicCache
 from batcher.elastic import eviction_order, next_step_kv_tokens
 from cohort.protocol import FailureCode, FinishReason, ScoredIds, TokenLogprob
 from cohort.types import ProfiledRequest
+from workers.decode_outputs import KVCacheOutOfMemory, RowResult, StepOutput
 from workers.detokenize import IncrementalDetokenizer
 from workers.sampling import RowSampler, token_logprob
-
-
-class KVCacheOutOfMemory(RuntimeError):
-    """The batch's KV cache outgrew the instance's memory (split recovery: the batcher splits it)."""
-
-
-@dataclass
-class RowResult:
-    """A finished row: the whole answer (across earlier preempted runs) and its timings."""
-
-    request: ProfiledRequest
-    text: str
-    tokens: int
-    finish_reason: FinishReason
-    first_token_at: float | None
-    finished_at: float
-
-
-@dataclass
-class StepOutput:
-    """What one step produced: text deltas, finished rows, continuations, failures."""
-
-    deltas: list[tuple[ProfiledRequest, str, int, list[int]]] = field(default_factory=list)
-    # (request, new text, tokens generated so far, the new token ids: the stream is a checkpoint;
-    # ``ScoredIds`` carrying their logprobs when the request asked for them)
-    finished: list[RowResult] = field(default_factory=list)
-    evicted: list[ProfiledRequest] = field(default_factory=list)
-    failed: list[tuple[ProfiledRequest, FailureCode, str]] = field(default_factory=list)
 
 
 class _Row:
@@ -111,7 +84,7 @@ def _rollback(cache: DynamicCache, length: int) -> None:
             layer.crop(-extra)
 
 
-class BatchRun:
+class DecodeRun:
     """Runs one batch step by step; ``step()`` until ``done``. Raises KVCacheOutOfMemory only
     under split recovery."""
 
@@ -126,7 +99,7 @@ class BatchRun:
         self.clock = clock
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
-        # prompt ids come from Engine.prompt_ids (the one tokenization rule, the gateway's count)
+        # prompt ids come from LLMEngine.prompt_ids (the one tokenization rule, the gateway's count)
         self.rows = [_Row(r, list(p), tokenizer, emulate) for r, p in zip(requests, prompt_ids, strict=True)]
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None

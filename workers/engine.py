@@ -1,6 +1,6 @@
 """One LLM instance: the loaded model, its tokenizer, Δ (KV bytes per token) and Θ (KV memory).
 
-``start`` hands a batch to the decode loop (workers.decode.BatchRun); the worker task drives it.
+``start`` hands a batch to the decode loop (workers.decode.DecodeRun); the worker task drives it.
 """
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ from batcher.memory import KVMemory, kv_bytes_per_token
 from cohort.settings import Settings
 from cohort.tokenizer import uses_special_tokens
 from cohort.types import ProfiledRequest
-from workers.decode import BatchRun, KVCacheOutOfMemory
+from workers.decode import DecodeRun
+from workers.decode_outputs import KVCacheOutOfMemory
 from workers.model import load_model
 
-__all__ = ["BatchRun", "Engine", "KVCacheOutOfMemory"]
+__all__ = ["DecodeRun", "LLMEngine", "KVCacheOutOfMemory"]
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class LLMEngine:
     """One LLM instance: the model, its tokenizer, Δ and Θ."""
 
     def __init__(self, settings: Settings) -> None:
@@ -59,12 +60,12 @@ class Engine:
 
     def start(self, requests: Sequence[ProfiledRequest], *, elastic: bool | None = None,
               recovery: str | None = None, emulate: bool | None = None,
-              prompt_ids: Sequence[list[int]] | None = None) -> BatchRun:
+              prompt_ids: Sequence[list[int]] | None = None) -> DecodeRun:
         """A decode loop over these requests (settings give the modes unless overridden)."""
         s = self.settings
         ids = prompt_ids if prompt_ids is not None else [
             list(r.prompt_ids) if r.prompt_ids is not None else self.prompt_ids(r.prompt) for r in requests]
-        return BatchRun(self.model, self.tokenizer, self.device, self.delta_bytes, self.kv_budget, requests,
+        return DecodeRun(self.model, self.tokenizer, self.device, self.delta_bytes, self.kv_budget, requests,
                         elastic=(s.execution == "elastic") if elastic is None else elastic,
                         recovery=recovery or s.oom_recovery, max_preemptions=s.max_preemptions,
                         emulate=s.emulate_lengths if emulate is None else emulate, prompt_ids=ids)

@@ -61,7 +61,7 @@ def load_model(settings: Settings) -> tuple[Any, Any, torch.device]:
         model = LlamaForCausalLM(cfg).to(dtype=dtype, device=device)
     else:
         kwargs: dict[str, Any] = {"dtype": dtype}
-        device_map = plan_device_map(settings) if device.type == "cuda" else None
+        device_map = worker_device_map(settings) if device.type == "cuda" else None
         if device_map is not None:
             kwargs["device_map"] = device_map
         model = AutoModelForCausalLM.from_pretrained(settings.model, **kwargs)
@@ -77,7 +77,7 @@ def load_model(settings: Settings) -> tuple[Any, Any, torch.device]:
     return model, tok, device
 
 
-def plan_device_map(settings: Settings) -> dict[str, int] | None:
+def worker_device_map(settings: Settings) -> dict[str, int] | None:
     """A layer placement from the HELR deployer when COHORT_DEVICE_MAP names a mode."""
     if not settings.device_map:
         return None

@@ -18,7 +18,7 @@ from cohort.protocol import dumps
 from cohort.settings import Settings
 from cohort.types import InstanceInfo
 from predictor.learning import profile_samples_path
-from workers.engine import Engine
+from workers.engine import LLMEngine
 from workers.profile import run_profile
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Runtime:
     settings: Settings
-    engine: Engine
+    engine: LLMEngine
     redis: redis.Redis
     db: object
     info: InstanceInfo
@@ -70,7 +70,7 @@ _runtime: Runtime | None = None
 START_PROFILE_GRID = [(b, L, G) for b in (1, 8) for L in (32, 256) for G in (16, 64)]
 
 
-def profile_if_missing(engine: Engine, settings: Settings) -> None:
+def profile_if_missing(engine: LLMEngine, settings: Settings) -> None:
     """Before registering, time a few batch shapes when no profile exists yet (cold start)."""
     path = profile_samples_path(settings)
     if path.exists():
@@ -85,7 +85,7 @@ def start(settings: Settings) -> Runtime:
     """Load the model, register the instance and start its heartbeat (once per process)."""
     global _runtime
     if _runtime is None:
-        engine = Engine(settings)
+        engine = LLMEngine(settings)
         if settings.profile_on_start:
             profile_if_missing(engine, settings)
         name = settings.instance_name or f"{socket.gethostname()}-{os.getpid()}"

@@ -23,7 +23,8 @@ from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, ScoredId
 from cohort.types import Batch, ProfiledRequest
 from workers import runtime
 from workers.celery_app import RUN_BATCH, celery_app
-from workers.decode import BatchRun, KVCacheOutOfMemory, RowResult, StepOutput
+from workers.decode import DecodeRun
+from workers.decode_outputs import KVCacheOutOfMemory, RowResult, StepOutput
 
 log = logging.getLogger(__name__)
 REDIS_OUTAGE_S = 300.0  # how long a running batch waits for Redis before it gives up
@@ -90,7 +91,7 @@ class _Reporter:
         self.tokens: dict[str, int] = {}
         self.cancelled = 0
 
-    def step(self, out: StepOutput, run: BatchRun) -> None:
+    def step(self, out: StepOutput, run: DecodeRun) -> None:
         for res in out.finished:  # the record first: a client that sees the answer finds it
             self._record(res)
         for req, _code, message in out.failed:
@@ -141,7 +142,7 @@ class _Reporter:
 
 
 @celery_app.task(name=RUN_BATCH, acks_late=True)
-def run_batch(batch: dict[str, Any]) -> dict[str, Any]:
+def run_batch_task(batch: dict[str, Any]) -> dict[str, Any]:
     rt = runtime.get()
     b = Batch.from_dict(batch)
     if not _claim(rt, b.id):

@@ -9,17 +9,18 @@ import torch
 from cohort.protocol import FailureCode, FinishReason
 from cohort.settings import Settings
 from cohort.types import ProfiledRequest, SamplingParams
-from workers.decode import BatchRun, KVCacheOutOfMemory
+from workers.decode import DecodeRun
+from workers.decode_outputs import KVCacheOutOfMemory
 from workers.detokenize import IncrementalDetokenizer
-from workers.engine import Engine
+from workers.engine import LLMEngine
 
 PROMPTS = ["Translate to French: good morning", "Hi", "a much longer prompt about static batching " * 4,
            "Summarise: the cat sat on the mat"]
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(Settings(profile_on_start=False))
+def engine() -> LLMEngine:
+    return LLMEngine(Settings(profile_on_start=False))
 
 
 def req(i: int, prompt: str, max_tokens: int = 20, **kw) -> ProfiledRequest:
@@ -27,7 +28,7 @@ def req(i: int, prompt: str, max_tokens: int = 20, **kw) -> ProfiledRequest:
                            predicted_tokens=kw.pop("predicted", max_tokens), max_tokens=max_tokens, **kw)
 
 
-def run(engine: Engine, reqs, capacity=None, **kw) -> tuple[BatchRun, list]:
+def run(engine: LLMEngine, reqs, capacity=None, **kw) -> tuple[DecodeRun, list]:
     b = engine.start(reqs, **kw)
     if capacity is not None:
         b.capacity = capacity

@@ -1,0 +1,39 @@
+"""What a decode run reports to its caller, step by step: deltas to stream, finished rows,
+continuations handed back, failures — plain data, so the Celery task and the tests read it
+without knowing the decode loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cohort.protocol import FailureCode, FinishReason
+from cohort.types import ProfiledRequest
+
+
+class KVCacheOutOfMemory(RuntimeError):
+    """The batch's KV cache outgrew the instance's memory (split recovery: the batcher splits it)."""
+
+
+@dataclass
+class RowResult:
+    """A finished row: the whole answer (across earlier preempted runs) and its timings."""
+
+    request: ProfiledRequest
+    text: str
+    tokens: int
+    finish_reason: FinishReason
+    first_token_at: float | None
+    finished_at: float
+
+
+@dataclass
+class StepOutput:
+    """What one step produced: text deltas, finished rows, continuations, failures."""
+
+    deltas: list[tuple[ProfiledRequest, str, int, list[int]]] = field(default_factory=list)
+    # (request, new text, tokens generated so far, the new token ids: the stream is a checkpoint;
+    # ``ScoredIds`` carrying their logprobs when the request asked for them)
+    finished: list[RowResult] = field(default_factory=list)
+    evicted: list[ProfiledRequest] = field(default_factory=list)
+    failed: list[tuple[ProfiledRequest, FailureCode, str]] = field(default_factory=list)
