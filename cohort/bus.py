@@ -30,6 +30,7 @@ from cohort.protocol import StreamEvent, StreamKind
 PREFIX = "cohort"
 INSTANCES = f"{PREFIX}:instances"      # hash instance name -> InstanceInfo JSON (each names its pool)
 STATS = f"{PREFIX}:stats"              # hash of counters the gateway exports as metrics
+GENERATED_TOKENS = "generated_tokens"  # STATS field: every token a worker generated, whatever became of it
 
 
 @dataclass(frozen=True)
@@ -240,3 +241,10 @@ def stream_progress(redis, request_ids: Iterable[str]) -> dict[str, tuple[bool, 
                 tokens.extend(ev.ids)
         out[rid] = (final, tokens)
     return out
+
+
+def count_generated(pipe, tokens: int) -> None:
+    """Count tokens as a worker generates them — in the pipeline that publishes them, so a row
+    cancelled or failed later still counts what it cost (``cohort_generated_tokens_total``)."""
+    if tokens:
+        pipe.hincrby(STATS, GENERATED_TOKENS, tokens)

@@ -26,6 +26,7 @@ class SamplingParams:
     ``stop`` strings end a row when its text contains one; the text is cut before the stop.
     ``logprobs``: None = none; k ≥ 0 = each generated token's log-probability and the k most
     likely alternatives, taken from the distribution the row samples from (after its processors).
+    ``ignore_eos`` (vLLM's): the row never ends on EOS, only on ``max_tokens`` or a stop string.
     """
 
     temperature: float = 0.0
@@ -38,6 +39,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,7 @@ gateway, from the HTTP request's arrival, as the client sees them; queue time is
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cohort import bus
@@ -53,7 +54,10 @@ class GatewayMetrics:
                                 registry=r)
         self.predicted_tokens = Histogram("cohort_predicted_tokens", "Predicted generation length",
                                           registry=r, buckets=(8, 16, 32, 64, 128, 256, 512, 1024, 2048))
-        self.generated_tokens = Counter("cohort_generated_tokens_total", "Tokens generated", registry=r)
+        self.generated_tokens = RedisCounter("cohort_generated_tokens", "Tokens the workers generated, counted "
+                                             "as they are generated (also for requests later cancelled, failed "
+                                             "or preempted)")
+        r.register(self.generated_tokens)
         self.pending = Gauge("cohort_queue_pending_requests", "Requests waiting to be batched", registry=r)
         self.inflight = Gauge("cohort_inflight_batches", "Batches dispatched and not finished", registry=r)
         self.instances = Gauge("cohort_instances_alive", "LLM instances of this pool heart-beating", registry=r)
@@ -66,8 +70,22 @@ class GatewayMetrics:
         self.inflight.set(await redis.hlen(keys.inflight))
         self.instances.set(alive_instances)
         for k, v in (await redis.hgetall(bus.STATS)).items():
-            self.counters.labels(event=k).set(float(v))
+            if k == bus.GENERATED_TOKENS:
+                self.generated_tokens.value = float(v)
+            else:
+                self.counters.labels(event=k).set(float(v))
         return generate_latest(self.registry)
+
+
+class RedisCounter:
+    """A counter whose truth lives in Redis (the workers increment it: ``bus.count_generated``),
+    exported as a Prometheus counter with the value read at the latest scrape."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self.name, self.documentation, self.value = name, documentation, 0.0
+
+    def collect(self):
+        yield CounterMetricFamily(self.name, self.documentation, value=self.value)
 
 
 class CountRequests:

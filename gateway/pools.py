@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from cohort import bus
+from cohort.sampling_defaults import sampling_defaults
 from cohort.settings import Settings
 from cohort.types import InstanceInfo
 from gateway.errors import APIError
@@ -38,9 +39,11 @@ class ServedModel:
     max_model_len: int        # prompt + generated tokens one request may reach
 
     def card(self) -> dict:
-        """The OpenAI model object (plus vLLM's ``max_model_len`` and cohort's ``pool``)."""
+        """The OpenAI model object (plus vLLM's ``max_model_len``, cohort's ``pool``, and the
+        sampling a request gets for the fields it leaves out, with where they came from)."""
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "cohort",
-                "root": self.path, "parent": None, "max_model_len": self.max_model_len, "pool": self.pool}
+                "root": self.path, "parent": None, "max_model_len": self.max_model_len, "pool": self.pool,
+                "sampling_defaults": sampling_defaults(self.path).card()}
 
 
 class PoolView:

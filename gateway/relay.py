@@ -208,4 +208,3 @@ class Relay:
         m.latency.labels(t.endpoint).observe(time.monotonic() - t.received)
         if "queued_s" in answer.timings:
             m.queue_time.labels(t.endpoint).observe(answer.timings["queued_s"])
-        m.generated_tokens.inc(answer.tokens)

@@ -10,11 +10,13 @@ greedily (dividing logits by 1e-40 gives infinities). Every string must be valid
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cohort.sampling_defaults import OPENAI_DEFAULTS
 from cohort.types import SamplingParams
 from gateway.validation import check_unicode
 
@@ -77,12 +79,19 @@ class _Sampling(_Lenient):
             raise ValueError(f"stop sequences have at most {MAX_STOP_CHARS} characters")
         return v
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, defaults: Mapping[str, float] | None = None) -> SamplingParams:
+        """The request's sampling; a field it left out (None) takes ``defaults`` (the served
+        model's: cohort.sampling_defaults), else the neutral value."""
+        def pick(name: str, neutral: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else (defaults or {}).get(name, neutral)
+
+        temperature, top_k = pick("temperature", 0.0), int(pick("top_k", 0))
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams.from_dict({
-            "temperature": self.temperature if self.temperature >= GREEDY_BELOW else 0.0,
-            "top_p": self.top_p, "seed": self.seed,
-            "top_k": max(0, self.top_k), "repetition_penalty": self.repetition_penalty,
+            "temperature": temperature if temperature >= GREEDY_BELOW else 0.0,
+            "top_p": pick("top_p", 1.0), "seed": self.seed,
+            "top_k": max(0, top_k), "repetition_penalty": pick("repetition_penalty", 1.0),
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "logit_bias": self.logit_bias or {}, "stop": stop})
 
@@ -148,11 +157,19 @@ ACCEPTED_UNUSED = ("user", "metadata")
 
 
 class OpenAIRequest(_Sampling):
-    """Fields both OpenAI endpoints share; ``ignore_eos`` and ``slo_seconds`` are cohort extras.
+    """Fields both OpenAI endpoints share; ``ignore_eos`` (vLLM's) and ``slo_seconds`` are extras.
     Unknown fields are kept aside (``model_extra``) so ``refused()`` can name an unsupported one."""
 
     model_config = ConfigDict(extra="allow")
 
+    # Left out: the served model's defaults (OpenAI's temperature 1 and top_p 1, or its
+    # generation_config.json's: cohort.sampling_defaults), not the native endpoint's greedy.
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description=(
+        f"Default: the served model's (1.0 unless its generation config says otherwise; /v1/models shows "
+        f"it). Below {GREEDY_BELOW:g}: greedy decoding."))
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1, description="0 or -1: off (vLLM's convention).")
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)
     model: str | None = Field(default=None, max_length=512)
     max_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -177,8 +194,10 @@ class OpenAIRequest(_Sampling):
         """How many alternatives per token the worker reports (None: no logprobs)."""
         return None
 
-    def sampling(self) -> SamplingParams:
-        return replace(super().sampling(), logprobs=self.logprobs_k())
+    def sampling(self, defaults: Mapping[str, float] | None = None) -> SamplingParams:
+        """Left-out fields take ``defaults`` (the served model's), OpenAI's when none are given."""
+        return replace(super().sampling(OPENAI_DEFAULTS if defaults is None else defaults),
+                       logprobs=self.logprobs_k(), ignore_eos=self.ignore_eos)
 
 
 TokenPrompt = list[int]

@@ -191,6 +191,8 @@ async def _profile(app_state, served: ServedModel, subs: list[Submission], count
             item = PredictItem(sub.instruction, sub.user_input, input_tokens, sub.task)
             predictions[key] = await app_state.predictor.predict_bounds(item, sub.max_tokens)
         predicted, upper, version = predictions[key]
+        if sub.sampling.ignore_eos:  # the client fixed the length: max_tokens, unless a stop string ends it
+            predicted, upper = sub.max_tokens, sub.max_tokens
         reqs.append(ProfiledRequest(
             id=rid, prompt=sub.text, input_tokens=input_tokens, predicted_tokens=int(predicted),
             predicted_upper=upper, max_tokens=sub.max_tokens, arrival=time.time(), model=served.path,

@@ -13,6 +13,7 @@ import uvicorn
 from batcher.policies import POLICIES
 from batcher.process import run_batcher
 from bench.cli import app as bench_app
+from cohort.sampling_defaults import sampling_defaults
 from cohort.settings import Settings, get_settings
 from cohort.tokenizer import tokenizer_path
 from deployer.cli import app as deploy_app
@@ -54,16 +55,16 @@ def serve(host: str | None = None, port: int | None = None) -> None:
 @app.command()
 def info() -> None:
     """Print (JSON) what a client or benchmark tool needs: the base URL, the served model name,
-    the tokenizer directory (aiperf --tokenizer, guidellm --processor) and the request limits."""
-
-
+    the tokenizer directory (aiperf --tokenizer, guidellm --processor), the request limits and the
+    sampling defaults an OpenAI request gets for the fields it leaves out."""
     s = get_settings()
     host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
     typer.echo(json.dumps({
         "base_url": f"http://{host}:{s.port}/v1", "port": s.port, "served_model_name": s.served_model_name or s.model,
         "pool": s.pool, "model": s.model, "tokenizer": tokenizer_path(s.model),
         "max_input_tokens": s.max_input_tokens, "max_tokens_limit": s.max_tokens_limit,
-        "max_model_len": s.max_input_tokens + s.max_tokens_limit}, indent=2))
+        "max_model_len": s.max_input_tokens + s.max_tokens_limit,
+        "sampling_defaults": sampling_defaults(s.model).card()}, indent=2))
 
 
 def gateway_server_options(s: Settings) -> dict[str, Any]:

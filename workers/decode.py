@@ -109,6 +109,7 @@ class DecodeRun:
         self.input_len = 0
         self.steps = 0
         self.peak_kv_bytes = 0
+        self.generated = 0  # tokens this run generated (the worker adds them to cohort_generated_tokens_total)
         self._held: list[tuple[_Row, RowResult]] = []  # static execution: answers wait for the batch's end
         self._cancelled: set[str] = set()
 
@@ -271,10 +272,10 @@ class DecodeRun:
         """Choose each alive row's next token and apply its stop rules."""
         scores = logits.float()
         live = [i for i, r in enumerate(self.rows) if r.done is None]
-        hold = [i for i in live if self.rows[i].emulated is not None
-                and len(self.rows[i].new_ids) + 1 < self.rows[i].limit]
+        hold = [i for i in live if self.rows[i].req.sampling.ignore_eos or (
+            self.rows[i].emulated is not None and len(self.rows[i].new_ids) + 1 < self.rows[i].limit)]
         if hold and self.eos is not None:
-            scores[hold, self.eos] = float("-inf")  # an emulated length never sees EOS before it
+            scores[hold, self.eos] = float("-inf")  # an emulated length / ignore_eos never sees EOS
         greedy = scores.argmax(dim=-1).tolist()
         tokens = [self.pad] * len(self.rows)
         now = self.clock()
@@ -301,6 +302,7 @@ class DecodeRun:
             return
         row.new_ids.append(tok)
         row.unsent_ids.append(tok)
+        self.generated += 1
         if scored is not None:
             row.unsent_logprobs.append(scored)
         if row.first_token_at is None:

@@ -90,6 +90,7 @@ class _Reporter:
         self.continuations: list[ProfiledRequest] = []
         self.tokens: dict[str, int] = {}
         self.cancelled = 0
+        self.counted = 0  # of the run's generated tokens, those already added to the metric
 
     def step(self, out: StepOutput, run: DecodeRun) -> None:
         for res in out.finished:  # the record first: a client that sees the answer finds it
@@ -102,13 +103,17 @@ class _Reporter:
         events += [(res.request.id, _end_event(res, self.batch, self.started)) for res in out.finished]
         events += [(req.id, StreamEvent.error(code, message)) for req, code, message in out.failed]
 
+        generated = run.generated - self.counted
+
         def fill(pipe) -> None:
             for rid, ev in events:
                 bus.publish(pipe, rid, ev)
+            bus.count_generated(pipe, generated)
             for rid in alive:
                 pipe.exists(bus.cancel_key(rid))
 
         replies = _execute(self.rt.redis, fill, "a step's events")
+        self.counted = run.generated
         for res in out.finished:
             self.answered.append(res.request.id)
             self.tokens[res.request.id] = res.tokens

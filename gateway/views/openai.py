@@ -15,8 +15,8 @@ is honoured or refused with a 400 naming it (schemas.UNSUPPORTED; README's param
 
 ``stream: true`` relays tokens as they are generated (gateway.sse); without it the answer comes
 whole when the request's rows finish — not when their batch does. ``ignore_eos`` (vLLM's
-benchmark flag) asks for exactly max_tokens tokens and is honoured only when length emulation
-is on. Admission errors are plain HTTP errors even for streams: nothing is sent before admission.
+sampling flag) makes the row ignore EOS: it ends at max_tokens or a stop string. Sampling fields
+left out take the served model's defaults (cohort.sampling_defaults). Admission errors are plain HTTP errors even for streams: nothing is sent before admission.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import replace
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from cohort.sampling_defaults import sampling_defaults
 from cohort.tokenizer import builtin_chat_prompt, chat_prompt_ids, decode, has_chat_template
 from gateway import logprobs as lp
 from gateway.errors import APIError
@@ -79,9 +80,10 @@ def _copies(body: OpenAIRequest, base: Submission) -> list[Submission]:
             for j in range(body.n)]
 
 
-def _submission(body: OpenAIRequest, request: Request, max_tokens: int, **kw) -> Submission:
+def _submission(body: OpenAIRequest, request: Request, served: ServedModel, max_tokens: int, **kw) -> Submission:
     emulated = max_tokens if body.ignore_eos and request.app.state.settings.emulate_lengths else None
-    return Submission(max_tokens=max_tokens, slo_s=body.slo_seconds, sampling=body.sampling(),
+    sampling = body.sampling(sampling_defaults(served.path).values)
+    return Submission(max_tokens=max_tokens, slo_s=body.slo_seconds, sampling=sampling,
                       emulated_tokens=emulated, priority=body.priority, **kw)
 
 
@@ -120,12 +122,12 @@ async def completions(body: CompletionRequest, request: Request):
     subs, texts = [], []
     for p in prompts:
         if isinstance(p, str):
-            base = _submission(body, request, max_tokens, instruction="", user_input=p, param="prompt")
+            base = _submission(body, request, served, max_tokens, instruction="", user_input=p, param="prompt")
             texts.append(p)
         else:
             await check_token_ids(served, p, "prompt")
             text = await run_in_threadpool(decode, p, served.path)
-            base = _submission(body, request, max_tokens, instruction="", user_input=text, prompt=text,
+            base = _submission(body, request, served, max_tokens, instruction="", user_input=text, prompt=text,
                                prompt_ids=list(p), param="prompt")
             texts.append(text)
         subs += _copies(body, base)
@@ -170,9 +172,9 @@ async def _chat_submission(body: ChatCompletionRequest, request: Request, served
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": t,
                      **({"name": m.name} if m.name else {})} for m, t in zip(body.messages, texts, strict=True)]
         prompt, ids = await run_in_threadpool(chat_prompt_ids, messages, served.path)
-        return _submission(body, request, max_tokens, instruction=system, user_input=convo, prompt=prompt,
+        return _submission(body, request, served, max_tokens, instruction=system, user_input=convo, prompt=prompt,
                            prompt_ids=ids, param="messages")
-    return _submission(body, request, max_tokens, instruction=system, user_input=convo,
+    return _submission(body, request, served, max_tokens, instruction=system, user_input=convo,
                        prompt=builtin_chat_prompt(system, convo), param="messages")
 
 

@@ -30,7 +30,7 @@ def test_openai_sdk_streams_chat_deltas_before_the_end(stack):
     arrivals: list[tuple[float, str | None, str | None]] = []
     usage = None
     for chunk in client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=n, stream=True,
-                                                stream_options={"include_usage": True},
+                                                stream_options={"include_usage": True}, temperature=0,
                                                 extra_body={"ignore_eos": True}):
         if chunk.usage is not None:
             usage = chunk.usage
@@ -46,7 +46,7 @@ def test_openai_sdk_streams_chat_deltas_before_the_end(stack):
     assert usage is not None and usage.completion_tokens == n
 
     streamed = "".join(c for _, c in contents)
-    whole = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=n,
+    whole = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=n, temperature=0,
                                            extra_body={"ignore_eos": True})
     assert whole.choices[0].message.content == streamed
     assert whole.usage.completion_tokens == n
@@ -118,3 +118,23 @@ def test_non_streaming_client_that_gives_up_is_withdrawn(stack):
     assert con.execute("SELECT status FROM requests WHERE id = ?", (request_id,)).fetchone() == ("cancelled",)
     events = [StreamEvent.from_json(f[bus.STREAM_FIELD]) for _, f in stack.redis.xrange(bus.stream_key(request_id))]
     assert not any(e.final for e in events) and max((e.tokens for e in events), default=0) < 1500
+
+
+def test_generated_tokens_add_up_over_a_run_with_cancellations(stack):
+    """Runs last in this module: every request so far (answered, cancelled while streaming, given up
+    while waiting) is a stream whose last event says how many tokens its row generated. The
+    counter the workers keep must equal their sum: tokens count when generated, whatever became
+    of the request."""
+    deadline = time.time() + 60
+    keys = bus.pool_keys("default")
+    while time.time() < deadline and (stack.redis.hlen(keys.inflight) or stack.redis.hlen(keys.pending)):
+        time.sleep(0.1)
+    per_request = {}
+    for key in stack.redis.scan_iter(bus.stream_key("*")):
+        events = [StreamEvent.from_json(f[bus.STREAM_FIELD]) for _, f in stack.redis.xrange(key)]
+        per_request[key] = max((e.tokens for e in events), default=0)
+    cancelled = sum(1 for key in stack.redis.scan_iter(bus.cancel_key("*")))
+    assert cancelled >= 2 and len(per_request) >= 5
+    samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(f"{stack.url}/metrics").text)
+               for s in fam.samples}
+    assert samples["cohort_generated_tokens_total"] == sum(per_request.values())

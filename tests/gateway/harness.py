@@ -100,8 +100,11 @@ async def next_request(redis, timeout_s: float = 10.0, pool: str = "default") ->
 
 
 async def publish(redis, request_id: str, event: StreamEvent) -> None:
+    """As a worker publishes: a delta's new tokens are counted as generated in the same pipeline."""
     pipe = redis.pipeline()
     bus.publish(pipe, request_id, event)
+    if event.kind is StreamKind.DELTA:
+        bus.count_generated(pipe, len(event.ids))
     await pipe.execute()
 
 

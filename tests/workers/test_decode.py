@@ -171,6 +171,19 @@ def test_logit_bias_forces_a_token(engine):
     assert res.text.split() == ["cat"] * 4
 
 
+def test_ignore_eos_runs_to_max_tokens_even_when_eos_is_favoured(engine):
+    """vLLM's ignore_eos is a sampling parameter: honoured without length emulation."""
+    eos = engine.tokenizer.eos_token_id
+    favour_eos = ((eos, 100.0),)
+    stops = by_id(run(engine, [req(0, PROMPTS[1], max_tokens=6, sampling=SamplingParams(logit_bias=favour_eos))],
+                      emulate=False)[1])["r0"]
+    ignores = by_id(run(engine, [req(0, PROMPTS[1], max_tokens=6,
+                                     sampling=SamplingParams(logit_bias=favour_eos, ignore_eos=True))],
+                        emulate=False)[1])["r0"]
+    assert stops.tokens == 0 and stops.finish_reason == FinishReason.STOP
+    assert ignores.tokens == 6 and ignores.finish_reason == FinishReason.LENGTH
+
+
 class ByteTokenizer:
     """Token id = one UTF-8 byte: a multi-byte character spans several tokens."""
 
