@@ -44,15 +44,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 @dataclass
 class Chunks:
-    """The chunk shapes of one streamed response. ``logprobs(index, pairs)`` renders a choice's
-    logprobs (None: the request did not ask for them)."""
+    """The chunk shapes of one streamed response. ``logprobs(index, pairs, text)`` renders a
+    choice's logprobs for a chunk of text (None: the request did not ask for them); it sees every
+    chunk of the choice in order, also those without tokens (offsets count on)."""
 
     kind: Literal["chat", "completions"]
     id: str
     created: int
     model: str
     include_usage: bool = False
-    logprobs: Callable[[int, list], dict] | None = None
+    logprobs: Callable[[int, list, str], dict | None] | None = None
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -64,7 +65,8 @@ class Chunks:
 
     def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
                 logprobs: list | None = None) -> dict[str, Any]:
-        lp = self.logprobs(index, logprobs) if self.logprobs is not None and logprobs else None
+        lp = self.logprobs(index, logprobs or [], text or "") if self.logprobs is not None and text is not None \
+            else None
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:

@@ -134,10 +134,11 @@ async def completions(body: CompletionRequest, request: Request):
     tickets, relays = await _admit(request, served, subs, "completions", received)
     cid, created = f"cmpl-{tickets[0].request.id}", int(tickets[0].request.arrival)
     prefixes = [texts[k // body.n] for k in range(len(subs))] if body.echo else [""] * len(subs)
-    formatters = [lp.CompletionLogprobs(served.path) for _ in subs]
+    # Streamed, the echoed prompt is the first chunk and counts the offsets on; whole, it is skipped.
+    formatters = [lp.CompletionLogprobs(served.path, offset=0 if body.stream else len(prefix)) for prefix in prefixes]
 
-    def render(index: int, pairs: list) -> dict:
-        return formatters[index](pairs)
+    def render(index: int, pairs: list, text: str) -> dict | None:
+        return formatters[index](pairs, text)
 
     if body.stream:
         chunks = Chunks("completions", cid, created, served.id, body.include_usage,
@@ -145,7 +146,7 @@ async def completions(body: CompletionRequest, request: Request):
         return sse_response(relays, chunks, prefixes, _prompt_tokens(tickets, body.n))
     answers = await collect_all(relays)
     choices = [{"index": k, "text": prefixes[k] + a.text, "finish_reason": a.finish_reason,
-                "logprobs": render(k, a.logprobs) if body.logprobs is not None else None}
+                "logprobs": render(k, a.logprobs, a.text) if body.logprobs is not None else None}
                for k, a in enumerate(answers)]
     return {"id": cid, "object": "text_completion", "created": created, "model": served.id, "choices": choices,
             "usage": usage(_prompt_tokens(tickets, body.n), sum(a.tokens for a in answers))}
@@ -190,14 +191,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     subs = _copies(body, await _chat_submission(body, request, served, max_tokens))
     tickets, relays = await _admit(request, served, subs, "chat", received)
     cid, created = f"chatcmpl-{tickets[0].request.id}", int(tickets[0].request.arrival)
-    render: Callable[[int, list], dict] | None = (lambda _i, pairs: lp.chat(served.path, pairs)) \
-        if body.logprobs else None
+    render: Callable[[int, list, str], dict | None] | None = (
+        lambda _i, pairs, _text: lp.chat(served.path, pairs) if pairs else None) if body.logprobs else None
     if body.stream:
         return sse_response(relays, Chunks("chat", cid, created, served.id, body.include_usage, render),
                             prompt_tokens=_prompt_tokens(tickets, body.n))
     answers = await collect_all(relays)
     choices = [{"index": k, "message": {"role": "assistant", "content": a.text},
-                "logprobs": render(k, a.logprobs) if render else None, "finish_reason": a.finish_reason}
+                "logprobs": render(k, a.logprobs, a.text) if render else None, "finish_reason": a.finish_reason}
                for k, a in enumerate(answers)]
     return {"id": cid, "object": "chat.completion", "created": created, "model": served.id, "choices": choices,
             "usage": usage(_prompt_tokens(tickets, body.n), sum(a.tokens for a in answers))}

@@ -78,45 +78,58 @@ def test_chat_and_completions(client):
     assert tokens.usage.prompt_tokens == 3 and tokens.choices[0].text.startswith("this is a")
 
 
-def test_streaming_n_choices(client):
+def _stream_two_choices(client, **kw) -> list[str]:
     seen: dict[int, list[str]] = {0: [], 1: []}
     finish: dict[int, str] = {}
     usage = None
     for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=6, stream=True,
                                                 stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True}):
+                                                extra_body={"ignore_eos": True}, **kw):
         usage = chunk.usage or usage
         for c in chunk.choices:
             seen[c.index].append(c.delta.content or "")
             if c.finish_reason:
                 finish[c.index] = c.finish_reason
     assert finish == {0: "length", 1: "length"} and usage.completion_tokens == 12
-    assert "".join(seen[0]) and "".join(seen[0]) == "".join(seen[1])  # greedy: two equal samples
+    return ["".join(seen[0]), "".join(seen[1])]
+
+
+def test_streaming_n_choices(client):
+    """OpenAI's default temperature is 1: two choices are two samples; greedy ones are equal."""
+    sampled = _stream_two_choices(client)
+    assert all(sampled) and sampled[0] != sampled[1]
+    greedy = _stream_two_choices(client, temperature=0)
+    assert greedy[0] and greedy[0] == greedy[1]
 
 
 def test_stop_cuts_the_answer(client):
-    whole = client.completions.create(model=MODEL, prompt="The weather today", max_tokens=24).choices[0].text
+    whole = client.completions.create(model=MODEL, prompt="The weather today", max_tokens=24,
+                                      temperature=0).choices[0].text
     assert len(whole) > 8, whole
     stop = whole[4:7]
-    cut = client.completions.create(model=MODEL, prompt="The weather today", max_tokens=24, stop=[stop]).choices[0]
+    cut = client.completions.create(model=MODEL, prompt="The weather today", max_tokens=24, stop=[stop],
+                                    temperature=0).choices[0]
     assert cut.text == whole[:whole.index(stop)] and cut.finish_reason == "stop"
 
 
 def test_logprobs(client):
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, logprobs=True,
-                                          top_logprobs=3, extra_body={"ignore_eos": True})
+                                          top_logprobs=3, temperature=0, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens == 6
     for item in content:  # greedy: the chosen token is the most likely one
         assert len(item.top_logprobs) == 3 and item.top_logprobs[0].logprob == pytest.approx(item.logprob)
         assert item.logprob <= 0
     comp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, logprobs=2,
-                                     extra_body={"ignore_eos": True})
+                                     temperature=0, extra_body={"ignore_eos": True})
     lp = comp.choices[0].logprobs
     assert len(lp.token_logprobs) == len(lp.tokens) == 5 and len(lp.text_offset) == 5
+    text = comp.choices[0].text
+    assert "".join(lp.tokens) == text  # OpenAI's shape: pieces of the text, offsets into it
+    assert all(text[o:o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset, strict=True))
     streamed = []
     for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, logprobs=True,
-                                                stream=True, extra_body={"ignore_eos": True}):
+                                                stream=True, temperature=0, extra_body={"ignore_eos": True}):
         for c in chunk.choices:
             if c.logprobs and c.logprobs.content:
                 streamed += [x.logprob for x in c.logprobs.content]
