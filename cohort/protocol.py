@@ -67,6 +67,7 @@ class BatchOutcome(str, Enum):
 
 
 TokenLogprob = list  # [logprob of the chosen token, [[alternative id, logprob], ...] most likely first]
+PromptLogprob = list  # a prompt token's: [logprob, [[alternative id, logprob], ...], rank (1 = most likely)]
 
 
 class ScoredIds(list):
@@ -104,6 +105,15 @@ class StreamEvent:
     timings: dict[str, float] = field(default_factory=dict)
     ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # A request that asked for its prompt's logprobs gets one delta with no text and no ids that
+    # carries them: the prompt's ids and one PromptLogprob (None for the first token) per id.
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
+
+    @classmethod
+    def prompt_scores(cls, tokens: int, ids: list[int], logprobs: list[PromptLogprob | None]) -> StreamEvent:
+        """The prompt's logprobs (sent once, from the row's first prefill)."""
+        return cls(StreamKind.DELTA, tokens=tokens, prompt_ids=list(ids), prompt_logprobs=list(logprobs))
 
     @classmethod
     def delta(cls, text: str, tokens: int, ids: list[int] | None = None,

@@ -27,6 +27,8 @@ class SamplingParams:
     ``logprobs``: None = none; k ≥ 0 = each generated token's log-probability and the k most
     likely alternatives, taken from the distribution the row samples from (after its processors).
     ``ignore_eos`` (vLLM's): the row never ends on EOS, only on ``max_tokens`` or a stop string.
+    ``prompt_logprobs``: None = none; k ≥ 0 = each prompt token's log-probability and its k most
+    likely alternatives (raw model scores; workers.prompt_logprobs).
     """
 
     temperature: float = 0.0
@@ -40,6 +42,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:

@@ -100,3 +100,58 @@ class CompletionLogprobs:
             tops.append(d)
         return {"tokens": pieces, "token_logprobs": [entry[0] for _, entry in pairs], "top_logprobs": tops,
                 "text_offset": offsets}
+
+
+def _prompt_pairs(ids: list[int], entries: list) -> list[tuple[int, list]]:
+    return [(tok, e) for tok, e in zip(ids, entries, strict=False) if e is not None]
+
+
+def echoed_prompt(model: str, ids: list[int], entries: list, text: str) -> dict:
+    """The prompt's part of a completion's ``logprobs`` under ``echo`` (OpenAI's legacy shape, what
+    lm-eval's log-likelihood reads): its pieces join to the echoed ``text``, offsets from 0, and
+    the first token, which has no context, has null logprob and alternatives."""
+    splitter = TextPieces(model)
+    pieces = fit_pieces([splitter.push(tok) for tok in ids], text)
+    offsets, at = [], 0
+    for piece in pieces:
+        offsets.append(at)
+        at += len(piece)
+    _, alts = _named(model, _prompt_pairs(ids, entries))
+    named = iter(alts)
+    tops: list[dict | None] = []
+    for piece, entry in zip(pieces, entries, strict=False):
+        if entry is None:
+            tops.append(None)
+            continue
+        d = dict(next(named))
+        d.setdefault(piece, entry[0])
+        tops.append(d)
+    return {"tokens": pieces, "token_logprobs": [None if e is None else e[0] for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined(prompt: dict, generated: dict | None) -> dict:
+    """An echoed prompt's logprobs followed by the generated tokens' (None: none generated)."""
+    if generated is None:
+        return prompt
+    return {key: prompt[key] + generated[key] for key in prompt}
+
+
+def vllm_prompt_logprobs(model: str, ids: list[int], entries: list) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else {token id: {logprob,
+    rank, decoded_token}} for the prompt token and its most likely alternatives."""
+    pairs = _prompt_pairs(ids, entries)
+    names, alts = _named(model, pairs)
+    alt_ids = iter([[a for a, _ in entry[1]] for _, entry in pairs])
+    by_pair = iter(zip(names, alts, alt_ids, strict=True))
+    out: list[dict | None] = []
+    for tok, entry in zip(ids, entries, strict=False):
+        if entry is None:
+            out.append(None)
+            continue
+        name, named_alts, ids_alt = next(by_pair)
+        d = {str(tok): {"logprob": entry[0], "rank": entry[2], "decoded_token": name}}
+        for rank, (alt_id, (alt_name, lp)) in enumerate(zip(ids_alt, named_alts, strict=True), 1):
+            d.setdefault(str(alt_id), {"logprob": lp, "rank": rank, "decoded_token": alt_name})
+        out.append(d)
+    return out

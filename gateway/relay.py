@@ -75,6 +75,8 @@ class Answer:
     batch_size: int
     timings: dict[str, float] = field(default_factory=dict)
     logprobs: list[tuple[int, list]] = field(default_factory=list)  # every token's, when asked for
+    # the prompt's ids and one PromptLogprob (None first) per id, when asked for
+    prompt: tuple[list[int], list] | None = None
 
     @classmethod
     def from_event(cls, ev: StreamEvent) -> Answer:
@@ -116,6 +118,7 @@ class Relay:
         self.scored_tokens = 0      # tokens whose logprobs were received
         self.logprobs: list[tuple[int, list]] = []   # all of them, in order
         self._unsent_logprobs: list[tuple[int, list]] = []
+        self.prompt: tuple[list[int], list] | None = None  # the prompt's logprobs, when asked for
         self._settled = False       # the request ended: answered, failed or withdrawn
         self._last_at: float | None = None
 
@@ -127,6 +130,8 @@ class Relay:
             async for ev in read_events(self.st.redis, t.request.id, t.deadline,
                                         self.st.settings.disconnect_check_s, self.disconnected):
                 if ev.kind is StreamKind.DELTA:
+                    if ev.prompt_logprobs and self.prompt is None:  # a re-run may send them again
+                        self.prompt = (ev.prompt_ids, ev.prompt_logprobs)
                     self._take_logprobs(ev)
                     if ev.tokens > self.sent_tokens and ev.text:
                         self._observe_tokens(ev.tokens)
@@ -139,7 +144,7 @@ class Relay:
                     m.failures.labels(t.endpoint, code.value).inc()
                     raise APIError(code.http_status, ev.message or "the request failed", code=code.value)
                 answer = Answer.from_event(ev)
-                answer.logprobs = self.logprobs
+                answer.logprobs, answer.prompt = self.logprobs, self.prompt
                 if answer.text.startswith(self.sent):
                     if tail := answer.text[len(self.sent):]:
                         self._observe_tokens(answer.tokens)

@@ -136,6 +136,7 @@ class StreamOptions(_Lenient):
 
 
 MAX_N = 16          # choices per prompt (n)
+MAX_PROMPT_LOGPROBS = 20
 MAX_CHOICES = 64    # choices per request (prompts × n)
 
 
@@ -190,14 +191,22 @@ class OpenAIRequest(_Sampling):
                 return name
         return None
 
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_PROMPT_LOGPROBS, description=(
+        "vLLM's: each prompt token's log-probability and this many alternatives (choices[i].prompt_logprobs)"))
+
     def logprobs_k(self) -> int | None:
         """How many alternatives per token the worker reports (None: no logprobs)."""
         return None
 
+    def prompt_logprobs_k(self) -> int | None:
+        """How many alternatives per prompt token the worker reports (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
     def sampling(self, defaults: Mapping[str, float] | None = None) -> SamplingParams:
         """Left-out fields take ``defaults`` (the served model's), OpenAI's when none are given."""
         return replace(super().sampling(OPENAI_DEFAULTS if defaults is None else defaults),
-                       logprobs=self.logprobs_k(), ignore_eos=self.ignore_eos)
+                       logprobs=self.logprobs_k(), prompt_logprobs=self.prompt_logprobs_k(),
+                       ignore_eos=self.ignore_eos)
 
 
 TokenPrompt = list[int]
@@ -209,6 +218,17 @@ class CompletionRequest(OpenAIRequest):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0, description="0 (with echo): score the prompt only")
+
+    @property
+    def scores_prompt(self) -> bool:
+        """echo with logprobs: the prompt's tokens are scored too (OpenAI's legacy shape)."""
+        return self.echo and self.logprobs is not None
+
+    def prompt_logprobs_k(self) -> int | None:
+        if self.scores_prompt:
+            return max(self.logprobs or 0, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request, text or token ids."""

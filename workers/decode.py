@@ -35,6 +35,7 @@ from cohort.protocol import FailureCode, FinishReason, ScoredIds, TokenLogprob
 from cohort.types import ProfiledRequest
 from workers.decode_outputs import KVCacheOutOfMemory, RowResult, StepOutput
 from workers.detokenize import IncrementalDetokenizer
+from workers.prompt_logprobs import prompt_logprobs
 from workers.sampling import RowSampler, token_logprob
 
 
@@ -55,6 +56,9 @@ class _Row:
         self.pending = ""                                             # decoded, held back for stops
         self.unsent_ids: list[int] = []                               # generated, not yet on the stream
         self.top_logprobs = req.sampling.logprobs                     # None: no logprobs
+        # The prompt's logprobs, once: not again for a continuation (its prompt has them already)
+        fresh = not req.generated_ids and req.done_tokens == 0
+        self.prompt_top = req.sampling.prompt_logprobs if fresh else None
         self.unsent_logprobs: list[TokenLogprob] = []                 # one per unsent id (when asked)
         self.done: RowResult | None = None
 
@@ -217,11 +221,12 @@ class DecodeRun:
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         self.input_len = L
+        scored = any(r.prompt_top is not None for r in self.rows)  # every position's logits, only then
         while True:
             self.cache = DynamicCache()
             try:
                 res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                                 past_key_values=self.cache, use_cache=True, logits_to_keep=0 if scored else 1)
                 break
             except torch.cuda.OutOfMemoryError as e:
                 self.cache = None
@@ -232,6 +237,13 @@ class DecodeRun:
                 ids, mask, pos = ids[keep], mask[keep], pos[keep]
         self.mask, self.pos, self.cache_len = mask, pos[:, -1], L
         self._note_memory()
+        if scored:
+            for i, row in enumerate(self.rows):
+                if row.prompt_top is not None:
+                    seq = row.all_ids
+                    scores = prompt_logprobs(res.logits[i, L - len(seq):L - 1], seq, row.prompt_top)
+                    out.prompt_scores.append((row.req, seq, scores))
+                    row.prompt_top = None
         return res.logits[:, -1, :]
 
     def _oom_evict(self, out: StepOutput, why: str) -> list[int]:

@@ -37,3 +37,5 @@ class StepOutput:
     finished: list[RowResult] = field(default_factory=list)
     evicted: list[ProfiledRequest] = field(default_factory=list)
     failed: list[tuple[ProfiledRequest, FailureCode, str]] = field(default_factory=list)
+    # (request, its prompt's ids, one PromptLogprob or None per id): rows that asked, at prefill
+    prompt_scores: list[tuple[ProfiledRequest, list[int], list]] = field(default_factory=list)

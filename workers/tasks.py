@@ -98,7 +98,9 @@ class _Reporter:
         for req, _code, message in out.failed:
             finish_request(self.rt.db, req.id, status="failed", error=message)
         alive = run.alive_ids()
-        events = [(req.id, StreamEvent.delta(text, n, ids, ids.logprobs if isinstance(ids, ScoredIds) else None))
+        events = [(req.id, StreamEvent.prompt_scores(req.done_tokens, ids, scores))
+                  for req, ids, scores in out.prompt_scores]
+        events += [(req.id, StreamEvent.delta(text, n, ids, ids.logprobs if isinstance(ids, ScoredIds) else None))
                   for req, text, n, ids in out.deltas]
         events += [(res.request.id, _end_event(res, self.batch, self.started)) for res in out.finished]
         events += [(req.id, StreamEvent.error(code, message)) for req, code, message in out.failed]

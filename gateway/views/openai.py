@@ -11,7 +11,8 @@ is honoured or refused with a 400 naming it (schemas.UNSUPPORTED; README's param
   the built-in template (cohort.tokenizer.builtin_chat_prompt); the predictor reads the system
   text as the instruction and the conversation as the input either way;
 - ``logprobs``/``top_logprobs`` come from the worker (gateway.logprobs); ``echo`` prepends the
-  prompt, and is refused with logprobs (cohort does not compute the prompt's logprobs).
+  prompt, and with ``logprobs`` its tokens are scored too (from the prefill: workers.prompt_logprobs),
+  as is vLLM's ``prompt_logprobs``; ``max_tokens: 0`` with echo scores the prompt only.
 
 ``stream: true`` relays tokens as they are generated (gateway.sse); without it the answer comes
 whole when the request's rows finish — not when their batch does. ``ignore_eos`` (vLLM's
@@ -71,6 +72,21 @@ def _content_text(i: int, m: ChatMessage) -> str:
     return "".join(parts)
 
 
+def _refuse_streamed_prompt_scores(body: OpenAIRequest) -> None:
+    """The prompt's logprobs come whole, not streamed: a stream that asks for them is refused."""
+    if body.stream and body.prompt_logprobs_k() is not None:
+        raise APIError(400, "the prompt's logprobs (echo with logprobs, prompt_logprobs) are not streamed; "
+                       "send the request without stream", code="unsupported_parameter", param="stream")
+
+
+def _prompt_logprobs(body: OpenAIRequest, served: ServedModel, answer) -> dict:
+    """vLLM's ``prompt_logprobs`` field of a choice, when the request asked for it."""
+    if body.prompt_logprobs is None:
+        return {}
+    value = lp.vllm_prompt_logprobs(served.path, *answer.prompt) if answer.prompt is not None else None
+    return {"prompt_logprobs": value}
+
+
 def _copies(body: OpenAIRequest, base: Submission) -> list[Submission]:
     """``n`` requests from one prompt; a seeded copy j samples with seed + j (wrapping within the
     seed range)."""
@@ -107,9 +123,10 @@ async def completions(body: CompletionRequest, request: Request):
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of other than n is not supported: cohort returns every sample it generates",
                        code="unsupported_parameter", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs would need the prompt's logprobs, which cohort does not compute; "
-                       "drop one of them", code="unsupported_parameter", param="echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens 0 generates nothing: it is only useful with echo (score the prompt)",
+                       code="invalid_value", param="max_tokens")
+    _refuse_streamed_prompt_scores(body)
     prompts = body.prompts()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise APIError(400, "prompt is empty", code="empty_prompt", param="prompt")
@@ -118,7 +135,7 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, f"{len(prompts)} prompts × n={body.n} exceeds {MAX_CHOICES} choices per request",
                        code="invalid_value", param="n")
     served = await st.pool.resolve(body.model)
-    max_tokens = body.max_tokens or st.settings.default_max_tokens
+    max_tokens = body.max_tokens if body.max_tokens is not None else st.settings.default_max_tokens
     subs, texts = [], []
     for p in prompts:
         if isinstance(p, str):
@@ -145,9 +162,13 @@ async def completions(body: CompletionRequest, request: Request):
                         render if body.logprobs is not None else None)
         return sse_response(relays, chunks, prefixes, _prompt_tokens(tickets, body.n))
     answers = await collect_all(relays)
-    choices = [{"index": k, "text": prefixes[k] + a.text, "finish_reason": a.finish_reason,
-                "logprobs": render(k, a.logprobs, a.text) if body.logprobs is not None else None}
-               for k, a in enumerate(answers)]
+    choices = []
+    for k, a in enumerate(answers):
+        logprobs = render(k, a.logprobs, a.text) if body.logprobs is not None else None
+        if body.scores_prompt and a.prompt is not None:
+            logprobs = lp.joined(lp.echoed_prompt(served.path, *a.prompt, prefixes[k]), logprobs)
+        choices.append({"index": k, "text": prefixes[k] + a.text, "finish_reason": a.finish_reason,
+                        "logprobs": logprobs, **_prompt_logprobs(body, served, a)})
     return {"id": cid, "object": "text_completion", "created": created, "model": served.id, "choices": choices,
             "usage": usage(_prompt_tokens(tickets, body.n), sum(a.tokens for a in answers))}
 
@@ -184,6 +205,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     received = time.monotonic()
     st = request.app.state
     _refuse_unsupported(body)
+    _refuse_streamed_prompt_scores(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
     served = await st.pool.resolve(body.model)
@@ -198,7 +220,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                             prompt_tokens=_prompt_tokens(tickets, body.n))
     answers = await collect_all(relays)
     choices = [{"index": k, "message": {"role": "assistant", "content": a.text},
-                "logprobs": render(k, a.logprobs, a.text) if render else None, "finish_reason": a.finish_reason}
+                "logprobs": render(k, a.logprobs, a.text) if render else None, "finish_reason": a.finish_reason,
+                **_prompt_logprobs(body, served, a)}
                for k, a in enumerate(answers)]
     return {"id": cid, "object": "chat.completion", "created": created, "model": served.id, "choices": choices,
             "usage": usage(_prompt_tokens(tickets, body.n), sum(a.tokens for a in answers))}

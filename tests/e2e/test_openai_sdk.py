@@ -136,6 +136,30 @@ def test_logprobs(client):
     assert streamed == pytest.approx([x.logprob for x in content])
 
 
+def test_echo_with_logprobs_scores_the_prompt(client):
+    """What lm-eval's log-likelihood sends: a token-id prompt, echo, logprobs, max_tokens 1 (or 0:
+    the prompt only). The prompt's tokens come first, the first with no logprob; vLLM's
+    prompt_logprobs carries the same numbers with ranks."""
+    ids = [2023, 4937, 2938, 2006, 1996, 13523]
+    one = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    choice = one.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()))  # greedy: the top one
+    zero = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert zero.usage.completion_tokens == 0 and zero.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:-1])
+    vllm = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    scores = vllm.choices[0].model_extra["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(ids)
+    for tok, entry, want in zip(ids[1:], scores[1:], lp.token_logprobs[1:-1], strict=True):
+        assert entry[str(tok)]["logprob"] == pytest.approx(want) and entry[str(tok)]["rank"] >= 1
+        assert len(entry) >= 2
+
+
 def test_errors_map_to_the_sdks_exceptions(client, stack):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o-does-not-exist", messages=MESSAGES)

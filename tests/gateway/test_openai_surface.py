@@ -100,7 +100,10 @@ def test_unsupported_chat_fields_are_a_400_naming_them(tmp_path, extra, param):
 @pytest.mark.parametrize("extra,param", [
     ({"suffix": "end"}, "suffix"),
     ({"best_of": 3}, "best_of"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"echo": True, "logprobs": 1, "stream": True}, "stream"),  # the prompt's logprobs are not streamed
+    ({"prompt_logprobs": 1, "stream": True}, "stream"),
+    ({"max_tokens": 0}, "max_tokens"),  # only with echo
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"logprobs": 6}, "logprobs"),
     ({"prompt": [1, 2, 99999999]}, "prompt"),
     ({"prompt": []}, "prompt"),

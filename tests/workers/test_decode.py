@@ -281,3 +281,26 @@ def test_static_execution_sends_logprobs_at_the_release(engine):
     (d,) = outs[-1].deltas
     assert d[0].id == "r0" and d[1] == "" and d[2] == 5 and len(d[3].logprobs) == 5
     assert all(top == [] for _, top in d[3].logprobs)
+
+
+def test_prompt_logprobs_are_the_models_own_and_independent_of_the_batch(engine):
+    """The prefill's logits score each prompt token (the first has none); left padding and a
+    batch-mate change nothing; a row with max_tokens 0 scores its prompt and generates nothing."""
+    prompt = "the cat sat on the mat"
+    ids = engine.prompt_ids(prompt)
+    with torch.no_grad():
+        ref = torch.log_softmax(engine.model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = [float(ref[j - 1, ids[j]]) for j in range(1, len(ids))]
+    sp = SamplingParams(prompt_logprobs=2)
+    for reqs in ([req(0, prompt, max_tokens=0, sampling=sp)],
+                 [req(1, PROMPTS[2], max_tokens=3), req(0, prompt, max_tokens=0, sampling=sp)]):
+        b = engine.start(reqs)
+        outs = b.run_to_end()
+        (got,) = [(r, i, s) for o in outs for r, i, s in o.prompt_scores]
+        assert got[0].id == "r0" and got[1] == ids and got[2][0] is None
+        assert [e[0] for e in got[2][1:]] == pytest.approx(want, abs=1e-4)
+        for e, j in zip(got[2][1:], range(1, len(ids)), strict=True):
+            assert len(e[1]) == 2 and e[1][0][1] >= e[1][1][1]                  # the two most likely
+            assert e[2] == int((ref[j - 1] > ref[j - 1, ids[j]]).sum()) + 1        # the prompt token's rank
+        assert by_id(outs)["r0"].tokens == 0
+        assert all(not o.prompt_scores or o is outs[0] for o in outs)  # once, at the prefill
