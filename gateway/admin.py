@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cohort import bus
 from cohort.settings import Settings
+from gateway import openapi as openapi_doc
 from gateway.errors import APIError
 from predictor.registry import Registry
 
@@ -44,11 +45,15 @@ class RetrainBody(BaseModel):
 
 
 def bearer_check(token: str) -> Callable[[Request], None]:
-    """The router's dependency: a constant-time compare of the bearer token, else 401."""
+    """The router's dependency: a constant-time compare of the bearer token, else 401. Compared
+    as bytes: a header arrives decoded as Latin-1 and may hold any byte, which ``compare_digest``
+    refuses in a str (TypeError: a 500) but compares fine as bytes."""
+    expected = token.encode()
 
     def check(request: Request) -> None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if not token or scheme.lower() != "bearer" or not secrets.compare_digest(given.strip(), token):
+        if not token or scheme.lower() != "bearer" or not secrets.compare_digest(
+                given.strip().encode("latin-1", "replace"), expected):
             raise APIError(401, "invalid or missing admin token (Authorization: Bearer <COHORT_ADMIN_TOKEN>)",
                            code="invalid_api_key")
 
@@ -60,6 +65,11 @@ def make_admin_router(settings: Settings, predictor_service: Any, enqueue: Enque
     """``enqueue(target)`` sends the learning task and returns its id (workers.celery_app); the
     predictor service gives the version in use and swaps on activation."""
     router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(bearer_check(settings.admin_token))])
+
+    @router.get("/openapi.json", include_in_schema=False)
+    async def admin_openapi(request: Request) -> dict[str, Any]:
+        """The whole document, admin routes included (the public /openapi.json leaves them out)."""
+        return openapi_doc.build(request.app, include_admin=True)
 
     @router.post("/retrain", status_code=202)
     async def retrain(body: RetrainBody) -> dict[str, Any]:

@@ -66,8 +66,12 @@ def _response(status: int) -> dict[str, Any]:
     return r
 
 
-def build(app: FastAPI) -> dict[str, Any]:
+def build(app: FastAPI, include_admin: bool = False) -> dict[str, Any]:
+    """The OpenAPI document; the admin routes only in the one served behind the admin token
+    (``GET /admin/openapi.json``): the public one does not advertise them."""
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    if not include_admin:
+        schema["paths"] = {p: item for p, item in schema.get("paths", {}).items() if not p.startswith("/admin")}
     comps = schema.setdefault("components", {}).setdefault("schemas", {})
     comps.pop("HTTPValidationError", None)
     comps.pop("ValidationError", None)
@@ -82,7 +86,7 @@ def build(app: FastAPI) -> dict[str, Any]:
 
 
 def install(app: FastAPI) -> None:
-    """Serve ``build``'s document at /openapi.json (built once, on first request)."""
+    """Serve ``build``'s public document at /openapi.json (built once, on first request)."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = build(app)

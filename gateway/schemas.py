@@ -137,6 +137,8 @@ class StreamOptions(_Lenient):
 
 MAX_N = 16          # choices per prompt (n)
 MAX_PROMPT_LOGPROBS = 20
+MAX_USER_CHARS = 256
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 MAX_CHOICES = 64    # choices per request (prompts × n)
 
 
@@ -178,7 +180,21 @@ class OpenAIRequest(_Sampling):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     slo_seconds: float | None = Field(default=None, gt=0, le=MAX_SLO_S)
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    metadata: dict[str, str] | None = Field(default=None, description=(
+        f"Caller bookkeeping, no effect: at most {MAX_METADATA_PAIRS} pairs, keys ≤ {MAX_METADATA_KEY} and "
+        f"values ≤ {MAX_METADATA_VALUE} characters (OpenAI's limits)."))
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None:
+            if len(v) > MAX_METADATA_PAIRS:
+                raise ValueError(f"at most {MAX_METADATA_PAIRS} metadata pairs, got {len(v)}")
+            if any(len(k) > MAX_METADATA_KEY or len(x) > MAX_METADATA_VALUE for k, x in v.items()):
+                raise ValueError(f"metadata keys have at most {MAX_METADATA_KEY} characters and values at most "
+                                 f"{MAX_METADATA_VALUE}")
+        return v
 
     @property
     def include_usage(self) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, error_response
 
@@ -76,18 +76,55 @@ def body_limit(max_chars: int) -> int:
 
 
 class BodyLimit:
-    """ASGI middleware: a request whose declared body is larger than any valid one is answered 413
-    before its body is read."""
+    """ASGI middleware: no request body larger than any valid one is ever read. A body that
+    declares its length is answered 413 before it is read; one that does not (chunked) is read
+    up to the limit and answered 413 as soon as it passes it, else handed on whole."""
 
     def __init__(self, app: ASGIApp, max_chars: int) -> None:
         self.app, self.limit = app, body_limit(max_chars)
 
+    def _too_large(self, scope: Scope):
+        return error_response(413, f"the request body is larger than {self.limit} bytes",
+                              code="body_too_large", request=Request(scope))
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-            if declared.isdigit() and int(declared) > self.limit:
-                resp = error_response(413, f"the request body is larger than {self.limit} bytes",
-                                      code="body_too_large", request=Request(scope))
-                await resp(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit():
+            if int(declared) > self.limit:
+                await self._too_large(scope)(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before the end
+                await self.app(scope, _replay([message]), send)
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._too_large(scope)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}],
+                                      receive), send)
+
+
+def _replay(messages: list[Message], then: Receive | None = None) -> Receive:
+    """A ``receive`` that hands out ``messages`` first, then defers to ``then`` (a disconnect
+    the app may wait for)."""
+    pending = list(messages)
+
+    async def receive() -> Message:
+        if pending:
+            return pending.pop(0)
+        if then is not None:
+            return await then()
+        return {"type": "http.disconnect"}
+
+    return receive

@@ -104,6 +104,43 @@ def test_body_larger_than_any_valid_request_is_413(tmp_path):
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
 
+def test_a_chunked_body_is_cut_off_at_the_limit_not_read_whole(tmp_path):
+    """No Content-Length (chunked): the gateway reads up to its limit and answers 413 there; a
+    100 MB body (a huge ``user`` string, say) is never read in full. A small chunked body passes."""
+    sent = []
+
+    async def huge():
+        yield b'{"messages": [{"role": "user", "content": "hi"}], "user": "'
+        for _ in range(100):
+            sent.append(1)
+            yield b"u" * (1 << 20)
+        yield b'"}'
+
+    async def small():
+        yield json.dumps({"messages": MSG}).encode()
+
+    async def scenario():
+        async with gateway(tmp_path, max_text_chars=1000) as (app, client, redis):
+            big = await client.post("/v1/chat/completions", content=huge(), headers={"content-type": "application/json"})
+            async with answering(redis):
+                ok = await client.post("/v1/chat/completions", content=small(),
+                                       headers={"content-type": "application/json"})
+            return big, ok
+
+    big, ok = asyncio.run(scenario())
+    assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
+    assert len(sent) <= 2, f"read {len(sent)} MB of a body whose limit is far below 1 MB"
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("extra,param", [({"user": "u" * 257}, "user"),
+                                         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                                         ({"metadata": {"k": "v" * 513}}, "metadata")])
+def test_user_and_metadata_are_bounded(tmp_path, extra, param):
+    _, r, queued = post_alone(tmp_path, "/v1/chat/completions", {"messages": MSG, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param and queued == 0, r.text
+
+
 def test_unexpected_error_hides_the_exception(tmp_path, monkeypatch):
     async def scenario():
         async with gateway(tmp_path) as (app, _, _r):

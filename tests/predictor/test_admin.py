@@ -80,3 +80,22 @@ def test_retrain_is_enqueued_and_its_state_reported(settings):
     assert client.get("/admin/tasks/task-1", headers=AUTH).json() == {
         "task_id": "task-1", "state": "SUCCESS", "result": {"version": "v9"}}
     assert client.get("/admin/tasks/task-2", headers=AUTH).json()["state"] == "PENDING"
+
+
+def test_a_token_with_non_ascii_bytes_is_a_401_not_a_500(settings):
+    client, _ = _client(settings)
+    for raw in (b"Bearer s3cr\xe9t", b"Bearer \xff\xfe", "Bearer s3cret\u00e9".encode("latin-1")):
+        r = client.get("/admin/models", headers=[(b"authorization", raw)])
+        assert r.status_code == 401, raw
+
+
+def test_the_public_document_hides_the_admin_routes(settings):
+    from gateway import openapi as openapi_doc
+
+    client, _ = _client(settings)
+    openapi_doc.install(client.app)
+    public = client.get("/openapi.json").json()["paths"]
+    assert not any(p.startswith("/admin") for p in public)
+    assert client.get("/admin/openapi.json").status_code == 401
+    full = client.get("/admin/openapi.json", headers=AUTH).json()["paths"]
+    assert "/admin/retrain" in full and "/admin/openapi.json" not in full
