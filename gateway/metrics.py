@@ -33,25 +33,37 @@ class GatewayMetrics:
         self.requests = Counter("cohort_requests_total", "Generation requests by endpoint and HTTP status sent "
                                 "(a stream that fails after its headers counts as 200; see failures)",
                                 ["endpoint", "status"], registry=r)
+        # Per request (one HTTP request, whatever its n): the vLLM names. Per choice: cohort_choice_*.
         self.latency = Histogram("cohort_e2e_request_latency_seconds",
-                                 "Answered requests: HTTP arrival to the answer's end", ["endpoint"], registry=r,
-                                 buckets=_LATENCY_BUCKETS)
+                                 "Answered requests, one observation per HTTP request: arrival to its last choice's "
+                                 "end", ["endpoint"], registry=r, buckets=_LATENCY_BUCKETS)
         self.ttft = Histogram("cohort_time_to_first_token_seconds",
-                              "HTTP arrival to the first token's text at the gateway", ["endpoint"], registry=r,
-                              buckets=_LATENCY_BUCKETS)
+                              "One observation per HTTP request: arrival to the first token's text of any of its "
+                              "choices", ["endpoint"], registry=r, buckets=_LATENCY_BUCKETS)
+        self.choice_latency = Histogram("cohort_choice_e2e_latency_seconds",
+                                        "Answered choices, one observation per choice (n of them for n > 1): HTTP "
+                                        "arrival to the choice's end", ["endpoint"], registry=r,
+                                        buckets=_LATENCY_BUCKETS)
+        self.choice_ttft = Histogram("cohort_choice_time_to_first_token_seconds",
+                                     "One observation per choice: HTTP arrival to the choice's first token's text",
+                                     ["endpoint"], registry=r, buckets=_LATENCY_BUCKETS)
         self.itl = Histogram("cohort_inter_token_latency_seconds",
-                             "Time between a request's successive tokens at the gateway (a delta carrying k "
+                             "Time between successive tokens of one choice at the gateway (a delta carrying k "
                              "tokens counts as one observation of gap/k)", ["endpoint"], registry=r,
                              buckets=_TOKEN_BUCKETS)
         self.queue_time = Histogram("cohort_request_queue_time_seconds",
-                                    "Arrival to the start of the batch that answered (worker-measured)",
+                                    "One observation per answered HTTP request: arrival to the start of the first "
+                                    "batch that ran one of its choices (worker-measured)",
                                     ["endpoint"], registry=r, buckets=_LATENCY_BUCKETS)
         self.cancelled = Counter("cohort_requests_cancelled_total",
-                                 "Requests withdrawn before their answer: client disconnect or gateway timeout",
+                                 "HTTP requests withdrawn before their answer: client disconnect or gateway timeout",
                                  ["endpoint", "reason"], registry=r)
+        self.choices_cancelled = Counter("cohort_choices_cancelled_total",
+                                         "Choices withdrawn before their answer (n per request for n > 1)",
+                                         ["endpoint", "reason"], registry=r)
         self.failures = Counter("cohort_request_failures_total",
-                                "Requests that failed after admission, by failure code", ["endpoint", "code"],
-                                registry=r)
+                                "Choices that failed after admission, by failure code (one per failed choice)",
+                                ["endpoint", "code"], registry=r)
         self.predicted_tokens = Histogram("cohort_predicted_tokens", "Predicted generation length",
                                           registry=r, buckets=(8, 16, 32, 64, 128, 256, 512, 1024, 2048))
         self.generated_tokens = RedisCounter("cohort_generated_tokens", "Tokens the workers generated, counted "

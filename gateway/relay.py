@@ -84,7 +84,19 @@ class Answer:
                    ev.batch_size or 0, dict(ev.timings))
 
 
-async def withdraw(app_state, ticket: Ticket, code: FailureCode) -> None:
+class RequestMetrics:
+    """What the choices of one HTTP request share for the per-request series (the vLLM names):
+    its first token is the first of any choice, its end the last choice's, and a withdrawal
+    counts once. Each choice's own observations go to the ``cohort_choice_*`` series."""
+
+    def __init__(self, choices: int = 1) -> None:
+        self.left = choices
+        self.first_token = False
+        self.cancelled = False
+        self.queued_s: float | None = None
+
+
+async def withdraw(app_state, ticket: Ticket, code: FailureCode, group: RequestMetrics | None = None) -> None:
     """Record why in the log DB, tell the batcher and the worker to drop the request, count it.
     The record comes first (as the worker records before it answers): whoever sees the
     withdrawal in Redis finds its status. It overrules a status already written (a worker that
@@ -96,7 +108,12 @@ async def withdraw(app_state, ticket: Ticket, code: FailureCode) -> None:
     pipe = app_state.redis.pipeline()
     bus.cancel(pipe, rid, ticket.pool)
     await pipe.execute()
-    app_state.metrics.cancelled.labels(ticket.endpoint, CANCEL_REASONS[code]).inc()
+    m = app_state.metrics
+    m.choices_cancelled.labels(ticket.endpoint, CANCEL_REASONS[code]).inc()
+    if group is None or not group.cancelled:
+        m.cancelled.labels(ticket.endpoint, CANCEL_REASONS[code]).inc()
+        if group is not None:
+            group.cancelled = True
 
 
 def _withdrawn_error(code: FailureCode, timeout_s: float) -> APIError:
@@ -110,8 +127,10 @@ class Relay:
     """One request's answer as it arrives. Iterate ``pieces()`` once (or ``collect()``)."""
 
     def __init__(self, app_state, ticket: Ticket,
-                 disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 disconnected: Callable[[], Awaitable[bool]] | None = None,
+                 group: RequestMetrics | None = None) -> None:
         self.st, self.ticket, self.disconnected = app_state, ticket, disconnected
+        self.group = group or RequestMetrics()  # shared by the choices of one HTTP request
         self.sent = ""              # text relayed so far
         self.sent_tokens = 0        # tokens that text stands for
         self.answer: Answer | None = None
@@ -160,7 +179,7 @@ class Relay:
         except Withdrawn as w:
             self._settled = True
             with anyio.CancelScope(shield=True):  # the client leaving also cancels us: finish the withdrawal
-                await withdraw(self.st, t, w.code)
+                await withdraw(self.st, t, w.code, self.group)
             raise _withdrawn_error(w.code, self.st.settings.request_timeout_s) from None
         finally:
             await self.abandon()  # closed or cancelled by the consumer: the client went away
@@ -173,7 +192,7 @@ class Relay:
         self._settled = True
         with anyio.CancelScope(shield=True):
             try:
-                await withdraw(self.st, self.ticket, FailureCode.CANCELLED)
+                await withdraw(self.st, self.ticket, FailureCode.CANCELLED, self.group)
             except Exception:  # never mask why the consumer stopped
                 log.exception("request %s: withdrawal failed", self.ticket.request.id)
 
@@ -202,7 +221,10 @@ class Relay:
     def _observe_tokens(self, tokens: int) -> None:
         now, t, m = time.monotonic(), self.ticket, self.st.metrics
         if self._last_at is None:
-            m.ttft.labels(t.endpoint).observe(now - t.received)
+            m.choice_ttft.labels(t.endpoint).observe(now - t.received)
+            if not self.group.first_token:
+                self.group.first_token = True
+                m.ttft.labels(t.endpoint).observe(now - t.received)
         else:
             m.itl.labels(t.endpoint).observe((now - self._last_at) / max(1, tokens - self.sent_tokens))
         self._last_at = now
@@ -210,6 +232,12 @@ class Relay:
     def _finish(self, answer: Answer) -> None:
         t, m = self.ticket, self.st.metrics
         self.answer = answer
-        m.latency.labels(t.endpoint).observe(time.monotonic() - t.received)
+        m.choice_latency.labels(t.endpoint).observe(time.monotonic() - t.received)
+        g = self.group
         if "queued_s" in answer.timings:
-            m.queue_time.labels(t.endpoint).observe(answer.timings["queued_s"])
+            g.queued_s = answer.timings["queued_s"] if g.queued_s is None else min(g.queued_s, answer.timings["queued_s"])
+        g.left -= 1
+        if g.left == 0:  # the request's last choice: its end is the request's
+            m.latency.labels(t.endpoint).observe(time.monotonic() - t.received)
+            if g.queued_s is not None:
+                m.queue_time.labels(t.endpoint).observe(g.queued_s)

@@ -34,7 +34,7 @@ from cohort.tokenizer import builtin_chat_prompt, chat_prompt_ids, decode, has_c
 from gateway import logprobs as lp
 from gateway.errors import APIError
 from gateway.pools import ServedModel
-from gateway.relay import Relay, Ticket
+from gateway.relay import Relay, RequestMetrics, Ticket
 from gateway.schemas import (
     MAX_CHOICES,
     MAX_SEED,
@@ -107,7 +107,8 @@ async def _admit(request: Request, served: ServedModel, subs: list[Submission], 
                  received: float) -> tuple[list[Ticket], list[Relay]]:
     st = request.app.state
     tickets = await admit_many(st, subs, endpoint, received, served)
-    return tickets, [Relay(st, t, request.is_disconnected) for t in tickets]
+    group = RequestMetrics(len(tickets))  # the per-request series see the choices as one request
+    return tickets, [Relay(st, t, request.is_disconnected, group) for t in tickets]
 
 
 def _prompt_tokens(tickets: list[Ticket], n: int) -> int:

@@ -38,3 +38,23 @@ def test_stream_latencies_and_counts(tmp_path):
     assert m[("cohort_generated_tokens_total", ())] == 4
     assert m[("cohort_requests_total", (("endpoint", "chat"), ("status", "200")))] == 1
     assert m[("cohort_requests_total", (("endpoint", "chat"), ("status", "400")))] == 1
+
+
+def test_per_request_series_count_a_request_once_and_per_choice_series_each_choice(tmp_path):
+    async def scenario():
+        async with gateway(tmp_path) as (_, client, redis):
+            workers = [asyncio.create_task(worker(redis, ["a", "b"])) for _ in range(2)]
+            r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                  "n": 2})
+            await asyncio.gather(*workers)
+            return r, (await client.get("/metrics")).text
+
+    r, text = asyncio.run(scenario())
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    m = _samples(text)
+    chat = (("endpoint", "chat"),)
+    for per_request in ("cohort_e2e_request_latency_seconds", "cohort_time_to_first_token_seconds",
+                        "cohort_request_queue_time_seconds"):
+        assert m[(f"{per_request}_count", chat)] == 1, per_request
+    for per_choice in ("cohort_choice_e2e_latency_seconds", "cohort_choice_time_to_first_token_seconds"):
+        assert m[(f"{per_choice}_count", chat)] == 2, per_choice
