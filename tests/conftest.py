@@ -80,6 +80,7 @@ ONE_WORKER = {
     "tests/predictor/test_predictors.py": "encoder",
     "tests/predictor/test_encoder_backends.py": "encoder",
     "tests/workers/test_decode.py": "hf-models",
+    "tests/workers/test_paged_executor.py": "hf-models",
     "tests/deployer/test_deployer_device_map.py": "hf-models",
     "tests/deployer/test_deployer_helr.py": "hf-models",
     "tests/deployer/test_deployer_cli.py": "hf-models",

@@ -1,0 +1,58 @@
+"""Row book tests on hand-built rows, no model (in the manner of vLLM's scheduler tests)."""
+
+from workers.row_book import BookRow, RowBook, pages_for
+
+
+def test_pages_for_is_ceiling():
+    assert [pages_for(n, 16) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+
+
+def test_group_admits_whole_or_not_at_all():
+    book = RowBook(num_pages=4, page_size=16)
+    assert book.admit([BookRow("a", 30), BookRow("b", 20)])  # 2 + 2 pages
+    assert book.free_tokens == 0
+    assert not book.admit([BookRow("c", 1)])
+    assert list(book.rows) == ["a", "b"]
+    assert len(set(book.block_table("a")) | set(book.block_table("b"))) == 4
+
+
+def test_prefill_chunks_under_budget_and_decode_goes_first():
+    book = RowBook(num_pages=100, page_size=16, token_budget=40)
+    book.admit([BookRow("a", 10)])
+    plan = book.plan_step()
+    assert plan.prefill == [("a", 0, 10)] and plan.decode == []
+    book.commit(plan)
+    book.admit([BookRow("long", 100)])
+    plan = book.plan_step()
+    assert plan.decode == ["a"]
+    assert plan.prefill == [("long", 0, 39)]  # budget 40 minus the decode token
+    book.commit(plan)
+    plan = book.plan_step()
+    assert plan.prefill == [("long", 39, 39)]
+
+
+def test_released_pages_let_the_next_group_join():
+    book = RowBook(num_pages=2, page_size=16)
+    book.admit([BookRow("a", 16), BookRow("b", 16)])
+    assert not book.admit([BookRow("c", 16)])
+    book.release("a")
+    assert book.admit([BookRow("c", 16)])
+
+
+def test_decode_growth_evicts_by_eviction_order():
+    book = RowBook(num_pages=2, page_size=4, token_budget=100)
+    book.admit([BookRow("short", 4, predicted_remaining=1), BookRow("long", 4, predicted_remaining=50)])
+    book.commit(book.plan_step())  # both prefilled; each page full
+    plan = book.plan_step()  # both need a second page; the pool is empty
+    assert plan.evicted == ["long"]
+    assert plan.decode == ["short"]
+    assert len(book.block_table("short")) == 2
+
+
+def test_row_at_max_preemptions_is_evicted_last():
+    book = RowBook(num_pages=2, page_size=4, max_preemptions=1)
+    book.admit([BookRow("old", 4, predicted_remaining=1),
+                BookRow("big", 4, predicted_remaining=50, preemptions=1)])
+    book.commit(book.plan_step())
+    plan = book.plan_step()
+    assert plan.evicted == ["old"] and plan.decode == ["big"]

@@ -1,0 +1,85 @@
+"""Paged KV attention on the model's own forward (issue 18, item 2), through transformers' public
+``AttentionInterface``: no subclassing of their continuous-batching internals.
+
+KV lives in a preallocated page store (``PageStore``: per layer, ``[pages, page_size, kv_heads,
+head_dim]``), so a step writes its new keys/values into their slots instead of re-allocating a
+cache with ``torch.cat``. One forward takes a *packed* sequence (batch 1): prefill chunks of the
+joining rows and one token per decoding row, each with its own position ids; the registered
+attention function writes the step's K/V into the store and attends each row only to its own
+context (SDPA per row, causal within the row's new tokens). The row book (``workers.row_book``)
+owns which pages each row holds; this module only reads the slot lists it is handed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+
+PAGED_ATTENTION = "cohort_paged"
+
+
+class PageStore:
+    """The preallocated KV pool: one key and one value tensor per layer, addressed by flat slot
+    (page · page_size + offset)."""
+
+    def __init__(self, layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_pages * page_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.page_size = page_size
+
+
+@dataclass
+class PackedStep:
+    """One forward's layout: for each row, where its new tokens sit in the packed sequence and
+    the slots of its whole context (old + new, in position order)."""
+
+    store: PageStore
+    write_slots: torch.Tensor  # [tokens] slot of each packed token's K/V
+    rows: list[tuple[int, int, torch.Tensor]]  # (start in packed seq, new tokens, context slots)
+
+
+def slots_for(block_table: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """Flat slots of positions [start, end) of a row whose pages are ``block_table``."""
+    return [block_table[p // page_size] * page_size + p % page_size for p in range(start, end)]
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    cohort_step: PackedStep | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """query/key/value: [1, heads, tokens, head_dim] over the packed step; returns [1, tokens, heads, dim]."""
+    if cohort_step is None:
+        raise ValueError("the cohort_paged attention needs a PackedStep (cohort_step=...)")
+    layer, store = module.layer_idx, cohort_step.store
+    store.k[layer][cohort_step.write_slots] = key[0].transpose(0, 1).to(store.k[layer].dtype)
+    store.v[layer][cohort_step.write_slots] = value[0].transpose(0, 1).to(store.v[layer].dtype)
+    out = torch.empty_like(query[0].transpose(0, 1))  # [tokens, heads, dim]
+    for start, n, ctx in cohort_step.rows:
+        q = query[0, :, start:start + n]  # [heads, n, dim]
+        k = store.k[layer][ctx].transpose(0, 1).to(q.dtype)  # [kv_heads, ctx, dim]
+        v = store.v[layer][ctx].transpose(0, 1).to(q.dtype)
+        c = k.shape[1]
+        # query i sits at context position c - n + i and sees keys 0 .. c - n + i
+        mask = None
+        if n > 1:
+            qpos = torch.arange(c - n, c, device=q.device)[:, None]
+            mask = torch.arange(c, device=q.device)[None, :] <= qpos
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[0] != q.shape[0])
+        out[start:start + n] = o.transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """Each row's causal mask is built inside ``paged_attention``; the model builds none."""
+    return None
+
+
+def register_paged_attention() -> str:
+    """Register the attention function (and its no-op mask) once; returns its name."""
+    AttentionInterface.register(PAGED_ATTENTION, paged_attention)
+    AttentionMaskInterface.register(PAGED_ATTENTION, _no_mask)
+    return PAGED_ATTENTION

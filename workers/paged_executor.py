@@ -1,0 +1,76 @@
+"""The continuous engine's executor (issue 18, item 4): tensors only. It runs one ``StepPlan``
+from the row book as a single packed forward of the model over the page store and hands back,
+per row, the logits of its last new position (the next-token distribution) — and, for prefill
+chunks, every prompt position's logits to an optional hook (prompt logprobs, echo).
+
+Sampling, stop strings and detokenizing stay with the caller: this class knows rows only by id,
+their token ids and their block tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from workers.paged_attention import PackedStep, PageStore, register_paged_attention, slots_for
+from workers.row_book import RowBook, StepPlan
+
+PromptHook = Callable[[str, int, torch.Tensor], None]  # (row id, first position, logits [n, vocab])
+
+
+def packed_path_refusal(model) -> str | None:
+    """Why this model cannot take the packed paged path (None when it can): the attention must be
+    swappable through ``AttentionInterface`` and every attention layer must know its index."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
+    if not getattr(model.config, "num_hidden_layers", None):
+        return f"{type(model).__name__}'s config names no num_hidden_layers"
+    return None
+
+
+class PagedExecutor:
+    """Packed prefill + per-row decode for one model on a preallocated page store."""
+
+    def __init__(self, model, book: RowBook, dtype: torch.dtype, device: torch.device) -> None:
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.model, self.book, self.device = model, book, device
+        self.store = PageStore(cfg.num_hidden_layers, book.pool.num_pages, book.page_size, kv_heads, head_dim,
+                               dtype, device)
+        model.set_attn_implementation(register_paged_attention())
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, tokens: dict[str, list[int]],
+            prompt_hook: PromptHook | None = None) -> dict[str, torch.Tensor]:
+        """``tokens[row]`` is the row's whole id list (prompt + generated); returns row → last logits."""
+        ps = self.book.page_size
+        ids: list[int] = []
+        pos: list[int] = []
+        wslots: list[int] = []
+        rows: list[tuple[int, int, torch.Tensor]] = []
+        order: list[tuple[str, int, int, bool]] = []
+        work = [(r, s, n, True) for r, s, n in plan.prefill]
+        work += [(r, self.book.rows[r].computed, 1, False) for r in plan.decode]
+        for row_id, start, n, is_prefill in work:
+            table = self.book.rows[row_id].pages
+            at = len(ids)
+            ids += tokens[row_id][start:start + n]
+            pos += range(start, start + n)
+            wslots += slots_for(table, start, start + n, ps)
+            rows.append((at, n, torch.tensor(slots_for(table, 0, start + n, ps), device=self.device)))
+            order.append((row_id, at, n, is_prefill))
+        if not ids:
+            return {}
+        step = PackedStep(self.store, torch.tensor(wslots, device=self.device), rows)
+        logits = self.model(input_ids=torch.tensor([ids], device=self.device),
+                            position_ids=torch.tensor([pos], device=self.device),
+                            use_cache=False, cohort_step=step).logits[0]
+        out: dict[str, torch.Tensor] = {}
+        for row_id, at, n, is_prefill in order:
+            if is_prefill and prompt_hook is not None:
+                prompt_hook(row_id, pos[at], logits[at:at + n])
+            out[row_id] = logits[at + n - 1]
+        return out

@@ -1,0 +1,151 @@
+"""The continuous engine's row book (issue 18, item 4): which rows run, which KV pages each
+holds, who joins at the next step boundary, whom to evict when pages run out.
+
+Plain Python, no torch: the bookkeeping is tested on hand-built rows without a model, and the
+executor (tensors only) reads the block tables this book hands out. KV lives in fixed-size pages
+from a preallocated pool, so a growing row takes one more page id instead of re-allocating its
+cache; a finished or evicted row returns its pages to the free list at once, which is what lets
+the next admission group join mid-batch. Eviction reuses ``batcher.elastic.eviction_order`` (the
+one rule for whom to preempt), so live continuous execution preempts the same row the elastic
+path and the simulator would.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from batcher.elastic import eviction_order
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages needed to hold ``tokens`` KV entries (ceiling division; 0 tokens need 0 pages)."""
+    return -(-tokens // page_size)
+
+
+@dataclass
+class BookRow:
+    """One running row: its id, how many KV entries it holds, its pages and its eviction facts."""
+
+    row_id: str
+    prompt_len: int
+    predicted_remaining: int = 0
+    preemptions: int = 0
+    computed: int = 0  # KV entries written (prefilled prompt tokens + decoded tokens)
+    pages: list[int] = field(default_factory=list)
+
+    @property
+    def prefill_left(self) -> int:
+        return max(0, self.prompt_len - self.computed)
+
+
+@dataclass
+class StepPlan:
+    """What the executor runs this step: prefill chunks (row id, start, length) and decode rows."""
+
+    prefill: list[tuple[str, int, int]] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
+
+
+class PagePool:
+    """A fixed pool of page ids; ``take`` fails (returns None) rather than growing the pool."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.free: deque[int] = deque(range(num_pages))
+        self.num_pages = num_pages
+
+    def take(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        return [self.free.popleft() for _ in range(n)]
+
+    def give(self, pages: list[int]) -> None:
+        self.free.extend(pages)
+
+
+class RowBook:
+    """Rows running on one worker instance and the pages they hold.
+
+    ``admit`` takes a whole admission group only when its prompts' pages fit beside the running
+    rows (a batch joins as a unit, as the batcher planned it); ``plan_step`` spends the per-step
+    token budget on decode rows first (one token each, so decoding never stalls behind a long
+    prompt), then on prefill chunks in admission order, and evicts by ``eviction_order`` when a
+    decode row needs a page the pool does not have.
+    """
+
+    def __init__(self, num_pages: int, page_size: int = 16, token_budget: int = 512,
+                 max_preemptions: int = 8) -> None:
+        self.pool = PagePool(num_pages)
+        self.page_size, self.token_budget, self.max_preemptions = page_size, token_budget, max_preemptions
+        self.rows: dict[str, BookRow] = {}  # insertion order = admission order
+
+    @property
+    def free_tokens(self) -> int:
+        """KV tokens still free (what the instance publishes so the batcher can send more)."""
+        return len(self.pool.free) * self.page_size
+
+    def block_table(self, row_id: str) -> list[int]:
+        return list(self.rows[row_id].pages)
+
+    def admit(self, group: list[BookRow]) -> bool:
+        """Reserve pages for every prompt of the group, or for none of them."""
+        need = sum(pages_for(r.prompt_len, self.page_size) for r in group)
+        pages = self.pool.take(need)
+        if pages is None:
+            return False
+        for r in group:
+            n = pages_for(r.prompt_len, self.page_size)
+            r.pages, pages = pages[:n], pages[n:]
+            self.rows[r.row_id] = r
+        return True
+
+    def release(self, row_id: str) -> BookRow:
+        """The row finished or was cancelled: its pages go back to the pool now."""
+        row = self.rows.pop(row_id)
+        self.pool.give(row.pages)
+        row.pages = []
+        return row
+
+    def _grow(self, row: BookRow, plan: StepPlan) -> bool:
+        """Give ``row`` room for one more KV entry, evicting others if needed; False if ``row`` itself went."""
+        while pages_for(row.computed + 1, self.page_size) > len(row.pages):
+            got = self.pool.take(1)
+            if got is not None:
+                row.pages += got
+                continue
+            ids = list(self.rows)
+            order = eviction_order([self.rows[i].predicted_remaining for i in ids],
+                                   [self.rows[i].preemptions for i in ids], self.max_preemptions)
+            victim = ids[order[0]]
+            self.release(victim)
+            plan.evicted.append(victim)
+            if victim == row.row_id:
+                return False
+        return True
+
+    def plan_step(self) -> StepPlan:
+        """Decide this step's work within the token budget."""
+        plan = StepPlan()
+        budget = self.token_budget
+        for row in [r for r in self.rows.values() if r.prefill_left == 0]:
+            if budget == 0:
+                break
+            if row.row_id in self.rows and self._grow(row, plan):
+                plan.decode.append(row.row_id)
+                budget -= 1
+        for row in [r for r in self.rows.values() if r.prefill_left > 0]:
+            if budget == 0:
+                break
+            n = min(row.prefill_left, budget)
+            plan.prefill.append((row.row_id, row.computed, n))
+            budget -= n
+        return plan
+
+    def commit(self, plan: StepPlan) -> None:
+        """The executor ran ``plan``: advance each row's written KV count."""
+        for row_id, _start, n in plan.prefill:
+            self.rows[row_id].computed += n
+        for row_id in plan.decode:
+            if row_id in self.rows:
+                self.rows[row_id].computed += 1
