@@ -149,6 +149,9 @@ class Settings(BaseSettings):
 
     # --- continuous learning --------------------------------------------------------------
     predictor_retrain_every_s: float = 180.0
+    learning_min_new_samples: int = Field(
+        default=32, ge=1, description="A periodic predictor retrain fits only once this many new samples "
+        "(mispredicted served requests) have been stored since the last fit; fewer wait for the next round")
     learning_seed_rows_per_task: int = Field(
         default=500, description="First retraining: rows per Magnus task from ../shared/data's train split "
         "to start the training set with (0: start from the log DB only).")

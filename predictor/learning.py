@@ -141,11 +141,19 @@ def _save_state(settings: Settings, **values: float) -> None:
     os.replace(tmp, _state_path(settings))
 
 
+class RetrainRunning(RuntimeError):
+    """A retraining of the same target is running: this one is skipped, never queued behind it."""
+
+
 @contextlib.contextmanager
 def _lock(settings: Settings, name: str) -> Iterator[None]:
-    """One retraining per target at a time, across processes."""
+    """One retraining per target at a time, across processes; a second one does not wait (it
+    would only redo the work on the same data): it raises ``RetrainRunning``."""
     with (learning_dir(settings) / f"{name}.lock").open("w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RetrainRunning(f"a retraining of the {name} is running; this one is skipped") from None
         try:
             yield
         finally:
@@ -228,10 +236,11 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
                 "source": f"log:{r['id']}"} for r in picked]
         _append_jsonl(predictor_store(settings), new)
         last = max((float(r["finished"]) for r in rows if r.get("finished") is not None), default=since)
-        if not new and not seeded and not force and reg.active():
-            _save_state(settings, predictor_since=last)
+        pending = int(load_state(settings).get("predictor_pending", 0)) + len(new)
+        if pending < settings.learning_min_new_samples and not seeded and not force and reg.active():
+            _save_state(settings, predictor_since=last, predictor_pending=pending)  # stored; fitted once enough
             return {"version": reg.active(), "metrics": reg.meta(reg.active()).get("metrics"),
-                    "n_added": 0, "n_train": None, "retrained": False}
+                    "n_added": len(new), "n_pending": pending, "n_train": None, "retrained": False}
         data = training_rows(_read_jsonl(predictor_store(settings)), settings.model)
         if not data:
             _save_state(settings, predictor_since=last)
@@ -260,7 +269,7 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
                      "store": str(predictor_store(settings))},
             "metrics": metrics, "train_seconds": round(time.perf_counter() - t0, 2)})
         reg.commit(version, staging)
-        _save_state(settings, predictor_since=last)
+        _save_state(settings, predictor_since=last, predictor_pending=0)
         log.info("predictor retrained: %s (%d rows, %d new)", version, len(items), len(new))
         return {"version": version, "metrics": metrics, "n_added": len(new), "n_train": len(items),
                 "retrained": True}

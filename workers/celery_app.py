@@ -51,8 +51,12 @@ def celery_config(s: Settings) -> dict[str, Any]:
             **{name: {"queue": LEARNING_QUEUE} for name in RETRAIN_TASKS.values()},
         },
         "beat_schedule": {
-            "retrain-predictor": {"task": RETRAIN_TASKS["predictor"], "schedule": s.predictor_retrain_every_s},
-            "retrain-estimator": {"task": RETRAIN_TASKS["estimator"], "schedule": s.estimator_retrain_every_s},
+            # A periodic retrain not started within its period expires: it never piles up behind a
+            # long one (and one that starts while another runs is skipped: predictor.learning._lock).
+            "retrain-predictor": {"task": RETRAIN_TASKS["predictor"], "schedule": s.predictor_retrain_every_s,
+                                  "options": {"expires": s.predictor_retrain_every_s}},
+            "retrain-estimator": {"task": RETRAIN_TASKS["estimator"], "schedule": s.estimator_retrain_every_s,
+                                  "options": {"expires": s.estimator_retrain_every_s}},
         },
     }
 

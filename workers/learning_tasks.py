@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from cohort.settings import get_settings
-from predictor.learning import retrain_estimator, retrain_predictor
+from predictor.learning import RetrainRunning, retrain_estimator, retrain_predictor
 from workers.celery_app import RETRAIN_TASKS, celery_app
 
 log = logging.getLogger(__name__)
@@ -17,7 +17,11 @@ log = logging.getLogger(__name__)
 @celery_app.task(name=RETRAIN_TASKS["predictor"], ignore_result=False, acks_late=True)
 def retrain_predictor_task(force: bool = False) -> dict[str, Any]:
     """Add mispredicted requests from the log DB to the training set, retrain, activate."""
-    out = retrain_predictor(get_settings(), force=force)
+    try:
+        out = retrain_predictor(get_settings(), force=force)
+    except RetrainRunning as e:
+        log.info("retrain_predictor skipped: %s", e)
+        return {"retrained": False, "skipped": str(e)}
     log.info("retrain_predictor: %s", {k: out.get(k) for k in ("version", "n_added", "retrained")})
     return out
 
@@ -25,6 +29,10 @@ def retrain_predictor_task(force: bool = False) -> dict[str, Any]:
 @celery_app.task(name=RETRAIN_TASKS["estimator"], ignore_result=False, acks_late=True)
 def retrain_estimator_task(force: bool = False) -> dict[str, Any]:
     """Add badly estimated batches from the log DB to the sample set, refit KNN, activate."""
-    out = retrain_estimator(get_settings(), force=force)
+    try:
+        out = retrain_estimator(get_settings(), force=force)
+    except RetrainRunning as e:
+        log.info("retrain_estimator skipped: %s", e)
+        return {"retrained": False, "skipped": str(e)}
     log.info("retrain_estimator: %s", {k: out.get(k) for k in ("version", "n_added", "retrained")})
     return out

@@ -1,6 +1,8 @@
 import json
 import time
 
+import pytest
+
 from cohort.logdb import get_db_engine, record_batch, record_request
 from predictor import learning
 from predictor.registry import Registry
@@ -57,12 +59,25 @@ def test_retrain_predictor_incremental(settings):
     # nothing new since the last run: no new version
     again = learning.retrain_predictor(settings, kind="linear", seed_limit_per_file=0)
     assert not again["retrained"] and again["version"] == out["version"] and again["n_added"] == 0
-    _log_requests(engine, 4, t0 + 5, pred=1, actual=200)
-    third = learning.retrain_predictor(settings, kind="linear", seed_limit_per_file=0)
-    assert third["retrained"] and third["n_added"] == 4 and third["n_train"] == 34
+    _log_requests(engine, 4, t0 + 5, pred=1, actual=200)  # fewer than learning_min_new_samples (32)
+    few = learning.retrain_predictor(settings, kind="linear", seed_limit_per_file=0)
+    assert not few["retrained"] and few["n_added"] == 4 and few["n_pending"] == 4
+    _log_requests(engine, 4, t0 + 6, pred=1, actual=200)
+    enough = settings.model_copy(update={"learning_min_new_samples": 8})  # stored ones count: 4 + 4
+    third = learning.retrain_predictor(enough, kind="linear", seed_limit_per_file=0)
+    assert third["retrained"] and third["n_added"] == 4 and third["n_train"] == 38
     assert reg.versions() == sorted([out["version"], third["version"]])
     forced = learning.retrain_predictor(settings, force=True, kind="mean", seed_limit_per_file=0)
     assert forced["retrained"] and reg.meta(forced["version"])["kind"] == "mean"
+
+
+def test_a_retrain_due_while_one_runs_is_skipped_not_queued(settings):
+    with learning._lock(settings, "predictor"):
+        with pytest.raises(learning.RetrainRunning):
+            learning.retrain_predictor(settings, kind="linear", seed_limit_per_file=0)
+    _log_requests(get_db_engine(settings.database_url), 3, time.time(), pred=5, actual=60)
+    out = learning.retrain_predictor(settings, force=True, kind="mean", seed_limit_per_file=0)
+    assert out["retrained"]  # the lock is free again once the first ends
 
 
 def test_retrain_estimator_from_profile_and_log(settings):
