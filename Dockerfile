@@ -18,6 +18,8 @@ COPY predictor predictor
 COPY batcher batcher
 COPY deployer deployer
 COPY workers workers
+COPY taskq taskq
+COPY learning learning
 COPY bench bench
 RUN python3 -m pip install --no-cache-dir . flower
 RUN useradd --create-home cohort && mkdir -p /app/var && chown cohort /app/var

@@ -46,7 +46,7 @@ class BatcherService:
     settings: Settings
     redis: redis.Redis
     estimator: object
-    send_task: Callable[[Batch], None]  # hands a batch to the pool's queue (workers.celery_app.batch_sender)
+    send_task: Callable[[Batch], None]  # hands a batch to the pool's queue (taskq.celery_app.batch_sender)
     policy: Policy | None = None
     inflight: dict[str, Inflight] = field(default_factory=dict)
     instances: dict[str, InstanceInfo] = field(default_factory=dict)

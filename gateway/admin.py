@@ -62,7 +62,7 @@ def bearer_check(token: str) -> Callable[[Request], None]:
 
 def make_admin_router(settings: Settings, predictor_service: Any, enqueue: Enqueue,
                       task_status: TaskStatus) -> APIRouter:
-    """``enqueue(target)`` sends the learning task and returns its id (workers.celery_app); the
+    """``enqueue(target)`` sends the learning task and returns its id (taskq.celery_app); the
     predictor service gives the version in use and swaps on activation."""
     router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(bearer_check(settings.admin_token))])
 

@@ -22,7 +22,7 @@ from gateway.submit import PoolView
 from gateway.validation import BodyLimit
 from gateway.views import generate, health, models, openai
 from predictor.service import PredictorService
-from workers.celery_app import enqueue_retrain, task_status
+from taskq.celery_app import enqueue_retrain, task_status
 
 log = logging.getLogger("cohort.gateway")
 

@@ -18,13 +18,17 @@ from cohort.settings import Settings, get_settings
 from cohort.tokenizer import tokenizer_path
 from deployer.cli import app as deploy_app
 from launch.supervisor import serve_all
+from learning.cli import beat as learning_beat
+from learning.cli import learning as learning_worker
 from predictor.cli import app as predictor_app
 from predictor.estimator_service import EstimatorService
-from workers.celery_app import batch_sender, configure_celery
+from taskq.celery_app import batch_sender, configure_celery
 from workers.cli import app as worker_app
 
 app = typer.Typer(help="cohort: static-batch scheduling for LLM serving.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
+worker_app.command("learning")(learning_worker)  # the learning worker's, under `cohort worker`
+worker_app.command("beat")(learning_beat)
 app.add_typer(worker_app, name="worker")
 app.add_typer(predictor_app, name="predictor")
 app.add_typer(bench_app, name="bench")

@@ -18,7 +18,7 @@ from cohort import bus
 from cohort.bus import queue_for_pool
 from cohort.settings import Settings
 from procstack.embedded_redis import EmbeddedRedis, embedded_redis_password
-from workers.celery_app import RUN_BATCH, make_celery
+from taskq.celery_app import RUN_BATCH, make_celery
 
 
 @pytest.fixture

@@ -18,18 +18,22 @@ PACKAGES = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file(
 MAX_LINES = 400
 
 # What each package may import from the others. Bottom to top: cohort (contracts, settings) and
-# procstack (the local process stack) import no product package; the batcher and the predictor
+# procstack (the local process stack) import no product package; taskq (the Celery app: task
+# names, queues, broker settings) only the contracts; the batcher and the predictor
 # run inside the simulator and never reach the model, Celery or an entry point; workers are the
-# LLM instance; gateway and bench use what is below them; launch (the `cohort` command) is on
+# LLM instance and learning the learner (neither imports the other); gateway and bench use what is
+# below them; launch (the `cohort` command) is on
 # top and imported by nothing. A package not named here may import anything but launch.
 MAY_IMPORT: dict[str, set[str]] = {
     "cohort": set(),
     "procstack": set(),
+    "taskq": {"cohort"},
     "deployer": {"cohort"},
     "batcher": {"cohort"},
     "predictor": {"cohort"},
-    "workers": {"cohort", "batcher", "predictor", "deployer"},
-    "gateway": {"cohort", "batcher", "predictor", "workers"},
+    "workers": {"cohort", "batcher", "predictor", "deployer", "taskq"},
+    "learning": {"cohort", "predictor", "taskq"},
+    "gateway": {"cohort", "batcher", "predictor", "taskq"},
     "bench": {"cohort", "batcher", "predictor", "deployer", "procstack"},
     "launch": set(PACKAGES) - {"launch"},
 }

@@ -1,4 +1,5 @@
-"""`cohort worker`: one Celery worker process per LLM instance; `profile`, `learning`, `beat`."""
+"""`cohort worker`: one Celery worker process per LLM instance, and `profile`. (`cohort worker
+learning` and `beat` are the learning worker's: learning/cli.py; launch puts them under `worker`.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import typer
 from cohort.bus import queue_for_pool
 from cohort.settings import get_settings
 from predictor.learning import profile_samples_path
-from workers.celery_app import celery_app
+from taskq.celery_app import celery_app
 
 app = typer.Typer(help="LLM worker (one per instance) and its tools.", invoke_without_command=True)
 log = logging.getLogger(__name__)
@@ -42,22 +43,6 @@ def worker(ctx: typer.Context) -> None:
                                 "--without-mingle", "--prefetch-multiplier=1"])
     finally:
         rt.deregister()
-
-
-@app.command()
-def learning() -> None:
-    """A worker for the retraining queue (off the request path)."""
-    _setup_logging()
-    celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", "cohort.learning",
-                            "-n", "learning@%h", "--loglevel=INFO", "--without-gossip", "--without-mingle"])
-
-
-@app.command()
-def beat(schedule_file: Path = Path("var/celerybeat-schedule")) -> None:
-    """Celery beat: triggers predictor (3 min) and estimator (2 min) retraining."""
-    _setup_logging()
-    schedule_file.parent.mkdir(parents=True, exist_ok=True)
-    celery_app.start(["beat", "--loglevel=INFO", "-s", str(schedule_file)])
 
 
 @app.command()

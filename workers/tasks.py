@@ -21,8 +21,8 @@ from cohort import bus
 from cohort.logdb import finish_request, record_batch
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, ScoredIds, StreamEvent, StreamKind
 from cohort.types import Batch, ProfiledRequest
+from taskq.celery_app import RUN_BATCH, celery_app
 from workers import runtime
-from workers.celery_app import RUN_BATCH, celery_app
 from workers.decode import DecodeRun
 from workers.decode_outputs import KVCacheOutOfMemory, RowResult, StepOutput
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cohort.bus import queue_for_pool
-from workers.celery_app import make_celery
+from taskq.celery_app import make_celery
 
 
 def test_json_only_late_acks_prefetch_one_and_visibility_timeout(monkeypatch):

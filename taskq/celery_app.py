@@ -5,7 +5,7 @@ to a second worker; it is set in the broker, result-backend and app options (SPE
 
 The app exists at import (the task modules decorate their functions with it) but holds no
 settings until an entry point passes them (``configure_celery``); a process that never does —
-``celery -A workers.celery_app:celery_app flower`` in docker-compose — reads them from the
+``celery -A taskq.celery_app:celery_app flower`` in docker-compose — reads them from the
 environment when Celery first looks at its configuration, not when this module is imported.
 """
 
@@ -75,7 +75,7 @@ class _SettingsPromise:
 def make_celery(settings: Settings | None = None, promise: _SettingsPromise | None = None) -> Celery:
     """A Celery app configured from ``settings``, or, when none are given, from the environment
     the first time its configuration is read (nothing is read at construction)."""
-    app = Celery("cohort", include=["workers.tasks", "workers.learning_tasks"])
+    app = Celery("cohort", include=["workers.tasks", "learning.tasks"])
     app.add_defaults(promise or _SettingsPromise(settings))
     return app
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from cohort.settings import get_settings
 from predictor.learning import RetrainRunning, retrain_estimator, retrain_predictor
-from workers.celery_app import RETRAIN_TASKS, celery_app
+from taskq.celery_app import RETRAIN_TASKS, celery_app
 
 log = logging.getLogger(__name__)
 

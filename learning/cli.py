@@ -1,0 +1,28 @@
+"""The learning worker's commands, which ``launch`` mounts as ``cohort worker learning`` and
+``cohort worker beat``: a Celery worker on the retraining queue, and beat, which sends the
+periodic retrains."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from taskq.celery_app import LEARNING_QUEUE, celery_app
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+
+def learning() -> None:
+    """A worker for the retraining queue (off the request path)."""
+    _setup_logging()
+    celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", LEARNING_QUEUE,
+                            "-n", "learning@%h", "--loglevel=INFO", "--without-gossip", "--without-mingle"])
+
+
+def beat(schedule_file: Path = Path("var/celerybeat-schedule")) -> None:
+    """Celery beat: triggers predictor (3 min) and estimator (2 min) retraining."""
+    _setup_logging()
+    schedule_file.parent.mkdir(parents=True, exist_ok=True)
+    celery_app.start(["beat", "--loglevel=INFO", "-s", str(schedule_file)])
