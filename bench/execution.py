@@ -29,8 +29,9 @@ Memory overflow, when the next step would pass Θ (in tokens, ``KVMemory.theta_t
   back as a continuation (its prefix is re-prefilled when it resumes). A row whose own prompt and
   tokens cannot take one more step even alone fails instead (nothing loops).
 
-Pure Python: ``run_batch`` returns offsets from the batch start; ``bench.simulator`` turns them
-into events.
+Pure Python: ``simulate_batch_run`` returns offsets from the batch start; ``bench.simulator``
+turns them into events. (``Sim`` in the names: this is the simulated world's batch, not the
+worker's ``workers.decode`` run.)
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ RECOVERIES = ("split", "preempt")
 
 
 @dataclass
-class BatchRun:
+class SimBatchRun:
     """What happened to one batch run, as offsets (seconds) from its start; rows are indices."""
 
     end: float = 0.0                                                   # the instance is free again
@@ -59,9 +60,10 @@ class BatchRun:
     wasted: int = 0                     # row-steps thrown away (rows restarted from zero)
 
 
-def run_batch(inputs: Sequence[int], true: Sequence[int], predicted: Sequence[int], preemptions: Sequence[int],
-              budget: int, time_model: BatchTimeModel, execution: str = "static", recovery: str = "split",
-              max_preemptions: int = 8) -> BatchRun:
+def simulate_batch_run(inputs: Sequence[int], true: Sequence[int], predicted: Sequence[int],
+                       preemptions: Sequence[int], budget: int, time_model: BatchTimeModel,
+                       execution: str = "static", recovery: str = "split",
+                       max_preemptions: int = 8) -> SimBatchRun:
     """Run one batch: ``inputs`` L(p) (continuations: prompt + generated), ``true`` remaining true
     lengths (≥ 1), ``predicted`` remaining predicted lengths (eviction order), ``budget`` = Θ in
     tokens. See the module docstring for the rules."""
@@ -71,7 +73,7 @@ def run_batch(inputs: Sequence[int], true: Sequence[int], predicted: Sequence[in
     n = len(true)
     L = max(inputs)
     est = time_model.estimate
-    out = BatchRun()
+    out = SimBatchRun()
     alive = sorted(range(n), key=lambda i: true[i])   # shortest first: elastic rows leave in this order
     s = 0                    # decode steps done
     t: float | None = None   # time offset after step s (None: nothing run yet)

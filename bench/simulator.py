@@ -5,7 +5,7 @@ After every event, while an instance is idle and the policy has work, ``policy.p
 chooses a batch — exactly the live batcher's contract (nothing is handed out before an instance
 is free).
 
-How a batch runs is ``bench.execution.run_batch`` with the requests' *true* lengths:
+How a batch runs is ``bench.execution.simulate_batch_run`` with the requests' *true* lengths:
 
 * ``execution="static"`` (the papers): the batch decodes until its longest member ends, for
   ``time_model.estimate(β, L(B), G(B))``; every member is answered then.
@@ -45,7 +45,7 @@ from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import PolicyContext, make_policy, planning_memory
 from batcher.policies.base import BatchTimeModel
 from batcher.wma import total_wma, wma_gen
-from bench.execution import EXECUTIONS, RECOVERIES, BatchRun, run_batch
+from bench.execution import EXECUTIONS, RECOVERIES, SimBatchRun, simulate_batch_run
 from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest
 
@@ -197,7 +197,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
 
     budget = memory.theta_tokens
     idle = instances
-    # (time, seq, kind, payload): kind "end" = a run ends (payload: batch, its BatchRun),
+    # (time, seq, kind, payload): kind "end" = a run ends (payload: batch, its SimBatchRun),
     # "back" = a preempted row re-enters the policy (payload: the continuation)
     heap: list[tuple[float, int, str, Any]] = []
     seq = 0
@@ -220,9 +220,9 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
             if b is None:
                 return
             reqs = b.requests
-            run = run_batch([r.input_tokens for r in reqs], [r.true_tokens for r in reqs],
-                            [r.predicted_tokens for r in reqs], [r.preemptions for r in reqs], budget,
-                            time_model, execution, oom_recovery, max_preemptions)
+            run = simulate_batch_run([r.input_tokens for r in reqs], [r.true_tokens for r in reqs],
+                                     [r.predicted_tokens for r in reqs], [r.preemptions for r in reqs], budget,
+                                     time_model, execution, oom_recovery, max_preemptions)
             stats["batches"] += 1
             stats["busy"] += run.end
             stats["decoded"] += run.decoded
@@ -247,7 +247,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
             seq += 1
             idle -= 1
 
-    def ended(b: Batch, run: BatchRun, now: float) -> None:
+    def ended(b: Batch, run: SimBatchRun, now: float) -> None:
         if run.split is not None:
             part = b if len(run.split) == b.size else Batch(
                 id=b.id, requests=[b.requests[k] for k in run.split], created=b.created, attempt=b.attempt,
