@@ -58,3 +58,18 @@ def eviction_order(remaining: Sequence[int], preemptions: Sequence[int], max_pre
         return (preemptions[i] < max_preemptions, remaining[i], i)
 
     return sorted(range(len(remaining)), key=key, reverse=True)
+
+
+def rows_kv_peak(contexts: Sequence[int], remaining: Sequence[int]) -> int:
+    """Peak KV tokens of rows that each hold their own context (no padding) and leave after their
+    remaining planned tokens: max over t of Σ_{rows alive at t} (c_i + t), reached just before a
+    row leaves, i.e. max_k Σ_{j≤k} c_(j) + k·r_(k) with rows sorted by remaining r descending.
+    With every c_i = L it is ``peak_kv_tokens(L, remaining)``: the same rule for a continuous
+    engine's running set plus an admission group, whose prompts differ."""
+    peak, ctx = 0, 0
+    for k, (r, c) in enumerate(sorted(zip(remaining, contexts, strict=True), reverse=True), start=1):
+        ctx += c
+        v = ctx + k * r
+        if v > peak:
+            peak = v
+    return peak

@@ -29,8 +29,9 @@ Memory overflow, when the next step would pass Θ (in tokens, ``KVMemory.theta_t
   back as a continuation (its prefix is re-prefilled when it resumes). A row whose own prompt and
   tokens cannot take one more step even alone fails instead (nothing loops).
 
-Pure Python: ``simulate_batch`` returns offsets from the batch start; ``bench.simulator`` turns them
-into events.
+Pure Python: ``simulate_batch_run`` returns offsets from the batch start; ``bench.simulator``
+turns them into events. (``Sim`` in the names: this is the simulated world's batch, not the
+worker's ``workers.decode`` run.)
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ class SimBatchRun:
     wasted: int = 0                     # row-steps thrown away (rows restarted from zero)
 
 
-def simulate_batch(inputs: Sequence[int], true: Sequence[int], predicted: Sequence[int], preemptions: Sequence[int],
-              budget: int, time_model: BatchTimeModel, execution: str = "static", recovery: str = "split",
-              max_preemptions: int = 8) -> SimBatchRun:
+def simulate_batch_run(inputs: Sequence[int], true: Sequence[int], predicted: Sequence[int],
+                       preemptions: Sequence[int], budget: int, time_model: BatchTimeModel,
+                       execution: str = "static", recovery: str = "split",
+                       max_preemptions: int = 8) -> SimBatchRun:
     """Run one batch: ``inputs`` L(p) (continuations: prompt + generated), ``true`` remaining true
     lengths (≥ 1), ``predicted`` remaining predicted lengths (eviction order), ``budget`` = Θ in
     tokens. See the module docstring for the rules."""

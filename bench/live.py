@@ -8,7 +8,7 @@ outstanding, every request has its own timeout, and the whole run stops at ``tim
 (requests not finished by then count as failed). Only loopback URLs are accepted — this is a
 load generator and must never be pointed at someone else's server by accident.
 
-Metrics are the simulator's (``bench.simulator.compute_metrics``): batch sizes come from the
+Metrics are the simulator's (``bench.metrics.compute_metrics``): batch sizes come from the
 responses' ``batch`` field (one entry per distinct batch id), WMA and padded tokens from the
 members of each batch seen in the responses, with true lengths = generated tokens.
 """
@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 
 from batcher.wma import total_wma
-from bench.simulator import compute_metrics
+from bench.metrics import compute_metrics
 from bench.workload import Workload
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from batcher.memory import KVMemory
+from batcher.preemption import SwapLink
 from cohort.units import GIB, dtype_bytes
 from predictor.estimator import AnalyticBatchTime
 
@@ -37,6 +38,11 @@ class GPU:
     memory_bytes: int
     flops: float
     bandwidth: float
+    pcie_bandwidth: float = 12e9   # host<->device bytes/s each way, as pinned-memory copies reach it
+
+    def swap_link(self) -> SwapLink:
+        """The host↔device link swapped KV pages cross (AdaptiveLLM eq. 2)."""
+        return SwapLink(self.pcie_bandwidth, self.pcie_bandwidth)
 
 
 @dataclass(frozen=True)
@@ -67,12 +73,13 @@ class RooflineShape:
 
 
 GPUS: dict[str, GPU] = {
-    # V100-SXM2-32GB: 125 TFLOP/s fp16 tensor, 900 GB/s HBM2 (Magnus's testbed).
-    "v100-32gb": GPU("V100-32GB", 32 * GIB, 125e12, 900e9),
-    # A100-SXM4-80GB: 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e.
-    "a100-80gb": GPU("A100-80GB", 80 * GIB, 312e12, 2039e9),
-    # H100-SXM5-80GB: 989 TFLOP/s bf16 dense, 3350 GB/s HBM3.
-    "h100-80gb": GPU("H100-80GB", 80 * GIB, 989e12, 3350e9),
+    # V100-SXM2-32GB: 125 TFLOP/s fp16 tensor, 900 GB/s HBM2 (Magnus's testbed); PCIe 3.0 x16
+    # (15.8 GB/s raw, ~12 GB/s pinned copies).
+    "v100-32gb": GPU("V100-32GB", 32 * GIB, 125e12, 900e9, 12e9),
+    # A100-SXM4-80GB: 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e; PCIe 4.0 x16 (31.5 raw, ~25 GB/s).
+    "a100-80gb": GPU("A100-80GB", 80 * GIB, 312e12, 2039e9, 25e9),
+    # H100-SXM5-80GB: 989 TFLOP/s bf16 dense, 3350 GB/s HBM3; PCIe 5.0 x16 (63 raw, ~50 GB/s).
+    "h100-80gb": GPU("H100-80GB", 80 * GIB, 989e12, 3350e9, 50e9),
 }
 
 MODELS: dict[str, RooflineShape] = {
@@ -120,6 +127,18 @@ class RooflineBatchTime:
         """2·params·β·L FLOPs for the matmuls plus 2·layers·hidden·β·L² for causal attention."""
         return (2.0 * self.params * size * input_len
                 + 2.0 * self.layers * self.hidden * size * input_len * input_len) / self._F
+
+    def step_seconds(self, prefill_tokens: float, prefill_pairs: float, prefill_reads: float,
+                     decode_rows: float, decode_reads: float) -> float:
+        """One iteration of a continuous engine, unpadded: every token of the step goes through the
+        weights once (2·params FLOPs each), prefill chunks add causal attention (a chunk of c tokens
+        after p cached ones attends to ``prefill_pairs`` = c·(p + c/2) pairs, 4·layers·hidden FLOPs
+        each, so a whole prompt costs ``prefill``'s 2·layers·hidden·L²), and the step reads the
+        weights plus the KV each row attends to (``decode_reads`` + ``prefill_reads`` tokens · Δ).
+        With no prefill it is exactly one of ``estimate``'s decode steps for the same rows."""
+        flops = 2.0 * self.params * (prefill_tokens + decode_rows) + 4.0 * self.layers * self.hidden * prefill_pairs
+        reads = self.weight_bytes + (decode_reads + prefill_reads) * self.delta_bytes
+        return max(flops / self._F, reads / self._BW) + self.step_overhead_s
 
     def estimate(self, size: int, input_len: int, gen_len: int) -> float:
         """Scalar path in plain Python: the policies call it inside tight loops."""
@@ -176,6 +195,9 @@ class Instance:
     def memory(self) -> KVMemory:
         return KVMemory(delta_bytes=self.model.delta_bytes, theta_bytes=self.theta_bytes)
 
+    def swap_link(self) -> SwapLink:
+        return self.gpu.swap_link()
+
     def time_model(self) -> RooflineBatchTime:
         m = self.model
         return RooflineBatchTime(self.gpu.flops, self.gpu.bandwidth, m.params, m.weight_bytes, m.delta_bytes,
@@ -187,7 +209,7 @@ class Instance:
                 "delta_bytes": self.model.delta_bytes, "theta_tokens": self.theta_bytes // self.model.delta_bytes,
                 "reserve_frac": self.reserve_frac, "compute_eff": self.compute_eff,
                 "bandwidth_eff": self.bandwidth_eff, "step_overhead_s": self.step_overhead_s,
-                "batch_overhead_s": self.batch_overhead_s}
+                "batch_overhead_s": self.batch_overhead_s, "pcie_bandwidth": self.gpu.pcie_bandwidth}
 
 
 def instance(gpu: str = "v100-32gb", model: str = "chatglm-6b", **kw: Any) -> Instance:

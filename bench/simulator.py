@@ -5,7 +5,7 @@ After every event, while an instance is idle and the policy has work, ``policy.p
 chooses a batch — exactly the live batcher's contract (nothing is handed out before an instance
 is free).
 
-How a batch runs is ``bench.execution.simulate_batch`` with the requests' *true* lengths:
+How a batch runs is ``bench.execution.simulate_batch_run`` with the requests' *true* lengths:
 
 * ``execution="static"`` (the papers): the batch decodes until its longest member ends, for
   ``time_model.estimate(β, L(B), G(B))``; every member is answered then.
@@ -35,7 +35,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -45,19 +45,16 @@ from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import PolicyContext, make_policy, planning_memory
 from batcher.policies.base import BatchTimeModel
 from batcher.wma import total_wma, wma_gen
-from bench.execution import EXECUTIONS, RECOVERIES, SimBatchRun, simulate_batch
+from bench.continuous import EngineLimits
+from bench.continuous_run import CB_FCFS, DEFAULT_GROUP_FRAC, make_scheduler, simulate_continuous
+from bench.execution import EXECUTIONS, RECOVERIES, SimBatchRun, simulate_batch_run
+from bench.metrics import SimResult, compute_metrics
 from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest
 
 # Φ when a run does not set one: the live batcher's default (``COHORT_WMA_THRESHOLD``), so a
 # simulated policy and a served one assemble the same batches.
 DEFAULT_THRESHOLD: float = Settings.model_fields["wma_threshold"].default
-
-METRICS = ("request_throughput", "valid_token_throughput", "total_token_throughput", "mean_latency_s",
-           "p50_latency_s", "p99_latency_s", "mean_ttft_s", "p50_ttft_s", "p99_ttft_s", "slo_attainment",
-           "total_wma", "mean_batch_size", "oom_splits", "preemptions", "wasted_tokens", "wasted_token_frac",
-           "recomputed_tokens", "completed", "failed")
-
 
 def parse_policy(name: str) -> tuple[str, bool]:
     """``magnus+oracle`` → ("magnus", True): the policy sees true lengths as predictions. An
@@ -68,7 +65,9 @@ def parse_policy(name: str) -> tuple[str, bool]:
     return base, bool(suffix)
 
 
-DEFAULT_RECOVERY = {"static": "split", "elastic": "preempt"}
+DEFAULT_RECOVERY = {"static": "split", "elastic": "preempt", "continuous": "preempt"}
+# static and elastic run whole batches (bench.execution); continuous runs steps (bench.continuous)
+SIM_EXECUTIONS = (*EXECUTIONS, "continuous")
 
 
 def parse_run(name: str, executions: Sequence[str] = ("static",), recovery: str | None = None
@@ -83,77 +82,28 @@ def parse_run(name: str, executions: Sequence[str] = ("static",), recovery: str 
     """
     parse_policy(name)
     head, _, spec = name.partition("@")
+    if head == CB_FCFS:       # vLLM's default scheduler: continuous execution only
+        if spec not in ("", "continuous"):
+            raise ValueError(f"{name!r}: cb-fcfs runs only under continuous execution")
+        return [(CB_FCFS, "continuous", "preempt")]
     out = []
     for ex_spec in ([spec] if spec else list(executions)):
         ex, _, rec = ex_spec.partition("/")
         rec = rec or recovery or DEFAULT_RECOVERY.get(ex, "")
-        if ex not in EXECUTIONS or rec not in RECOVERIES:
-            raise ValueError(f"{name!r}: execution must be one of {EXECUTIONS}, recovery one of {RECOVERIES}")
+        if ex not in SIM_EXECUTIONS or rec not in RECOVERIES or (ex == "continuous" and rec != "preempt"):
+            raise ValueError(f"{name!r}: execution must be one of {SIM_EXECUTIONS}, recovery one of "
+                             f"{RECOVERIES} (continuous: preempt)")
         key = f"{head}@{ex}" + (f"/{rec}" if rec != DEFAULT_RECOVERY[ex] else "")
         out.append((key, ex, rec))
     return out
 
 
-@dataclass
-class SimResult:
-    """Per-request outcomes and per-batch records of one simulated run, and its metrics."""
-
-    policy: str
-    metrics: dict[str, float]
-    wall_s: float
-    batches: int
-    sim_time_s: float
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def compute_metrics(arrival: np.ndarray, finish: np.ndarray, ok: np.ndarray, deadline: np.ndarray,
-                    true_tokens: np.ndarray, batch_sizes: Sequence[int], padded_tokens: float,
-                    wma: float, oom_splits: int, first_token: np.ndarray | None = None, preemptions: int = 0,
-                    wasted_tokens: int = 0, decoded_tokens: int = 0, recomputed_tokens: int = 0) -> dict[str, float]:
-    """The benchmark metrics from per-request outcomes (shared with the live runner).
-
-    Throughputs are per second of makespan (first arrival to last completion). SLO attainment
-    counts a request as met only if it completed by its deadline (failures miss). TTFT is the
-    first token's time minus arrival (NaN when ``first_token`` is not known). ``wasted_tokens``
-    are decoded row-steps thrown away by split-and-restart, ``wasted_token_frac`` their share of
-    all decoded row-steps; ``recomputed_tokens`` are generated tokens re-prefilled when a
-    preempted request resumes.
-    """
-    n = len(arrival)
-    completed = int(ok.sum())
-    span = (float(np.max(finish[ok])) - float(np.min(arrival))) if completed else 0.0
-    lat = (finish - arrival)[ok]
-    per_s = (lambda x: x / span) if span > 0 else (lambda x: 0.0)
-    ttft = (first_token - arrival)[ok] if first_token is not None else np.array([])
-    ttft = ttft[np.isfinite(ttft)]
-    return {
-        "request_throughput": per_s(completed),
-        "valid_token_throughput": per_s(float(true_tokens[ok].sum())),
-        "total_token_throughput": per_s(float(padded_tokens)),
-        "mean_latency_s": float(lat.mean()) if completed else math.nan,
-        "p50_latency_s": float(np.percentile(lat, 50)) if completed else math.nan,
-        "p99_latency_s": float(np.percentile(lat, 99)) if completed else math.nan,
-        "mean_ttft_s": float(ttft.mean()) if len(ttft) else math.nan,
-        "p50_ttft_s": float(np.percentile(ttft, 50)) if len(ttft) else math.nan,
-        "p99_ttft_s": float(np.percentile(ttft, 99)) if len(ttft) else math.nan,
-        "slo_attainment": float((ok & (finish <= deadline + 1e-9)).sum() / n) if n else math.nan,
-        "total_wma": float(wma),
-        "mean_batch_size": float(np.mean(batch_sizes)) if len(batch_sizes) else 0.0,
-        "oom_splits": int(oom_splits),
-        "preemptions": int(preemptions),
-        "wasted_tokens": int(wasted_tokens),
-        "wasted_token_frac": float(wasted_tokens / decoded_tokens) if decoded_tokens else 0.0,
-        "recomputed_tokens": int(recomputed_tokens),
-        "completed": completed,
-        "failed": int(n - completed),
-    }
-
-
 def continuation(req: ProfiledRequest, kept: int, now: float | None) -> ProfiledRequest:
     """``req`` preempted after ``kept`` tokens of this run, as the worker hands it back. The
     simulator has no token ids: the prompt and generated tokens are stand-in zeros (only their
-    counts matter to planning: L(p) grows by ``kept``, the remaining lengths shrink by it)."""
-    base = req if req.prompt_ids is not None else replace(req, prompt_ids=[])
+    counts matter to planning: L(p) grows by ``kept``, the remaining lengths shrink by it). The
+    stand-in prompt has L(p) zeros: an empty one would resume from the generated tokens alone."""
+    base = req if req.prompt_ids is not None else replace(req, prompt_ids=[0] * req.input_tokens)
     return base.continuation([0] * kept, now if kept else None)
 
 
@@ -161,7 +111,8 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
              instances: int = 8, estimator: BatchTimeModel | None = None, max_input_tokens: int = 2048,
              max_tokens_limit: int = 2048, params: dict[str, Any] | None = None,
              progress: Callable[[int], None] | None = None, headroom: float = 0.0,
-             execution: str = "static", oom_recovery: str = "split", max_preemptions: int = 8) -> SimResult:
+             execution: str = "static", oom_recovery: str = "split", max_preemptions: int = 8,
+             limits: EngineLimits = EngineLimits(), group_frac: float = DEFAULT_GROUP_FRAC) -> SimResult:
     """Run one policy over a request trace (sorted by arrival) on ``instances`` identical instances.
 
     ``requests`` must carry ``true_tokens``; the policy reads ``predicted_tokens`` (build the
@@ -173,11 +124,22 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     VS always plans with Θ). ``params`` are the policy's settings (``make_policy``); Φ defaults to
     ``DEFAULT_THRESHOLD``. ``execution`` and ``oom_recovery`` pick how batches run
     (``bench.execution``); the policies plan for the same execution (``PolicyContext.elastic``).
-    The defaults are the papers' (static, split).
+    The defaults are the papers' (static, split). ``execution="continuous"`` runs steps instead
+    (``bench.continuous``: ``limits`` are the engine's, cohort policies plan admission groups with
+    Θ·``group_frac``; ``cb-fcfs`` is vLLM's default scheduler) on the roofline time model.
     """
+    if execution == "continuous":
+        base, _ = parse_policy(policy)
+        params = {"threshold": DEFAULT_THRESHOLD, **(params or {})}
+        sched = make_scheduler(base, memory, time_model, limits, params, max_input_tokens,  # type: ignore[arg-type]
+                               max_tokens_limit, headroom, group_frac, max_preemptions)
+        res = simulate_continuous(requests, policy, sched, memory, time_model, instances, limits,  # type: ignore[arg-type]
+                                  progress)
+        res.extra["params"] = dict(params)
+        return res
     t0 = time.perf_counter()
     if execution not in EXECUTIONS or oom_recovery not in RECOVERIES:
-        raise ValueError(f"execution in {EXECUTIONS}, oom_recovery in {RECOVERIES}")
+        raise ValueError(f"execution in {SIM_EXECUTIONS}, oom_recovery in {RECOVERIES}")
     elastic = execution == "elastic"
     base, _ = parse_policy(policy)
     ctx = PolicyContext(memory=planning_memory(base, memory, headroom), estimator=estimator or time_model,
@@ -192,6 +154,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     true = np.array([r.true_tokens for r in requests], dtype=np.int64)
     finish = np.full(n, math.inf)
     first = np.full(n, math.inf)
+    scheduled = np.full(n, math.inf)   # first dispatch of each request (weighted turnaround)
     ok = np.zeros(n, dtype=bool)
     order = np.argsort(arrival, kind="stable")
 
@@ -220,9 +183,12 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
             if b is None:
                 return
             reqs = b.requests
-            run = simulate_batch([r.input_tokens for r in reqs], [r.true_tokens for r in reqs],
-                            [r.predicted_tokens for r in reqs], [r.preemptions for r in reqs], budget,
-                            time_model, execution, oom_recovery, max_preemptions)
+            for r in reqs:
+                j = index[r.id]
+                scheduled[j] = min(scheduled[j], now)
+            run = simulate_batch_run([r.input_tokens for r in reqs], [r.true_tokens for r in reqs],
+                                     [r.predicted_tokens for r in reqs], [r.preemptions for r in reqs], budget,
+                                     time_model, execution, oom_recovery, max_preemptions)
             stats["batches"] += 1
             stats["busy"] += run.end
             stats["decoded"] += run.decoded
@@ -301,7 +267,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     metrics = compute_metrics(arrival, finish, ok, deadline, true, sizes, stats["padded"], stats["wma"],
                               stats["ooms"], first_token=first, preemptions=stats["preemptions"],
                               wasted_tokens=stats["wasted"], decoded_tokens=stats["decoded"],
-                              recomputed_tokens=stats["recomputed"])
+                              recomputed_tokens=stats["recomputed"], scheduled=scheduled)
     nb = max(1, len(sizes))
     return SimResult(policy, metrics, time.perf_counter() - t0, stats["batches"], now,
                      {"params": dict(params), "execution": execution, "oom_recovery": oom_recovery,

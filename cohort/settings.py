@@ -16,6 +16,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "cohort/tiny-random-llama"
 
+# How an evicted row gives back its KV (COHORT_PREEMPTION); the decision rule is batcher.preemption's.
+PreemptionMode = Literal["recompute", "swap", "adaptive"]
+
 
 class Settings(BaseSettings):
     """All of cohort's configuration. Field names map to ``COHORT_<NAME>`` variables."""
@@ -111,6 +114,12 @@ class Settings(BaseSettings):
         default="preempt", description="preempt: before a step would outgrow memory the worker evicts rows "
         "(largest predicted remaining length first) and hands them back as continuations that keep their "
         "generated tokens. split: Magnus's recovery, the whole batch is split in halves and both restart.")
+    preemption: PreemptionMode = Field(
+        default="recompute", description="How an evicted row gives back its KV (AdaptiveLLM, "
+        "batcher.preemption): recompute = drop it and prefill prompt + generated tokens again on resume; "
+        "swap = copy its pages to the host pool and back; adaptive = per victim, swap when the predicted "
+        "swap time (bytes / bandwidth, out and back) is below the predicted recompute time and the host "
+        "pool has room, else recompute.")
     max_preemptions: int = Field(default=8, ge=1, description="Rows preempted this many times are evicted "
                                  "last, so every request keeps making progress.")
     batcher_tick_s: float = 0.02

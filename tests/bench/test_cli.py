@@ -7,7 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from bench.cli import app
-from bench.simulator import METRICS
+from bench.metrics import METRICS
 
 
 def test_sim_writes_json_table_and_plots(tiny_files, tmp_path, monkeypatch):

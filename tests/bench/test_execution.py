@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from batcher.memory import KVMemory
-from bench.execution import simulate_batch
+from bench.execution import simulate_batch_run
 from bench.simulator import parse_run, simulate
 from tests.bench.helpers import TIGHT, TIGHT_RUN, StepTime, bimodal, mk, under_predicted
 
@@ -38,7 +38,7 @@ def brute_force_elastic(L, true, tm):
 def test_elastic_rows_finish_at_their_own_length_with_the_alive_beta_cost():
     tm = StepCost()
     true = [3, 10, 7, 10, 1]
-    run = simulate_batch([5, 8, 2, 8, 4], true, true, [0] * 5, 10**9, tm, "elastic", "preempt")
+    run = simulate_batch_run([5, 8, 2, 8, 4], true, true, [0] * 5, 10**9, tm, "elastic", "preempt")
     want, end = brute_force_elastic(8, true, tm)
     got = dict(run.finished)
     assert set(got) == set(range(5))
@@ -52,7 +52,7 @@ def test_elastic_rows_finish_at_their_own_length_with_the_alive_beta_cost():
 
 def test_static_rows_finish_with_the_batch():
     tm = StepCost()
-    run = simulate_batch([5, 8], [3, 10], [3, 10], [0, 0], 10**9, tm, "static", "split")
+    run = simulate_batch_run([5, 8], [3, 10], [3, 10], [0, 0], 10**9, tm, "static", "split")
     assert dict(run.finished) == {0: tm.estimate(2, 8, 10), 1: tm.estimate(2, 8, 10)}
     assert run.end == tm.estimate(2, 8, 10) and run.decoded == 20
 
@@ -60,7 +60,7 @@ def test_static_rows_finish_with_the_batch():
 def test_preemption_evicts_the_longest_predicted_remaining_and_keeps_its_tokens():
     tm = StepCost()
     # L = 10, three rows; budget 40 tokens: 3·(10+s) passes 40 at s = 4 → evict until it fits
-    run = simulate_batch([10, 10, 10], [20, 5, 20], [6, 5, 30], [0, 0, 0], 40, tm, "elastic", "preempt")
+    run = simulate_batch_run([10, 10, 10], [20, 5, 20], [6, 5, 30], [0, 0, 0], 40, tm, "elastic", "preempt")
     assert [(i, kept) for i, kept, _ in run.evicted][0] == (2, 3)   # largest predicted remaining first
     evicted = {i for i, _, _ in run.evicted}
     finished = {i for i, _ in run.finished}
@@ -70,12 +70,12 @@ def test_preemption_evicts_the_longest_predicted_remaining_and_keeps_its_tokens(
 
 
 def test_a_row_that_cannot_step_even_alone_fails():
-    run = simulate_batch([30], [50], [5], [0], 40, StepTime(), "elastic", "preempt")
+    run = simulate_batch_run([30], [50], [5], [0], 40, StepTime(), "elastic", "preempt")
     assert [i for i, _ in run.failed] == [0] and not run.evicted and not run.finished
 
 
 def test_split_mode_throws_the_run_away():
-    run = simulate_batch([10, 10, 10], [20, 5, 20], [6, 5, 30], [0, 0, 0], 40, StepCost(), "static", "split")
+    run = simulate_batch_run([10, 10, 10], [20, 5, 20], [6, 5, 30], [0, 0, 0], 40, StepCost(), "static", "split")
     assert run.split == [0, 1, 2] and not run.finished and run.wasted == run.decoded > 0
 
 

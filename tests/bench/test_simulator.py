@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from batcher.memory import KVMemory
+from bench.metrics import METRICS
 from bench.roofline import instance
-from bench.simulator import METRICS, parse_policy, simulate
+from bench.simulator import parse_policy, simulate
 from tests.bench.helpers import TIGHT, TIGHT_RUN, StepTime, bimodal, mk, under_predicted
 
 MEM = KVMemory(delta_bytes=1, theta_bytes=12_000)   # Θ in tokens

@@ -1,0 +1,230 @@
+"""Step-level simulation of continuous execution: rows join at step boundaries and leave as they finish.
+
+One instance holds a running set of rows in a KV pool of fixed-size pages (16 tokens). Every
+step (iteration) it
+
+1. gives each running row its tokens for this step under a per-step token budget
+   (``max_batched_tokens``): 1 for a decoding row, the next chunk of its prompt for a row still
+   prefilling (chunked prefill: a long prompt does not stall the decoding rows);
+2. when a row's new tokens need a page and none is free, preempts rows (the scheduler's victim,
+   by recompute: its KV is dropped and it comes back as a continuation that prefills prompt +
+   generated tokens again) until they fit;
+3. if nothing was preempted, admits new rows (the scheduler's admission rule) into the budget
+   left;
+4. costs the step with the roofline's unpadded step (``RooflineBatchTime.step_seconds``): each
+   row's own prompt tokens and its own context, nothing padded to a batch's longest member.
+
+A row whose prompt completes in a step produces its first token at the end of that step, then one
+token per step; it leaves (answered, pages freed) the step it reaches its true length.
+
+Schedulers (``bench.continuous_sched``): ``cb-fcfs`` behaves like vLLM's default (FCFS over
+requests, admit while pages are free, preempt the newest), and cohort's policies, where a batch
+formed by the policy is an *admission group* taken as soon as its KV plan fits beside the
+running rows. The engine itself is pure Python and knows nothing about either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bench.roofline import RooflineBatchTime
+from cohort.types import ProfiledRequest
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """vLLM's defaults: 16-token pages, 8,192 batched tokens and 256 sequences per step."""
+
+    page_tokens: int = 16
+    max_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+
+
+class SimRow:
+    """One request running on an instance (this run of it: a continuation starts a new row)."""
+
+    __slots__ = ("j", "req", "prompt", "filled", "kv", "gen", "pages", "order")
+
+    def __init__(self, j: int, req: ProfiledRequest, order: int) -> None:
+        self.j = j                      # index in the trace
+        self.req = req                  # what this run serves (a continuation after a preemption)
+        self.prompt = req.input_tokens  # tokens to prefill: the prompt, plus generated ones if resumed
+        self.filled = 0                 # prompt tokens already in KV
+        self.kv = 0                     # tokens in KV
+        self.gen = 0                    # tokens generated in this run
+        self.pages = 0
+        self.order = order              # admission sequence number (newest = largest)
+
+    @property
+    def true_left(self) -> int:
+        return int(self.req.true_tokens or 1) - self.gen
+
+    @property
+    def planned_left(self) -> int:
+        """Planned remaining length (q90 upper bound when the predictor gives one), at least 1."""
+        return max(1, self.req.planned_tokens - self.gen)
+
+
+class Scheduler(Protocol):
+    """Who joins and who is evicted; the engine calls these at every step boundary."""
+
+    def add(self, req: ProfiledRequest, now: float) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]: ...
+
+    def victim(self, rows: list[SimRow], start: int) -> int: ...
+
+    def preempted(self, req: ProfiledRequest, now: float) -> None: ...
+
+
+@dataclass
+class StepStats:
+    """What the engine counts across all instances of a run."""
+
+    steps: int = 0
+    row_steps: int = 0            # Σ rows scheduled per step (mean batch size = row_steps / steps)
+    busy_s: float = 0.0
+    preemptions: int = 0
+    recomputed_gen: int = 0       # generated tokens dropped and prefilled again
+    dropped_kv: int = 0           # all KV tokens dropped by recompute (prompt + generated)
+    decoded: int = 0              # tokens generated
+    groups: int = 0               # admission groups taken (cohort schedulers)
+    group_sizes: list[int] = field(default_factory=list)
+
+
+class SimInstance:
+    """One instance's page pool and running rows."""
+
+    def __init__(self, pages: int, limits: EngineLimits) -> None:
+        self.total_pages = pages
+        self.free_pages = pages
+        self.limits = limits
+        self.rows: list[SimRow] = []
+        self.busy_until = 0.0
+
+    def pages_for(self, tokens: int) -> int:
+        p = self.limits.page_tokens
+        return -(-tokens // p)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.total_pages * self.limits.page_tokens
+
+    def drop(self, row: SimRow) -> None:
+        self.free_pages += row.pages
+        row.pages = 0
+        self.rows.remove(row)
+
+
+Settle = Callable[[int, float, bool], None]
+
+
+class ContinuousEngine:
+    """Runs one instance's steps; the caller (``bench.continuous_run``) owns time and arrivals."""
+
+    def __init__(self, tm: RooflineBatchTime, scheduler: Scheduler, limits: EngineLimits, stats: StepStats,
+                 settle: Settle, first_token: Callable[[int, float], None], seq: list[int]) -> None:
+        self.tm = tm
+        self.sched = scheduler
+        self.limits = limits
+        self.stats = stats
+        self.settle = settle
+        self.first_token = first_token
+        self.seq = seq   # shared admission counter (one list cell: newest = largest)
+
+    def _preempt(self, inst: SimInstance, row: SimRow, now: float) -> None:
+        inst.drop(row)
+        self.stats.preemptions += 1
+        self.stats.recomputed_gen += row.gen
+        self.stats.dropped_kv += row.kv
+        # prompt_ids stay None here: the continuation's L(p) is then this run's prompt + generated
+        self.sched.preempted(row.req.continuation([0] * row.gen, None), now)
+
+    def _join(self, inst: SimInstance, req: ProfiledRequest, j: int) -> SimRow:
+        self.seq[0] += 1
+        row = SimRow(j, req, self.seq[0])
+        inst.rows.append(row)
+        return row
+
+    def step(self, inst: SimInstance, now: float, index: dict[str, int]) -> float | None:
+        """Run one step starting at ``now``; returns its end, or None when there is nothing to run."""
+        lim = self.limits
+        budget = lim.max_batched_tokens
+        sched: list[tuple[SimRow, int]] = []
+        preempted = False
+        rows = inst.rows
+        i = 0
+        while i < len(rows):
+            r = rows[i]
+            n = 1 if r.filled >= r.prompt else min(r.prompt - r.filled, budget)
+            if n <= 0:
+                i += 1
+                continue
+            need = inst.pages_for(r.kv + n) - r.pages
+            gone = False
+            while need > inst.free_pages:
+                if len(rows) == 1 or inst.pages_for(r.kv + n) > inst.total_pages:
+                    inst.drop(r)                              # cannot take a step even alone
+                    self.settle(r.j, now, False)
+                    gone = True
+                    break
+                v = self.sched.victim(rows, i)
+                victim = rows[v]
+                self._preempt(inst, victim, now)
+                preempted = True
+                if victim is r:
+                    gone = True
+                    break
+            if gone:
+                continue
+            inst.free_pages -= need
+            r.pages += need
+            sched.append((r, n))
+            budget -= n
+            i += 1
+        if not preempted and budget > 0 and len(rows) < lim.max_num_seqs:
+            for req in self.sched.admit(inst, now, budget):
+                r = self._join(inst, req, index[req.id])
+                n = min(r.prompt, budget)
+                need = inst.pages_for(n)
+                if n <= 0 or need > inst.free_pages:
+                    continue                                  # joins; prefills from the next step
+                inst.free_pages -= need
+                r.pages = need
+                sched.append((r, n))
+                budget -= n
+        if not sched:
+            return None
+        p_tok = p_pairs = p_reads = d_rows = d_reads = 0.0
+        for r, n in sched:
+            if r.filled < r.prompt:
+                p_tok += n
+                p_pairs += n * (r.kv + n / 2.0)
+                p_reads += r.kv
+            else:
+                d_rows += 1
+                d_reads += r.kv + 1
+        end = now + self.tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads)
+        st = self.stats
+        st.steps += 1
+        st.row_steps += len(sched)
+        st.busy_s += end - now
+        for r, n in sched:
+            r.kv += n
+            if r.filled < r.prompt:
+                r.filled += n
+                if r.filled < r.prompt:
+                    continue
+                self.first_token(r.j, end)
+            r.gen += 1
+            st.decoded += 1
+            if r.gen >= (r.req.true_tokens or 1):
+                inst.drop(r)
+                self.settle(r.j, end, True)
+        inst.busy_until = end
+        return end
+

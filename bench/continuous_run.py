@@ -1,0 +1,149 @@
+"""A trace through N continuous-engine instances: arrivals, step boundaries, metrics.
+
+Time advances from event to event: the next arrival or the next instance's step boundary
+(instances step independently, each at its own pace). An instance with nothing to run sleeps
+until an arrival or a preemption gives the scheduler work. ``cb-fcfs`` shares one FCFS queue
+between the instances (a perfect load balancer: the baseline at its best); cohort's policies
+hand each instance its own next admission group.
+
+``physical_bound`` is the request rate no scheduler can beat on this roofline: the trace's work
+(every prompt and generated token through the weights once, every generated token reading its own
+context once, the fewest steps that Θ and ``max_num_seqs`` allow, each paying the step overhead
+and one weight read) spread over the instances, and never faster than the requests arrive.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from batcher.memory import KVMemory
+from batcher.policies import PolicyContext, make_policy, planning_memory
+from bench.continuous import ContinuousEngine, EngineLimits, Scheduler, SimInstance, StepStats
+from bench.continuous_sched import FCFSScheduler, GroupScheduler
+from bench.metrics import SimResult, compute_metrics
+from bench.roofline import RooflineBatchTime
+from cohort.types import ProfiledRequest
+
+CB_FCFS = "cb-fcfs"
+# Share of Θ a cohort policy plans one admission group with under ``continuous``: groups small
+# enough to join a running set that is far from empty, large enough that the policy still groups.
+DEFAULT_GROUP_FRAC = 0.25
+
+
+def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime, limits: EngineLimits,
+                   params: dict[str, Any], max_input_tokens: int, max_tokens_limit: int, headroom: float,
+                   group_frac: float, max_preemptions: int) -> Scheduler:
+    """``cb-fcfs`` or a cohort policy (by base name) planning groups with Θ·group_frac."""
+    if policy == CB_FCFS:
+        return FCFSScheduler(limits)
+    if not 0.0 < group_frac <= 1.0:
+        raise ValueError("group_frac must be in (0, 1]")
+    plan_mem = planning_memory(policy, KVMemory(memory.delta_bytes, int(memory.theta_bytes * group_frac)),
+                               headroom)
+    ctx = PolicyContext(memory=plan_mem, estimator=time_model, max_input_tokens=max_input_tokens,
+                        max_tokens_limit=max_tokens_limit, elastic=True)
+    return GroupScheduler(make_policy(policy, ctx, **params), limits, max_preemptions)
+
+
+def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, scheduler: Scheduler, memory: KVMemory,
+                        time_model: RooflineBatchTime, instances: int, limits: EngineLimits,
+                        progress: Callable[[int], None] | None = None) -> SimResult:
+    """Run the trace (sorted by arrival, ``true_tokens`` set) on ``instances`` continuous engines."""
+    if not hasattr(time_model, "step_seconds"):
+        raise ValueError("continuous execution needs the roofline time model (a step cost), not a fitted one")
+    t0 = time.perf_counter()
+    n = len(requests)
+    index = {r.id: i for i, r in enumerate(requests)}
+    arrival = np.array([r.arrival for r in requests], dtype=float)
+    deadline = np.array([r.deadline for r in requests], dtype=float)
+    true = np.array([r.true_tokens for r in requests], dtype=np.int64)
+    finish = np.full(n, math.inf)
+    first = np.full(n, math.inf)
+    scheduled = np.full(n, math.inf)
+    ok = np.zeros(n, dtype=bool)
+    order = np.argsort(arrival, kind="stable")
+    pages = memory.theta_tokens // limits.page_tokens
+    insts = [SimInstance(pages, limits) for _ in range(instances)]
+    stats = StepStats()
+
+    def settle(j: int, at: float, done: bool) -> None:
+        finish[j] = at
+        ok[j] = done
+        if progress:
+            progress(1)
+
+    def first_token(j: int, at: float) -> None:
+        if at < first[j]:
+            first[j] = at
+
+    engine = ContinuousEngine(time_model, scheduler, limits, stats, settle, first_token, [0])
+    heap: list[tuple[float, int]] = []
+    idle = set(range(instances))
+    i, now = 0, 0.0
+
+    def wake(at: float) -> None:
+        for k in sorted(idle):
+            heapq.heappush(heap, (at, k))
+        idle.clear()
+
+    while i < n or heap:
+        t_arr = float(arrival[order[i]]) if i < n else math.inf
+        if heap and heap[0][0] <= t_arr:
+            now, k = heapq.heappop(heap)
+            inst = insts[k]
+            before = {r.j for r in inst.rows}
+            end = engine.step(inst, now, index)
+            for r in inst.rows:
+                if r.j not in before and now < scheduled[r.j]:
+                    scheduled[r.j] = now
+            if end is None:
+                idle.add(k)
+            else:
+                heapq.heappush(heap, (end, k))
+                if idle and scheduler.has_work():
+                    wake(end)
+        else:
+            now = t_arr
+            scheduler.add(requests[order[i]], now)
+            i += 1
+            if idle:
+                wake(now)
+    left = ~np.isfinite(finish)
+    for j in np.flatnonzero(left):    # nothing should be left; count it as failed if it is
+        settle(int(j), now, False)
+    metrics = compute_metrics(arrival, finish, ok, deadline, true, [], stats.decoded, 0.0, 0, first_token=first,
+                              preemptions=stats.preemptions, decoded_tokens=stats.decoded,
+                              recomputed_tokens=stats.recomputed_gen, scheduled=scheduled)
+    metrics["mean_batch_size"] = stats.row_steps / stats.steps if stats.steps else 0.0
+    bound = physical_bound(requests, time_model, memory, instances, limits)
+    extra = {"execution": "continuous", "policy": policy, "steps": stats.steps,
+             "busy_frac": stats.busy_s / (instances * now) if now else 0.0, "dropped_kv_tokens": stats.dropped_kv,
+             "physical_bound_rps": bound, "limits": {"page_tokens": limits.page_tokens,
+                                                     "max_batched_tokens": limits.max_batched_tokens,
+                                                     "max_num_seqs": limits.max_num_seqs}}
+    metrics["physical_bound_rps"] = bound
+    return SimResult(policy, metrics, time.perf_counter() - t0, stats.steps, now, extra)
+
+
+def physical_bound(requests: Sequence[ProfiledRequest], tm: RooflineBatchTime, memory: KVMemory, instances: int,
+                   limits: EngineLimits) -> float:
+    """Requests/s no schedule can beat (module docstring): N ÷ max(arrival span, work ÷ instances)."""
+    L = np.array([r.input_tokens for r in requests], dtype=float)
+    G = np.array([r.true_tokens for r in requests], dtype=float)
+    if not len(L):
+        return 0.0
+    kv_steps = float(np.sum(G * L + G * (G - 1) / 2.0))         # Σ_i Σ_{g<G_i} (L_i + g): context read per token
+    steps = max(kv_steps / max(1, memory.theta_tokens), float(G.sum()) / limits.max_num_seqs)
+    flops = float(np.sum(2.0 * tm.params * (L + G) + 2.0 * tm.layers * tm.hidden * L * L))
+    reads = steps * tm.weight_bytes + kv_steps * tm.delta_bytes
+    work = max(flops / (tm.flops * tm.compute_eff), reads / (tm.bandwidth * tm.bandwidth_eff)) \
+        + steps * tm.step_overhead_s
+    arr = np.array([r.arrival for r in requests], dtype=float)
+    span = max(float(arr.max() - arr.min()), work / instances)
+    return len(requests) / span if span > 0 else math.inf

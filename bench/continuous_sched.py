@@ -1,0 +1,117 @@
+"""Who joins a continuous engine's running set and who leaves it when pages run out.
+
+* ``FCFSScheduler`` is ``cb-fcfs``, vLLM's default scheduler as the simulator models it: one FCFS
+  queue of requests; at a step boundary the oldest waiting requests join while the step's token
+  budget, ``max_num_seqs`` and free pages allow (a prompt's first chunk must find its pages);
+  when a running row needs a page and none is free, the *newest* running row is preempted by
+  recompute and goes back to the front of the queue.
+* ``GroupScheduler`` is cohort under ``continuous``: the batching policy (WMA/Magnus, S3, SLO-ODBS,
+  HRRN, VS…) still forms and orders batches, each planned with the policy's own KV rule under an
+  admission budget (a share of Θ); a batch is an *admission group* the instance takes at a step
+  boundary as soon as the KV peak of its rows plus the running rows, on planned lengths (q90 when
+  the predictor gives one), fits Θ (``batcher.elastic.rows_kv_peak``). Rows that run out of pages
+  anyway (under-predicted) are evicted largest predicted remaining first
+  (``batcher.elastic.eviction_order``) and re-enter the policy as continuations.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from batcher.elastic import eviction_order, rows_kv_peak
+from batcher.policies.base import Policy
+from bench.continuous import EngineLimits, SimInstance, SimRow
+from cohort.types import Batch, ProfiledRequest
+
+
+class FCFSScheduler:
+    """cb-fcfs: FCFS admission while pages are free, preempt the newest by recompute."""
+
+    def __init__(self, limits: EngineLimits) -> None:
+        self.limits = limits
+        self.waiting: deque[ProfiledRequest] = deque()
+
+    def add(self, req: ProfiledRequest, now: float) -> None:
+        self.waiting.append(req)
+
+    def preempted(self, req: ProfiledRequest, now: float) -> None:
+        self.waiting.appendleft(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]:
+        out: list[ProfiledRequest] = []
+        free, n_rows = inst.free_pages, len(inst.rows)
+        while self.waiting and n_rows < self.limits.max_num_seqs and budget > 0:
+            n = min(self.waiting[0].input_tokens, budget)
+            need = inst.pages_for(n)
+            if need > free and (n_rows or out):   # an empty instance takes it (and fails it if it never fits)
+                break
+            out.append(self.waiting.popleft())
+            free -= need
+            budget -= n
+            n_rows += 1
+        return out
+
+    def victim(self, rows: list[SimRow], start: int) -> int:
+        return len(rows) - 1
+
+
+class GroupScheduler:
+    """cohort's policy under continuous execution: batches are admission groups (module docstring)."""
+
+    def __init__(self, policy: Policy, limits: EngineLimits, max_preemptions: int = 8) -> None:
+        self.pol = policy
+        self.limits = limits
+        self.max_preemptions = max_preemptions
+        self.pending: dict[int, Batch] = {}   # instance id -> the group it took and waits to fit
+        self.queued = 0                      # requests in the policy, not yet in a group
+
+    def add(self, req: ProfiledRequest, now: float) -> None:
+        self.pol.add(req, now)
+        self.queued += 1
+
+    def preempted(self, req: ProfiledRequest, now: float) -> None:
+        self.add(req, now)
+
+    def has_work(self) -> bool:
+        return self.queued > 0
+
+    def _fits(self, inst: SimInstance, joining: list[ProfiledRequest], group: Batch) -> bool:
+        rows = inst.rows
+        if not rows and not joining:
+            return True                       # an empty instance takes any group (too large: its rows fail)
+        if len(rows) + len(joining) + group.size > self.limits.max_num_seqs:
+            return False
+        ctx = [r.kv + r.prompt - r.filled for r in rows]
+        left = [r.planned_left for r in rows]
+        for q in (*joining, *group.requests):
+            ctx.append(q.input_tokens)
+            left.append(max(1, q.planned_tokens))
+        slack = (self.limits.page_tokens - 1) * len(ctx)   # each row's last page is partly empty
+        return rows_kv_peak(ctx, left) + slack <= inst.capacity_tokens
+
+    def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]:
+        out: list[ProfiledRequest] = []
+        key = id(inst)
+        while True:
+            group = self.pending.pop(key, None)
+            if group is None:
+                if not self.queued:
+                    break
+                group = self.pol.pop(now)
+                if group is None:
+                    break
+                self.queued -= group.size
+            if not self._fits(inst, out, group):
+                self.pending[key] = group
+                break
+            out.extend(group.requests)
+        return out
+
+    def victim(self, rows: list[SimRow], start: int) -> int:
+        cand = rows[start:]
+        order = eviction_order([r.planned_left for r in cand], [r.req.preemptions for r in cand],
+                               self.max_preemptions)
+        return start + order[0]
