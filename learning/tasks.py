@@ -5,6 +5,7 @@ and never on the request path. Each returns the JSON-serialisable result of the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from cohort.settings import get_settings
@@ -14,25 +15,25 @@ from taskq.celery_app import RETRAIN_TASKS, celery_app
 log = logging.getLogger(__name__)
 
 
+def _retrain(name: str, retrain: Callable[..., dict[str, Any]], force: bool) -> dict[str, Any]:
+    """Run one retraining; one already running for the same target makes this one a no-op
+    (skipped, never queued behind it: predictor.learning._lock)."""
+    try:
+        out = retrain(get_settings(), force=force)
+    except RetrainRunning as e:
+        log.info("%s skipped: %s", name, e)
+        return {"retrained": False, "skipped": str(e)}
+    log.info("%s: %s", name, {k: out.get(k) for k in ("version", "n_added", "retrained")})
+    return out
+
+
 @celery_app.task(name=RETRAIN_TASKS["predictor"], ignore_result=False, acks_late=True)
 def retrain_predictor_task(force: bool = False) -> dict[str, Any]:
     """Add mispredicted requests from the log DB to the training set, retrain, activate."""
-    try:
-        out = retrain_predictor(get_settings(), force=force)
-    except RetrainRunning as e:
-        log.info("retrain_predictor skipped: %s", e)
-        return {"retrained": False, "skipped": str(e)}
-    log.info("retrain_predictor: %s", {k: out.get(k) for k in ("version", "n_added", "retrained")})
-    return out
+    return _retrain("retrain_predictor", retrain_predictor, force)
 
 
 @celery_app.task(name=RETRAIN_TASKS["estimator"], ignore_result=False, acks_late=True)
 def retrain_estimator_task(force: bool = False) -> dict[str, Any]:
     """Add badly estimated batches from the log DB to the sample set, refit KNN, activate."""
-    try:
-        out = retrain_estimator(get_settings(), force=force)
-    except RetrainRunning as e:
-        log.info("retrain_estimator skipped: %s", e)
-        return {"retrained": False, "skipped": str(e)}
-    log.info("retrain_estimator: %s", {k: out.get(k) for k in ("version", "n_added", "retrained")})
-    return out
+    return _retrain("retrain_estimator", retrain_estimator, force)
