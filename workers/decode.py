@@ -24,59 +24,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import Literal
 
 import torch
 from transformers import DynamicCache
 
 from batcher.elastic import eviction_order, next_step_kv_tokens
-from cohort.protocol import FailureCode, FinishReason, ScoredIds, TokenLogprob
+from cohort.protocol import FailureCode, FinishReason
 from cohort.types import ProfiledRequest
 from workers.decode_outputs import KVCacheOutOfMemory, RowResult, StepOutput
-from workers.detokenize import IncrementalDetokenizer
 from workers.prompt_logprobs import prompt_logprobs
-from workers.sampling import RowSampler, token_logprob
-
-
-class _Row:
-    """A request while it is in the batch."""
-
-    def __init__(self, req: ProfiledRequest, prompt_ids: list[int], tokenizer, emulate: bool) -> None:
-        self.req = req
-        self.prompt_ids = prompt_ids
-        self.new_ids: list[int] = []
-        self.sampler = RowSampler(req.sampling, len(prompt_ids) + req.done_tokens)
-        self.detok = IncrementalDetokenizer(tokenizer, req.generated_ids)
-        self.max_stop = max((len(s) for s in req.sampling.stop), default=0)
-        self.emulated = req.emulated_tokens if emulate else None
-        self.limit = req.max_tokens if self.emulated is None else max(0, min(self.emulated, req.max_tokens))
-        self.first_token_at = req.first_token_at
-        self.sent = len(self.detok.text()) if req.generated_ids else 0  # chars streamed so far
-        self.pending = ""                                             # decoded, held back for stops
-        self.unsent_ids: list[int] = []                               # generated, not yet on the stream
-        self.top_logprobs = req.sampling.logprobs                     # None: no logprobs
-        # The prompt's logprobs, once: not again for a continuation (its prompt has them already)
-        fresh = not req.generated_ids and req.done_tokens == 0
-        self.prompt_top = req.sampling.prompt_logprobs if fresh else None
-        self.unsent_logprobs: list[TokenLogprob] = []                 # one per unsent id (when asked)
-        self.done: RowResult | None = None
-
-    @property
-    def all_ids(self) -> list[int]:
-        return [*self.prompt_ids, *self.req.generated_ids, *self.new_ids]
-
-    @property
-    def total_tokens(self) -> int:
-        return self.req.done_tokens + len(self.new_ids)
-
-    @property
-    def predicted_remaining(self) -> int:
-        return max(0, self.req.predicted_tokens - len(self.new_ids))
-
-    def continuation(self) -> ProfiledRequest:
-        req = self.req if self.req.prompt_ids is not None else replace(self.req, prompt_ids=self.prompt_ids)
-        return req.continuation(list(self.new_ids), self.first_token_at)
+from workers.rows import RowState, TokenStepper
 
 
 def _rollback(cache: DynamicCache, length: int) -> None:
@@ -101,10 +59,10 @@ class DecodeRun:
         self.delta, self.capacity = delta_bytes, kv_capacity
         self.elastic, self.recovery, self.max_preemptions = elastic, recovery, max_preemptions
         self.clock = clock
-        self.eos = tokenizer.eos_token_id
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
+        self.stepper = TokenStepper(tokenizer, streaming=elastic, clock=clock)
+        self.pad = self.stepper.pad
         # prompt ids come from LLMEngine.prompt_ids (the one tokenization rule, the gateway's count)
-        self.rows = [_Row(r, list(p), tokenizer, emulate) for r, p in zip(requests, prompt_ids, strict=True)]
+        self.rows = [RowState(r, list(p), tokenizer, emulate) for r, p in zip(requests, prompt_ids, strict=True)]
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
@@ -113,9 +71,12 @@ class DecodeRun:
         self.input_len = 0
         self.steps = 0
         self.peak_kv_bytes = 0
-        self.generated = 0  # tokens this run generated (the worker adds them to cohort_generated_tokens_total)
-        self._held: list[tuple[_Row, RowResult]] = []  # static execution: answers wait for the batch's end
         self._cancelled: set[str] = set()
+
+    @property
+    def generated(self) -> int:
+        """Tokens this run generated (the worker adds them to cohort_generated_tokens_total)."""
+        return self.stepper.generated
 
     @property
     def done(self) -> bool:
@@ -159,11 +120,7 @@ class DecodeRun:
             return
         order = eviction_order([r.predicted_remaining for r in self.rows],
                                [r.req.preemptions for r in self.rows], self.max_preemptions)
-        row = self.rows[order[0]]
-        self._flush(row, out)
-        self._send_scores(row, out)
-        out.evicted.append(row.continuation())
-        row.done = RowResult(row.req, "", row.total_tokens, FinishReason.LENGTH, row.first_token_at, self.clock())
+        self.stepper.evict(self.rows[order[0]], out)
         self._drop([order[0]])
 
     def _drop(self, indices: Sequence[int]) -> None:
@@ -281,106 +238,13 @@ class DecodeRun:
             self.peak_kv_bytes = max(self.peak_kv_bytes, len(self.rows) * self.cache_len * self.delta)
 
     def _accept(self, logits: torch.Tensor, out: StepOutput) -> None:
-        """Choose each alive row's next token and apply its stop rules."""
-        scores = logits.float()
-        live = [i for i, r in enumerate(self.rows) if r.done is None]
-        hold = [i for i in live if self.rows[i].req.sampling.ignore_eos or (
-            self.rows[i].emulated is not None and len(self.rows[i].new_ids) + 1 < self.rows[i].limit)]
-        if hold and self.eos is not None:
-            scores[hold, self.eos] = float("-inf")  # an emulated length / ignore_eos never sees EOS
-        greedy = scores.argmax(dim=-1).tolist()
-        tokens = [self.pad] * len(self.rows)
-        now = self.clock()
-        for i in live:
-            row = self.rows[i]
-            if row.sampler.plain_greedy:
-                tok, processed = greedy[i], scores[i:i + 1]
-            else:
-                seq = torch.tensor([row.all_ids], device=scores.device)
-                processed = row.sampler.process(seq, scores[i:i + 1])
-                tok = row.sampler.choose(processed, row.total_tokens)
-            tokens[i] = tok
-            scored = None if row.top_logprobs is None else token_logprob(processed, tok, row.top_logprobs)
-            self._advance(row, tok, now, out, scored)
-        self.last = torch.tensor(tokens, device=self.device)
-
-    def _advance(self, row: _Row, tok: int, now: float, out: StepOutput,
-                 scored: TokenLogprob | None = None) -> None:
-        if row.limit == 0:
-            self._finish(row, FinishReason.LENGTH, now, out)
-            return
-        if tok == self.eos and row.emulated is None:
-            self._finish(row, FinishReason.STOP, now, out)
-            return
-        row.new_ids.append(tok)
-        row.unsent_ids.append(tok)
-        self.generated += 1
-        if scored is not None:
-            row.unsent_logprobs.append(scored)
-        if row.first_token_at is None:
-            row.first_token_at = now
-        row.pending += row.detok.push(tok)
-        if row.max_stop:
-            text = row.detok.text()
-            for s in row.req.sampling.stop:
-                cut = text.find(s, max(0, row.sent - len(s)))
-                if cut >= 0:
-                    row.pending = text[row.sent:cut]
-                    self._finish(row, FinishReason.STOP, now, out, text=text[:cut])
-                    return
-        if len(row.new_ids) >= row.limit:
-            reason = FinishReason.LENGTH if len(row.new_ids) >= row.req.max_tokens else FinishReason.STOP
-            self._finish(row, reason, now, out)
-            return
-        keep = row.max_stop - 1 if row.max_stop else 0
-        self._send(row, len(row.pending) - keep, out)
-
-    def _send(self, row: _Row, n: int, out: StepOutput) -> None:
-        """Stream the first ``n`` pending characters with every token id not yet streamed (a
-        delta may carry ids and no text: held-back text still records the tokens)."""
-        if not self.elastic:
-            return
-        text = row.pending[:max(0, n)]
-        if not text and not row.unsent_ids:
-            return
-        out.deltas.append((row.req, text, row.total_tokens, self._take_ids(row)))
-        row.sent += len(text)
-        row.pending = row.pending[len(text):]
-
-    @staticmethod
-    def _take_ids(row: _Row) -> list[int]:
-        """The row's unsent ids (with their logprobs when it asked for them), now sent."""
-        ids = row.unsent_ids if row.top_logprobs is None else ScoredIds(row.unsent_ids, row.unsent_logprobs)
-        row.unsent_ids, row.unsent_logprobs = [], []
-        return ids
-
-    def _send_scores(self, row: _Row, out: StepOutput) -> None:
-        """Static execution streams nothing, but logprobs have no other way to the client: the
-        row's unsent ids and logprobs go out in one delta without text (the end event has it)."""
-        if not self.elastic and row.top_logprobs is not None and row.unsent_ids:
-            out.deltas.append((row.req, "", row.total_tokens, self._take_ids(row)))
-
-    def _flush(self, row: _Row, out: StepOutput) -> None:
-        self._send(row, len(row.pending), out)
-
-    def _finish(self, row: _Row, reason: FinishReason, now: float, out: StepOutput, text: str | None = None) -> None:
-        self._flush(row, out)
-        full = row.detok.text() if text is None else text
-        row.done = RowResult(row.req, full, row.total_tokens, reason, row.first_token_at, now)
-        if self.elastic:
-            out.finished.append(row.done)
-        else:
-            self._held.append((row, row.done))
+        """Choose each alive row's next token and apply its stop rules (``workers.rows``)."""
+        self.last = torch.tensor(self.stepper.accept(self.rows, logits, out), device=self.device)
 
     def _release(self, out: StepOutput) -> StepOutput:
-        """Static execution answers everyone when the batch ends: that is when each client gets
-        its first (and last) text, so both times are the release time."""
-        if not self.elastic and self.done and self._held:
-            now = self.clock()
-            for row, res in self._held:
-                self._send_scores(row, out)
-                out.finished.append(replace(res, first_token_at=now, finished_at=now))
-            self._held = []
+        """Static execution answers everyone when the batch ends."""
+        if self.done:
+            self.stepper.release(out)
         return out
 
     def run_to_end(self) -> list[StepOutput]:
