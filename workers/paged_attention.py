@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 PAGED_ATTENTION = "cohort_paged"
 
@@ -51,8 +53,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     cohort_step: PackedStep | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """query/key/value: [1, heads, tokens, head_dim] over the packed step; returns [1, tokens, heads, dim]."""
-    if cohort_step is None:
-        raise ValueError("the cohort_paged attention needs a PackedStep (cohort_step=...)")
+    if cohort_step is None:  # an ordinary forward (padded decode, generate, profiling): plain SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
     layer, store = module.layer_idx, cohort_step.store
     store.k[layer][cohort_step.write_slots] = key[0].transpose(0, 1).to(store.k[layer].dtype)
     store.v[layer][cohort_step.write_slots] = value[0].transpose(0, 1).to(store.v[layer].dtype)
@@ -73,13 +76,11 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return out.unsqueeze(0), None
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """Each row's causal mask is built inside ``paged_attention``; the model builds none."""
-    return None
-
-
 def register_paged_attention() -> str:
-    """Register the attention function (and its no-op mask) once; returns its name."""
+    """Register the attention function once; returns its name. Its mask is SDPA's: a packed
+    step ignores it (each row's causal mask is built in ``paged_attention``), while any other
+    forward of the same model (a padded batch, ``generate``) runs plain SDPA with it, so the
+    model serves both paths."""
     AttentionInterface.register(PAGED_ATTENTION, paged_attention)
-    AttentionMaskInterface.register(PAGED_ATTENTION, _no_mask)
+    AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)
     return PAGED_ATTENTION

@@ -9,7 +9,7 @@ their token ids and their block tables.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping, Sequence
 
 import torch
 
@@ -43,13 +43,16 @@ class PagedExecutor:
         model.set_attn_implementation(register_paged_attention())
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, tokens: dict[str, list[int]],
-            prompt_hook: PromptHook | None = None) -> dict[str, torch.Tensor]:
-        """``tokens[row]`` is the row's whole id list (prompt + generated); returns row → last logits."""
+    def run(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], prompt_hook: PromptHook | None = None,
+            hook_rows: Container[str] | None = None) -> dict[str, torch.Tensor]:
+        """``tokens[row]`` is the row's whole id list (prompt + generated); returns row → last logits.
+        The hook sees every prompt position's logits of the rows in ``hook_rows`` (all rows when
+        None); the LM head runs only on the positions someone reads."""
         ps = self.book.page_size
         ids: list[int] = []
         pos: list[int] = []
         wslots: list[int] = []
+        keep: list[int] = []
         rows: list[tuple[int, int, torch.Tensor]] = []
         order: list[tuple[str, int, int, bool]] = []
         work = [(r, s, n, True) for r, s, n in plan.prefill]
@@ -61,16 +64,20 @@ class PagedExecutor:
             pos += range(start, start + n)
             wslots += slots_for(table, start, start + n, ps)
             rows.append((at, n, torch.tensor(slots_for(table, 0, start + n, ps), device=self.device)))
-            order.append((row_id, at, n, is_prefill))
+            hooked = is_prefill and prompt_hook is not None and (hook_rows is None or row_id in hook_rows)
+            order.append((row_id, len(keep), n, hooked))
+            keep += range(at, at + n) if hooked else [at + n - 1]
         if not ids:
             return {}
         step = PackedStep(self.store, torch.tensor(wslots, device=self.device), rows)
         logits = self.model(input_ids=torch.tensor([ids], device=self.device),
-                            position_ids=torch.tensor([pos], device=self.device),
-                            use_cache=False, cohort_step=step).logits[0]
+                            position_ids=torch.tensor([pos], device=self.device), use_cache=False,
+                            logits_to_keep=torch.tensor(keep, device=self.device), cohort_step=step).logits[0]
         out: dict[str, torch.Tensor] = {}
-        for row_id, at, n, is_prefill in order:
-            if is_prefill and prompt_hook is not None:
-                prompt_hook(row_id, pos[at], logits[at:at + n])
-            out[row_id] = logits[at + n - 1]
+        for row_id, at, n, hooked in order:
+            if hooked:
+                prompt_hook(row_id, pos[keep[at]], logits[at:at + n])
+                out[row_id] = logits[at + n - 1]
+            else:
+                out[row_id] = logits[at]
         return out

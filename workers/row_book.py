@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from batcher.elastic import eviction_order
+from batcher.elastic import eviction_order, rows_kv_peak
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -31,6 +31,7 @@ class BookRow:
     prompt_len: int
     predicted_remaining: int = 0
     preemptions: int = 0
+    planned_remaining: int = 0  # tokens memory planning still reserves (upper quantile), for planned_peak
     computed: int = 0  # KV entries written (prefilled prompt tokens + decoded tokens)
     pages: list[int] = field(default_factory=list)
 
@@ -140,7 +141,23 @@ class RowBook:
             n = min(row.prefill_left, budget)
             plan.prefill.append((row.row_id, row.computed, n))
             budget -= n
+        if plan.evicted:  # a row planned to decode may have been evicted for a later one
+            plan.decode = [r for r in plan.decode if r in self.rows]
         return plan
+
+    def planned_peak(self, joining: list[tuple[int, int]] = ()) -> int:
+        """KV tokens the running rows (plus ``joining`` rows, (context, planned remaining)) need at
+        their peak if each leaves after its planned remaining tokens (``batcher.elastic.rows_kv_peak``),
+        plus up to one partly filled page per row."""
+        ctx = [r.prompt_len + max(0, r.computed - r.prompt_len) for r in self.rows.values()]
+        rem = [r.planned_remaining for r in self.rows.values()]
+        ctx += [c for c, _ in joining]
+        rem += [g for _, g in joining]
+        return rows_kv_peak(ctx, rem) + len(ctx) * (self.page_size - 1)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_pages * self.page_size
 
     def commit(self, plan: StepPlan) -> None:
         """The executor ran ``plan``: advance each row's written KV count."""

@@ -1,0 +1,265 @@
+"""Continuous execution (``COHORT_EXECUTION=continuous``): batches schedule, rows run.
+
+The batcher still forms and orders batches with its policy; here a batch is an *admission
+group*. One ``ContinuousRun`` holds an instance's running rows in a page pool (``RowBook`` +
+``PagedExecutor``: packed, unpadded prefill in chunks under a per-step token budget, decode
+attending each row to its own context) and, at every step boundary:
+
+1. drops cancelled rows (their pages return at once);
+2. admits waiting work in order — rows it preempted first (recompute: prompt + generated tokens
+   are prefilled again, their tokens kept), then the groups the batcher sent — while its KV plan
+   fits beside the running rows: the planned peak (``RowBook.planned_peak``: each row's context
+   plus its upper-quantile remaining length, rows leaving as they finish) within the pool. An
+   empty instance always takes the head of the queue, so a plan that over-reserves never stalls;
+3. runs one packed forward and hands each row that produced a token to ``workers.rows`` (the
+   same sampling, stop strings, logprobs and streaming rules as the padded paths);
+4. evicts by ``batcher.elastic.eviction_order`` when a decoding row needs a page the pool does
+   not have (and, on CUDA, when the step itself runs out of memory): the victim waits here and
+   resumes first, so its client sees one answer and its group stays whole.
+
+``step`` returns each touched group's ``StepOutput``; a group is over when none of its rows is
+left (``finished_groups``). Plain step machine, no threads: ``workers.continuous_loop`` drives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cohort.protocol import FailureCode, FinishReason
+from cohort.types import Batch
+from workers.decode_outputs import RowResult, StepOutput
+from workers.paged_executor import PagedExecutor
+from workers.prompt_logprobs import prompt_logprobs
+from workers.row_book import BookRow, RowBook, pages_for
+from workers.rows import RowState, TokenStepper
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Group:
+    """One admission group (a batch the batcher sent) while any of its rows is here."""
+
+    batch: Batch
+    rows: dict[str, RowState]
+    admitted_at: float | None = None
+    left: set[str] = field(default_factory=set)  # row ids still running or waiting
+
+    @property
+    def generated(self) -> int:
+        """Tokens its rows generated here (evicted and resumed rows keep theirs)."""
+        return sum(len(r.new_ids) for r in self.rows.values())
+
+
+class ContinuousRun:
+    """One instance's running set: submit groups, ``step`` until ``idle``."""
+
+    def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, *, num_pages: int,
+                 page_size: int = 16, token_budget: int = 512, max_preemptions: int = 8, emulate: bool = False,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.book = RowBook(num_pages, page_size, token_budget, max_preemptions)
+        self.executor = PagedExecutor(model, self.book, dtype, device)
+        self.tok, self.device, self.emulate, self.clock = tokenizer, device, emulate, clock
+        self.stepper = TokenStepper(tokenizer, streaming=True, clock=clock)
+        self.groups: dict[str, Group] = {}
+        self.waiting: deque[str] = deque()      # batch ids not yet admitted, in the batcher's order
+        self.resume: deque[str] = deque()       # row ids evicted here, waiting to be prefilled again
+        self.group_of: dict[str, str] = {}      # row id -> batch id
+        self.ids: dict[str, list[int]] = {}     # row id -> prompt + generated ids (what the executor reads)
+        self.preempted: dict[str, int] = {}     # row id -> evictions here
+        self._prompt_logits: dict[str, list[torch.Tensor]] = {}
+        self._cancelled: set[str] = set()
+        self.just_admitted: list[str] = []      # batch ids admitted by the last step
+        self.evictions = 0                      # rows evicted for pages (each resumed by recompute)
+
+    # --- the outside ----------------------------------------------------------------------
+    def submit(self, batch: Batch, prompt_ids: Sequence[list[int]]) -> None:
+        """Queue a group for admission (a redelivered batch already here is ignored)."""
+        if batch.id in self.groups:
+            return
+        rows = {}
+        for req, ids in zip(batch.requests, prompt_ids, strict=True):
+            if req.id in self.group_of:  # the same request twice: answered by its first copy
+                log.warning("request %s is already running here; batch %s skips it", req.id, batch.id)
+                continue
+            rows[req.id] = RowState(req, list(ids), self.tok, self.emulate)
+        self.groups[batch.id] = Group(batch, rows, left=set(rows))
+        for rid, row in rows.items():
+            self.group_of[rid] = batch.id
+            self.ids[rid] = row.all_ids
+        self.waiting.append(batch.id)
+
+    def cancel(self, request_ids: Iterable[str]) -> None:
+        """Drop these rows at the next step boundary (the client went away)."""
+        self._cancelled.update(request_ids)
+
+    @property
+    def idle(self) -> bool:
+        return not self.groups
+
+    def alive_ids(self, batch_id: str) -> list[str]:
+        g = self.groups.get(batch_id)
+        return sorted(g.left) if g else []
+
+    def finished_groups(self) -> list[Group]:
+        """Groups with no row left, removed from the run."""
+        done = [g for g in self.groups.values() if not g.left]
+        for g in done:
+            del self.groups[g.batch.id]
+            if g.batch.id in self.waiting:
+                self.waiting.remove(g.batch.id)
+        return done
+
+    # --- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> dict[str, StepOutput]:
+        out = StepOutput()
+        self.just_admitted = []
+        self._drop_cancelled()
+        self._admit(out)
+        while True:
+            plan = self.book.plan_step()
+            for rid in plan.evicted:
+                self._evicted(rid, out)
+            hooked = {rid for rid in self._prompt_logits}
+            try:
+                logits = self.executor.run(plan, self.ids, self._hook, hooked) if plan.prefill or plan.decode else {}
+                break
+            except torch.cuda.OutOfMemoryError as e:  # the safety net under the page pool
+                torch.cuda.empty_cache()
+                newest = next(reversed(self.book.rows), None)
+                if newest is None:
+                    raise
+                log.warning("CUDA out of memory in a step (%s): row %s waits and resumes", e, newest)
+                self.book.release(newest)
+                self._evicted(newest, out)
+        self.book.commit(plan)
+        ready = [rid for rid, _s, _n in plan.prefill if self.book.rows[rid].prefill_left == 0] + plan.decode
+        if ready:
+            self._accept(ready, logits, out)
+        return self._route(out)
+
+    def _drop_cancelled(self) -> None:
+        for rid in list(self._cancelled):
+            self._cancelled.discard(rid)
+            if rid not in self.group_of:
+                continue
+            if rid in self.book.rows:
+                self.book.release(rid)
+            if rid in self.resume:
+                self.resume.remove(rid)
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        """The row is over here (answered, failed, cancelled): its group stops waiting for it."""
+        bid = self.group_of.pop(rid)
+        self.groups[bid].left.discard(rid)
+        self.ids.pop(rid, None)
+        self.preempted.pop(rid, None)
+        self._prompt_logits.pop(rid, None)
+
+    def _book_row(self, rid: str) -> BookRow:
+        row = self.groups[self.group_of[rid]].rows[rid]
+        return BookRow(rid, len(self.ids[rid]), predicted_remaining=row.predicted_remaining,
+                       preemptions=self.preempted.get(rid, 0) + row.req.preemptions,
+                       planned_remaining=row.planned_remaining)
+
+    def _fits(self, joining: list[BookRow]) -> bool:
+        if not self.book.rows:
+            return True
+        peak = self.book.planned_peak([(r.prompt_len, r.planned_remaining) for r in joining])
+        return peak <= self.book.capacity_tokens
+
+    def _admit(self, out: StepOutput) -> None:
+        now = self.clock()
+        while self.resume:
+            row = self._book_row(self.resume[0])
+            if not self._fits([row]) or not self.book.admit([row]):
+                return  # resumed rows go first: nothing new joins before them
+            self.resume.popleft()
+        while self.waiting:
+            g = self.groups[self.waiting[0]]
+            rows = [self._book_row(rid) for rid in g.rows if rid in g.left]
+            for r in [r for r in rows if pages_for(r.prompt_len + 1, self.book.page_size) > self.book.pool.num_pages]:
+                self._fail(r.row_id, out, f"its prompt of {r.prompt_len} tokens alone exceeds the instance's KV "
+                           f"memory ({self.book.capacity_tokens} tokens); shorten the input")
+                rows.remove(r)
+            if not self._fits(rows) or not self.book.admit(rows):
+                return
+            self.waiting.popleft()
+            g.admitted_at = now
+            self.just_admitted.append(g.batch.id)
+            for r in rows:
+                if g.rows[r.row_id].prompt_top is not None:
+                    self._prompt_logits[r.row_id] = []
+
+    def _hook(self, rid: str, _first: int, logits: torch.Tensor) -> None:
+        self._prompt_logits[rid].append(logits.float())
+
+    def _evicted(self, rid: str, out: StepOutput) -> None:
+        """Pages gone: the row keeps its tokens (streamed now) and resumes first by recompute."""
+        row = self.groups[self.group_of[rid]].rows[rid]
+        self.stepper.flush(row, out)
+        self.preempted[rid] = self.preempted.get(rid, 0) + 1
+        self.evictions += 1
+        if rid in self._prompt_logits:
+            self._prompt_logits[rid] = []  # its prompt is prefilled again from the start
+        self.resume.append(rid)
+        if not self.book.rows and pages_for(len(self.ids[rid]) + 1, self.book.page_size) > self.book.pool.num_pages:
+            self.resume.remove(rid)
+            self._fail(rid, out, f"this request alone outgrows the instance's KV memory after {row.total_tokens} "
+                       f"generated tokens ({self.book.capacity_tokens} tokens); lower max_tokens or shorten the input")
+
+    def _fail(self, rid: str, out: StepOutput, message: str) -> None:
+        row = self.groups[self.group_of[rid]].rows[rid]
+        out.failed.append((row.req, FailureCode.OUT_OF_MEMORY, message))
+        row.done = RowResult(row.req, "", row.total_tokens, FinishReason.LENGTH, row.first_token_at, self.clock())
+        self._forget(rid)
+
+    def _accept(self, ready: list[str], logits: dict[str, torch.Tensor], out: StepOutput) -> None:
+        rows = [self.groups[self.group_of[rid]].rows[rid] for rid in ready]
+        for rid, row in zip(ready, rows, strict=True):
+            chunks = self._prompt_logits.pop(rid, None)
+            if chunks is not None and row.prompt_top is not None:
+                seq = self.ids[rid]
+                out.prompt_scores.append((row.req, list(seq), prompt_logprobs(torch.cat(chunks)[:-1], seq,
+                                                                              row.prompt_top)))
+                row.prompt_top = None
+        before = [len(r.new_ids) for r in rows]
+        self.stepper.accept(rows, torch.stack([logits[rid] for rid in ready]), out)
+        for rid, row, n in zip(ready, rows, before, strict=True):
+            if row.done is not None:
+                self.book.release(rid)
+                self._forget(rid)
+                continue
+            if len(row.new_ids) > n:
+                self.ids[rid].append(row.new_ids[-1])
+            b = self.book.rows[rid]
+            b.predicted_remaining, b.planned_remaining = row.predicted_remaining, row.planned_remaining
+
+    def _route(self, out: StepOutput) -> dict[str, StepOutput]:
+        """Split one step's output by the group each row belongs to."""
+        by: dict[str, StepOutput] = {}
+        owner = {rid: bid for bid, g in self.groups.items() for rid in g.rows} if (
+            out.deltas or out.finished or out.failed or out.prompt_scores) else {}
+
+        def put(rid: str) -> StepOutput:
+            return by.setdefault(owner[rid], StepOutput())
+
+        for d in out.deltas:
+            put(d[0].id).deltas.append(d)
+        for res in out.finished:
+            put(res.request.id).finished.append(res)
+        for f in out.failed:
+            put(f[0].id).failed.append(f)
+        for p in out.prompt_scores:
+            put(p[0].id).prompt_scores.append(p)
+        for bid in self.just_admitted:
+            by.setdefault(bid, StepOutput())
+        return by
