@@ -37,6 +37,7 @@ SWEEP_EVERY_S = 60.0
 class Inflight:
     batch: Batch
     dispatched: float
+    admitted: bool = False  # its rows run on an instance (continuous: the group joined the running rows)
 
 
 @dataclass
@@ -62,7 +63,7 @@ class BatcherService:
     def _make_policy(self, memory: KVMemory) -> Policy:
         s = self.settings
         ctx = PolicyContext(memory=memory, estimator=self.estimator, max_input_tokens=s.max_input_tokens,
-                            max_tokens_limit=s.max_tokens_limit, elastic=s.execution == "elastic")
+                            max_tokens_limit=s.max_tokens_limit, elastic=s.execution != "static")
         return make_policy(s.policy, ctx, **s.policy_params())
 
     def refresh_instances(self, now: float) -> None:
@@ -309,9 +310,24 @@ class BatcherService:
             rest.append(r.continuation(sent, None) if sent else r)
         return rest
 
+    def _has_room(self) -> bool:
+        """Whether a batch may go out now. Static and elastic: an instance is idle. Continuous: no
+        instance is still waiting to admit a batch (each keeps at most one waiting, so the next
+        group is there at the step boundary where its plan fits) and running batches stay below the
+        instances' thread slots; the worker decides when the group joins (``workers.continuous``)."""
+        n = len(self.instances)
+        if self.settings.execution != "continuous":
+            return len(self.inflight) < n
+        if len(self.inflight) >= n * self.settings.continuous_max_groups:
+            return False
+        unknown = [bid for bid, fl in self.inflight.items() if not fl.admitted]
+        for bid, ok in zip(unknown, bus.admitted(self.redis, unknown), strict=True):
+            self.inflight[bid].admitted = ok
+        return sum(not fl.admitted for fl in self.inflight.values()) < n
+
     def _dispatch(self, now: float) -> bool:
         sent = False
-        while len(self.inflight) < len(self.instances):
+        while self._has_room():
             batch = self.policy.pop(now)
             if batch is None:
                 break

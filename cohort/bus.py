@@ -182,6 +182,22 @@ def done_key(batch_id: str) -> str:
     return f"{PREFIX}:batch:{batch_id}:done"
 
 
+def admitted_key(batch_id: str) -> str:
+    """Set by the worker when a batch's rows start running (continuous execution: when the group
+    joined the running rows). The batcher keeps one batch per instance waiting to be admitted."""
+    return f"{PREFIX}:batch:{batch_id}:admitted"
+
+
+def admitted(r: redis.Redis, batch_ids: list[str]) -> list[bool]:
+    """Which of these batches a worker has admitted (one round trip)."""
+    if not batch_ids:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for bid in batch_ids:
+        pipe.exists(admitted_key(bid))
+    return [bool(x) for x in pipe.execute()]
+
+
 def queue_for_pool(pool: str) -> str:
     """The Celery queue of a model pool."""
     return f"{PREFIX}.pool.{pool}"

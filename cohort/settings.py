@@ -105,11 +105,21 @@ class Settings(BaseSettings):
     slo_l1: float | None = Field(default=None, description="SLO-ODBS scale L1 of the overrun term.")
     slo_l2: float | None = Field(default=None, description="SLO-ODBS scale L2 of the padding term (authors: 1.2).")
     slo_threshold: float | None = Field(default=None, description="SLO-ODBS join threshold (authors: 15000).")
-    execution: Literal["elastic", "static"] = Field(
+    execution: Literal["elastic", "static", "continuous"] = Field(
         default="elastic", description="elastic: each request is answered (and streamed) as it finishes, "
         "finished rows leave the batch, and predicted-length policies plan memory with the batch's peak "
         "KV over time. static: the papers' behaviour, every request answered when its whole batch ends, "
-        "planned with MEM(B) = β·(L(B)+G(B))·Δ.")
+        "planned with MEM(B) = β·(L(B)+G(B))·Δ. continuous: batches schedule, rows run — a batch is an "
+        "admission group that joins the instance's running rows at a step boundary as soon as its KV plan "
+        "fits beside them; unpadded, chunked prefill on paged KV (workers.continuous).")
+    # --- continuous execution (issue 18) ---------------------------------------------------
+    continuous_max_groups: int = Field(
+        default=16, ge=1, description="continuous: batches one instance runs at once (its Celery threads); "
+        "the batcher keeps at most one more waiting per instance.")
+    kv_page_tokens: int = Field(default=16, ge=1, description="continuous: tokens per KV page.")
+    step_token_budget: int = Field(
+        default=512, ge=16, description="continuous: tokens one step may run (decode rows first, then "
+        "prefill chunks), so a long prompt never stalls the rows that are decoding.")
     oom_recovery: Literal["preempt", "split"] = Field(
         default="preempt", description="preempt: before a step would outgrow memory the worker evicts rows "
         "(largest predicted remaining length first) and hands them back as continuations that keep their "

@@ -24,9 +24,10 @@ def _setup_logging() -> None:
 
 @app.callback()
 def worker(ctx: typer.Context) -> None:
-    """Load the model, register the instance, then consume the pool's queue (solo pool, 1 at a time).
+    """Load the model, register the instance, then consume the pool's queue (solo pool, 1 at a time;
+    under continuous execution a thread per running batch, all feeding one engine loop).
 
-    Solo pool: the model lives in this process and CUDA is never initialised before a fork.
+    Solo or thread pool: the model lives in this process and CUDA is never initialised before a fork.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -37,8 +38,12 @@ def worker(ctx: typer.Context) -> None:
     _setup_logging()
     s = get_settings()
     rt = runtime.start(s)
+    # Continuous execution runs several batches at once: each batch task (a thread) hands its group
+    # to the engine's loop and publishes what its rows produce; otherwise one batch at a time.
+    pool = ["--pool=threads", f"--concurrency={s.continuous_max_groups}"] if rt.loop else ["--pool=solo",
+                                                                                             "--concurrency=1"]
     try:
-        celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_for_pool(s.pool),
+        celery_app.worker_main(["worker", *pool, "-Q", queue_for_pool(s.pool),
                                 "-n", f"{rt.name}@%h", "--loglevel=INFO", "--without-gossip",
                                 "--without-mingle", "--prefetch-multiplier=1"])
     finally:

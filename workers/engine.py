@@ -1,6 +1,7 @@
 """One LLM instance: the loaded model, its tokenizer, Δ (KV bytes per token) and Θ (KV memory).
 
-``start`` hands a batch to the decode loop (workers.decode.DecodeRun); the worker task drives it.
+``start`` hands a batch to the padded decode loop (workers.decode.DecodeRun) and
+``continuous_run`` makes the continuous engine's run (workers.continuous); the worker drives them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from batcher.memory import KVMemory, kv_bytes_per_token
 from cohort.settings import Settings
 from cohort.tokenizer import uses_special_tokens
 from cohort.types import ProfiledRequest
+from workers.continuous import ContinuousRun
 from workers.decode import DecodeRun
 from workers.decode_outputs import KVCacheOutOfMemory
 from workers.model import load_model
@@ -58,15 +60,34 @@ class LLMEngine:
         """A prompt's token ids exactly as the gateway counted them (cohort.tokenizer)."""
         return self.tokenizer(prompt, add_special_tokens=self._special)["input_ids"]
 
+    def request_prompt_ids(self, req: ProfiledRequest) -> list[int]:
+        """The ids a request's prompt runs as: a continuation brings its own."""
+        return list(req.prompt_ids) if req.prompt_ids is not None else self.prompt_ids(req.prompt)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens this instance holds: Θ (CUDA: free memory after the weights, less the
+        activation reserve; CPU: the KV budget) over Δ — the page pool's size under continuous
+        execution, computed once at start as nano-vllm's ``allocate_kv_cache`` does."""
+        cap = self.theta_bytes if self.kv_budget is None else min(self.theta_bytes, self.kv_budget)
+        return KVMemory(self.delta_bytes, cap).theta_tokens
+
+    def continuous_run(self) -> ContinuousRun:
+        """A fresh continuous run over a page pool of ``kv_capacity_tokens``."""
+        s = self.settings
+        return ContinuousRun(self.model, self.tokenizer, self.device, next(self.model.parameters()).dtype,
+                             num_pages=max(1, self.kv_capacity_tokens // s.kv_page_tokens),
+                             page_size=s.kv_page_tokens, token_budget=s.step_token_budget,
+                             max_preemptions=s.max_preemptions, emulate=s.emulate_lengths)
+
     def start(self, requests: Sequence[ProfiledRequest], *, elastic: bool | None = None,
               recovery: str | None = None, emulate: bool | None = None,
               prompt_ids: Sequence[list[int]] | None = None) -> DecodeRun:
         """A decode loop over these requests (settings give the modes unless overridden)."""
         s = self.settings
-        ids = prompt_ids if prompt_ids is not None else [
-            list(r.prompt_ids) if r.prompt_ids is not None else self.prompt_ids(r.prompt) for r in requests]
+        ids = prompt_ids if prompt_ids is not None else [self.request_prompt_ids(r) for r in requests]
         return DecodeRun(self.model, self.tokenizer, self.device, self.delta_bytes, self.kv_budget, requests,
-                        elastic=(s.execution == "elastic") if elastic is None else elastic,
+                        elastic=(s.execution != "static") if elastic is None else elastic,
                         recovery=recovery or s.oom_recovery, max_preemptions=s.max_preemptions,
                         emulate=s.emulate_lengths if emulate is None else emulate, prompt_ids=ids)
 

@@ -18,7 +18,9 @@ from cohort.protocol import dumps
 from cohort.settings import Settings
 from cohort.types import InstanceInfo
 from predictor.learning import profile_samples_path
+from workers.continuous_loop import ContinuousLoop
 from workers.engine import LLMEngine
+from workers.paged_executor import packed_path_refusal
 from workers.profile import run_profile
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class Runtime:
     redis: redis.Redis
     db: object
     info: InstanceInfo
+    loop: ContinuousLoop | None = None  # continuous execution on the packed path
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -81,6 +84,22 @@ def profile_if_missing(engine: LLMEngine, settings: Settings) -> None:
         run_profile(engine, grid, path, show_progress=False)
 
 
+def continuous_loop(engine: LLMEngine, settings: Settings) -> ContinuousLoop | None:
+    """The continuous engine's loop, when continuous execution is asked for and the model can take
+    the packed path; otherwise the instance runs batches on the padded path (named in the log)."""
+    if settings.execution != "continuous":
+        return None
+    refusal = packed_path_refusal(engine.model)
+    if refusal is not None:
+        log.warning("continuous execution asked for, but %s: this instance runs each batch on the padded "
+                    "elastic path instead", refusal)
+        return None
+    loop = ContinuousLoop(engine.continuous_run)
+    log.info("continuous execution: %d KV pages of %d tokens, %d tokens per step", loop.run.book.pool.num_pages,
+             settings.kv_page_tokens, settings.step_token_budget)
+    return loop
+
+
 def start(settings: Settings) -> Runtime:
     """Load the model, register the instance and start its heartbeat (once per process)."""
     global _runtime
@@ -95,6 +114,7 @@ def start(settings: Settings) -> Runtime:
                             served_model_name=settings.served_model_name or settings.model)
         rt = Runtime(settings, engine, bus.connect(settings.resolved_redis_url),
                      get_db_engine(settings.database_url), info)
+        rt.loop = continuous_loop(engine, settings)
         rt.start_heartbeat()
         log.info("instance %s registered in pool %s: Θ=%d bytes, Δ=%d bytes/token", name, settings.pool,
                  info.theta_bytes, info.delta_bytes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
@@ -23,6 +23,7 @@ from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, ScoredId
 from cohort.types import Batch, ProfiledRequest
 from taskq.celery_app import RUN_BATCH, celery_app
 from workers import runtime
+from workers.continuous_loop import GroupHandle
 from workers.decode import DecodeRun
 from workers.decode_outputs import KVCacheOutOfMemory, RowResult, StepOutput
 
@@ -148,6 +149,28 @@ class _Reporter:
         self.answered.extend(rest)
 
 
+def _mark_admitted(rt: runtime.Runtime, batch_id: str) -> None:
+    """The batch's rows run now: the batcher may send this instance its next one."""
+    _execute(rt.redis, lambda pipe: pipe.set(bus.admitted_key(batch_id), rt.name, ex=bus.CLAIM_TTL_S), "admission")
+
+
+def _padded_steps(rt: runtime.Runtime, b: Batch, run: DecodeRun) -> Iterator[StepOutput]:
+    _mark_admitted(rt, b.id)
+    while not run.done:
+        yield run.step()
+
+
+def _group_steps(rt: runtime.Runtime, b: Batch, handle: GroupHandle, rep: _Reporter) -> Iterator[StepOutput]:
+    """The group's outputs as the engine loop produces them; its admission is when it starts."""
+    for upd in handle.updates():
+        if upd.admitted:
+            rep.started = time.time()  # queued until the group joined the running rows
+            _mark_admitted(rt, b.id)
+        if upd.error is not None:
+            raise RuntimeError(f"the continuous engine failed: {upd.error}")
+        yield upd.out
+
+
 @celery_app.task(name=RUN_BATCH, acks_late=True)
 def run_batch_task(batch: dict[str, Any]) -> dict[str, Any]:
     rt = runtime.get()
@@ -157,15 +180,20 @@ def run_batch_task(batch: dict[str, Any]) -> dict[str, Any]:
         return {"batch_id": b.id, "skipped": True}
     started = time.time()
     t0 = time.perf_counter()
-    run = rt.engine.start(b.requests)
     rep = _Reporter(rt, b, started)
+    if rt.loop is not None:  # continuous execution: the group joins the engine's running rows
+        run: DecodeRun | GroupHandle = rt.loop.submit(b, [rt.engine.request_prompt_ids(r) for r in b.requests])
+        steps = _group_steps(rt, b, run, rep)
+    else:
+        run = rt.engine.start(b.requests)
+        steps = _padded_steps(rt, b, run)
     base = dict(batch_id=b.id, instance=rt.name, size=b.size, started=started)
     batch_row = {"id": b.id, "created": b.created, "started": started, "instance": rt.name,
                  "model": rt.settings.model, "size": b.size, "input_len": b.input_len,
                  "predicted_gen_len": b.predicted_gen_len, "attempt": b.attempt, "splits": b.splits}
     try:
-        while not run.done:
-            rep.step(run.step(), run)
+        for out in steps:
+            rep.step(out, run)
     except KVCacheOutOfMemory as e:
         log.warning("batch %s (β=%d, L=%d, G'=%d) ran out of memory: %s", b.id, b.size, b.input_len,
                     b.predicted_gen_len, e)
@@ -181,15 +209,20 @@ def run_batch_task(batch: dict[str, Any]) -> dict[str, Any]:
                                       finished=time.time(), answered=rep.answered,
                                       continuations=rep.continuations, **base))
         return {"batch_id": b.id, "failed": True}
+    if isinstance(run, GroupHandle) and run.duplicate:
+        log.info("batch %s: already running on this instance; this copy is skipped", b.id)
+        return {"batch_id": b.id, "skipped": True}
     seconds = time.perf_counter() - t0
     finished = time.time()
     generated = [rep.tokens.get(r.id, 0) for r in b.requests]
-    _complete(rt, CompletionEvent(outcome=BatchOutcome.DONE, finished=finished, input_len=run.input_len,
-                                  gen_len=run.steps, seconds=seconds, generated_tokens=generated,
+    input_len, gen_len = (run.input_len, run.steps) if isinstance(run, DecodeRun) else (b.input_len, max(generated, default=0))
+    _complete(rt, CompletionEvent(outcome=BatchOutcome.DONE, finished=finished, input_len=input_len,
+                                  gen_len=gen_len, seconds=seconds, generated_tokens=generated,
                                   answered=rep.answered, continuations=rep.continuations,
                                   cancelled=rep.cancelled, **base))
     record_batch(rt.db, {**batch_row, "finished": finished, "actual_gen_len": max(generated, default=0),
-                         "batch_time_s": seconds, "peak_mem_bytes": run.peak_kv_bytes, "oom": False})
+                         "batch_time_s": seconds, "oom": False,
+                         "peak_mem_bytes": run.peak_kv_bytes if isinstance(run, DecodeRun) else None})
     if rep.continuations:
         log.info("batch %s: %d row(s) preempted and handed back with their tokens", b.id, len(rep.continuations))
     return {"batch_id": b.id, "seconds": seconds}
