@@ -35,13 +35,31 @@ class PageStore:
 
 
 @dataclass
+class DecodeBatch:
+    """The step's decoding rows (one new token each), attended in one batched SDPA call: their
+    contexts' slots padded to the longest (``valid`` masks the padding). On a CPU one call for
+    every decoding row beats a call per row; only the attention reads the padding."""
+
+    query_at: torch.Tensor  # [R] each row's token in the packed sequence
+    slots: torch.Tensor     # [R, C] context slots, padded
+    valid: torch.Tensor     # [R, C] True where a slot is the row's own context
+
+
+@dataclass
 class PackedStep:
-    """One forward's layout: for each row, where its new tokens sit in the packed sequence and
-    the slots of its whole context (old + new, in position order)."""
+    """One forward's layout: for each prefill row, where its new tokens sit in the packed sequence
+    and the slots of its whole context (old + new, in position order); the decoding rows together."""
 
     store: PageStore
     write_slots: torch.Tensor  # [tokens] slot of each packed token's K/V
     rows: list[tuple[int, int, torch.Tensor]]  # (start in packed seq, new tokens, context slots)
+    decode: DecodeBatch | None = None
+
+
+def context_slots(block_table: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """Flat slots of positions [0, length) of a row whose pages are ``block_table`` (a tensor)."""
+    offsets = torch.arange(page_size, device=block_table.device)
+    return (block_table[:, None] * page_size + offsets).flatten()[:length]
 
 
 def slots_for(block_table: list[int], start: int, end: int, page_size: int) -> list[int]:
@@ -60,6 +78,14 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     store.k[layer][cohort_step.write_slots] = key[0].transpose(0, 1).to(store.k[layer].dtype)
     store.v[layer][cohort_step.write_slots] = value[0].transpose(0, 1).to(store.v[layer].dtype)
     out = torch.empty_like(query[0].transpose(0, 1))  # [tokens, heads, dim]
+    dec = cohort_step.decode
+    if dec is not None:
+        q = query[0][:, dec.query_at].transpose(0, 1).unsqueeze(2)  # [R, heads, 1, dim]
+        k = store.k[layer][dec.slots].transpose(1, 2).to(q.dtype)  # [R, kv_heads, C, dim]
+        v = store.v[layer][dec.slots].transpose(1, 2).to(q.dtype)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=dec.valid[:, None, None, :], scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+        out[dec.query_at] = o[:, :, 0]
     for start, n, ctx in cohort_step.rows:
         q = query[0, :, start:start + n]  # [heads, n, dim]
         k = store.k[layer][ctx].transpose(0, 1).to(q.dtype)  # [kv_heads, ctx, dim]

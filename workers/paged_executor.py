@@ -13,7 +13,14 @@ from collections.abc import Callable, Container, Mapping, Sequence
 
 import torch
 
-from workers.paged_attention import PackedStep, PageStore, register_paged_attention, slots_for
+from workers.paged_attention import (
+    DecodeBatch,
+    PackedStep,
+    PageStore,
+    context_slots,
+    register_paged_attention,
+    slots_for,
+)
 from workers.row_book import RowBook, StepPlan
 
 PromptHook = Callable[[str, int, torch.Tensor], None]  # (row id, first position, logits [n, vocab])
@@ -55,21 +62,35 @@ class PagedExecutor:
         keep: list[int] = []
         rows: list[tuple[int, int, torch.Tensor]] = []
         order: list[tuple[str, int, int, bool]] = []
-        work = [(r, s, n, True) for r, s, n in plan.prefill]
-        work += [(r, self.book.rows[r].computed, 1, False) for r in plan.decode]
-        for row_id, start, n, is_prefill in work:
+        for row_id, start, n in plan.prefill:
             table = self.book.rows[row_id].pages
             at = len(ids)
             ids += tokens[row_id][start:start + n]
             pos += range(start, start + n)
             wslots += slots_for(table, start, start + n, ps)
-            rows.append((at, n, torch.tensor(slots_for(table, 0, start + n, ps), device=self.device)))
-            hooked = is_prefill and prompt_hook is not None and (hook_rows is None or row_id in hook_rows)
+            rows.append((at, n, context_slots(torch.tensor(table, device=self.device), start + n, ps)))
+            hooked = prompt_hook is not None and (hook_rows is None or row_id in hook_rows)
             order.append((row_id, len(keep), n, hooked))
             keep += range(at, at + n) if hooked else [at + n - 1]
+        decode = None
+        if plan.decode:
+            at0, ctxs = len(ids), []
+            for row_id in plan.decode:
+                book_row = self.book.rows[row_id]
+                p = book_row.computed
+                ids.append(tokens[row_id][p])
+                pos.append(p)
+                wslots.append(book_row.pages[p // ps] * ps + p % ps)
+                ctxs.append(context_slots(torch.tensor(book_row.pages, device=self.device), p + 1, ps))
+                order.append((row_id, len(keep), 1, False))
+                keep.append(len(ids) - 1)
+            slots = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)
+            lens = torch.tensor([len(c) for c in ctxs], device=self.device)
+            valid = torch.arange(slots.shape[1], device=self.device)[None, :] < lens[:, None]
+            decode = DecodeBatch(torch.arange(at0, len(ids), device=self.device), slots, valid)
         if not ids:
             return {}
-        step = PackedStep(self.store, torch.tensor(wslots, device=self.device), rows)
+        step = PackedStep(self.store, torch.tensor(wslots, device=self.device), rows, decode)
         logits = self.model(input_ids=torch.tensor([ids], device=self.device),
                             position_ids=torch.tensor([pos], device=self.device), use_cache=False,
                             logits_to_keep=torch.tensor(keep, device=self.device), cohort_step=step).logits[0]

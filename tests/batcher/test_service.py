@@ -291,3 +291,27 @@ def test_the_worst_waiting_priority_follows_dispatch(r, tmp_path):
     complete(r, sent[-1].id, answered=["a"])
     svc.step(now=3.0)  # b leaves: nothing waits any more
     assert [q.id for q in sent[-1].requests] == ["b"] and r.get(KEYS.worst_priority) is None
+
+
+def test_continuous_keeps_one_batch_per_instance_waiting_to_be_admitted(r, tmp_path):
+    sent: list = []
+    svc = service(r, tmp_path, sent, execution="continuous", continuous_max_groups=3, fixed_batch_size=1,
+                  policy="vs")
+    register(r, "w1")
+    for i in range(6):
+        arrive(r, i, t=i)
+    svc.step(now=10.0)
+    assert len(sent) == 1  # the instance has not admitted it yet: nothing more goes out
+    svc.step(now=10.1)
+    assert len(sent) == 1
+    r.set(bus.admitted_key(sent[0].id), "w1")  # its rows run: the next one may wait at the worker
+    svc.step(now=10.2)
+    assert len(sent) == 2
+    r.set(bus.admitted_key(sent[1].id), "w1")
+    svc.step(now=10.3)
+    r.set(bus.admitted_key(sent[2].id), "w1")
+    svc.step(now=10.4)
+    assert len(sent) == 3  # three running batches fill the instance's thread slots
+    complete(r, sent[0].id, answered=[q.id for q in sent[0].requests])
+    svc.step(now=10.5)
+    assert len(sent) == 4
