@@ -46,39 +46,44 @@ def _profiled(reqs) -> list[ProfiledRequest]:
                             arrival=0.0, emulated_tokens=o, prompt_ids=list(p)) for i, (p, o) in enumerate(reqs)]
 
 
-def _padded(model, tok, reqs) -> float:
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _padded(model, tok, reqs, device: torch.device) -> float:
     width = max(len(p) for p, _ in reqs)
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p, _ in reqs])
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p, _ in reqs], device=device)
     mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p, _ in reqs])[:, None]).long()
     g = max(o for _, o in reqs)
-    t = time.perf_counter()
+    t = _sync(device)
     with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, max_new_tokens=g, min_new_tokens=g, do_sample=False,
+        model.generate(ids, attention_mask=mask.to(device), max_new_tokens=g, min_new_tokens=g, do_sample=False,
                        pad_token_id=tok.pad_token_id)
-    return time.perf_counter() - t
+    return _sync(device) - t
 
 
-def _elastic(model, tok, reqs) -> float:
-    run = DecodeRun(model, tok, torch.device("cpu"), 1, None, _profiled(reqs), emulate=True,
-                    prompt_ids=[p for p, _ in reqs])
-    t = time.perf_counter()
+def _elastic(model, tok, reqs, device: torch.device) -> float:
+    run = DecodeRun(model, tok, device, 1, None, _profiled(reqs), emulate=True, prompt_ids=[p for p, _ in reqs])
+    t = _sync(device)
     run.run_to_end()
-    return time.perf_counter() - t
+    return _sync(device) - t
 
 
-def _continuous(model, tok, reqs, budget: int, page_size: int = 16, group: int = 8) -> float:
+def _continuous(model, tok, reqs, device: torch.device, budget: int, page_size: int = 16, group: int = 8) -> float:
     pages = sum(-(-(len(p) + o + 1) // page_size) for p, o in reqs)
-    run = ContinuousRun(model, tok, torch.device("cpu"), torch.float32, num_pages=pages, page_size=page_size,
+    run = ContinuousRun(model, tok, device, next(model.parameters()).dtype, num_pages=pages, page_size=page_size,
                         token_budget=budget, emulate=True)
     profiled = _profiled(reqs)
-    t = time.perf_counter()
+    t = _sync(device)
     for k in range(0, len(profiled), group):
         part = profiled[k:k + group]
         run.submit(Batch(id=f"b{k}", requests=part, created=0.0), [r.prompt_ids for r in part])
     while not run.idle:
         run.step()
         run.finished_groups()
-    return time.perf_counter() - t
+    return _sync(device) - t
 
 
 def engine_bench_cli() -> None:
@@ -87,7 +92,10 @@ def engine_bench_cli() -> None:
     ap.add_argument("--configs", default="tiny,h1024-l8")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     a = ap.parse_args()
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -100,11 +108,12 @@ def engine_bench_cli() -> None:
         cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
         reqs = _requests(a.requests, 7, cfg.vocab_size)
         useful = sum(o for _, o in reqs)
-        model = LlamaForCausalLM(cfg).eval()
-        times = {"padded_generate": _padded(model, tok, reqs), "elastic": _elastic(model, tok, reqs),
-                 "continuous": _continuous(model, tok, reqs, a.budget)}
-        row = dict(config=name, requests=len(reqs), useful_tokens=useful, step_token_budget=a.budget,
-                   torch_threads=torch.get_num_threads(),
+        model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+        _padded(model, tok, reqs[:2], device)  # warm-up (CUDA context, kernels)
+        times = {"padded_generate": _padded(model, tok, reqs, device), "elastic": _elastic(model, tok, reqs, device),
+                 "continuous": _continuous(model, tok, reqs, device, a.budget)}
+        row = dict(config=name, device=str(device), dtype=a.dtype, requests=len(reqs), useful_tokens=useful,
+                   step_token_budget=a.budget, torch_threads=torch.get_num_threads(),
                    **{f"{k}_s": round(v, 2) for k, v in times.items()},
                    **{f"{k}_tok_s": round(useful / v, 1) for k, v in times.items()},
                    continuous_x_padded_generate=round(times["padded_generate"] / times["continuous"], 2),
