@@ -208,6 +208,7 @@ class ContinuousRun:
         self.stepper.flush(row, out)
         self.preempted[rid] = self.preempted.get(rid, 0) + 1
         self.evictions += 1
+        out.preempted.append(rid)
         if rid in self._prompt_logits:
             self._prompt_logits[rid] = []  # its prompt is prefilled again from the start
         self.resume.append(rid)
@@ -247,7 +248,7 @@ class ContinuousRun:
         """Split one step's output by the group each row belongs to."""
         by: dict[str, StepOutput] = {}
         owner = {rid: bid for bid, g in self.groups.items() for rid in g.rows} if (
-            out.deltas or out.finished or out.failed or out.prompt_scores) else {}
+            out.deltas or out.finished or out.failed or out.prompt_scores or out.preempted) else {}
 
         def put(rid: str) -> StepOutput:
             return by.setdefault(owner[rid], StepOutput())
@@ -260,6 +261,8 @@ class ContinuousRun:
             put(f[0].id).failed.append(f)
         for p in out.prompt_scores:
             put(p[0].id).prompt_scores.append(p)
+        for rid in out.preempted:
+            put(rid).preempted.append(rid)
         for bid in self.just_admitted:
             by.setdefault(bid, StepOutput())
         return by

@@ -39,3 +39,5 @@ class StepOutput:
     failed: list[tuple[ProfiledRequest, FailureCode, str]] = field(default_factory=list)
     # (request, its prompt's ids, one PromptLogprob or None per id): rows that asked, at prefill
     prompt_scores: list[tuple[ProfiledRequest, list[int], list]] = field(default_factory=list)
+    # continuous execution: rows evicted for pages that wait on the instance and resume there
+    preempted: list[str] = field(default_factory=list)

@@ -112,6 +112,8 @@ class _Reporter:
             for rid, ev in events:
                 bus.publish(pipe, rid, ev)
             bus.count_generated(pipe, generated)
+            if out.preempted:  # continuous: evicted rows resume on this instance, not via the batcher
+                pipe.hincrby(bus.STATS, "preemptions", len(out.preempted))
             for rid in alive:
                 pipe.exists(bus.cancel_key(rid))
 
