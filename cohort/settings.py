@@ -106,7 +106,7 @@ class Settings(BaseSettings):
     slo_l2: float | None = Field(default=None, description="SLO-ODBS scale L2 of the padding term (authors: 1.2).")
     slo_threshold: float | None = Field(default=None, description="SLO-ODBS join threshold (authors: 15000).")
     execution: Literal["elastic", "static", "continuous"] = Field(
-        default="elastic", description="elastic: each request is answered (and streamed) as it finishes, "
+        default="continuous", description="elastic: each request is answered (and streamed) as it finishes, "
         "finished rows leave the batch, and predicted-length policies plan memory with the batch's peak "
         "KV over time. static: the papers' behaviour, every request answered when its whole batch ends, "
         "planned with MEM(B) = β·(L(B)+G(B))·Δ. continuous: batches schedule, rows run — a batch is an "
