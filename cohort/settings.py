@@ -130,6 +130,10 @@ class Settings(BaseSettings):
         "swap = copy its pages to the host pool and back; adaptive = per victim, swap when the predicted "
         "swap time (bytes / bandwidth, out and back) is below the predicted recompute time and the host "
         "pool has room, else recompute.")
+    swap_bytes: int | None = Field(
+        default=None, ge=0, description="Host pool for swapped KV (COHORT_PREEMPTION=swap|adaptive, continuous "
+        "execution): unset = 4 GiB of pinned memory on CUDA, off (0) on a CPU device, whose KV is host "
+        "memory already.")
     max_preemptions: int = Field(default=8, ge=1, description="Rows preempted this many times are evicted "
                                  "last, so every request keeps making progress.")
     batcher_tick_s: float = 0.02

@@ -28,16 +28,39 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
+from batcher.preemption import SwapLink, choose_preemption, swap_seconds
 from cohort.protocol import FailureCode, FinishReason
+from cohort.settings import PreemptionMode
 from cohort.types import Batch
 from workers.decode_outputs import RowResult, StepOutput
+from workers.paged_attention import context_slots
 from workers.paged_executor import PagedExecutor
 from workers.prompt_logprobs import prompt_logprobs
 from workers.row_book import BookRow, RowBook, pages_for
 from workers.rows import RowState, TokenStepper
+from workers.swap_pool import HostSwapPool
+
+PreemptionChoice = Literal["swap", "recompute"]
+
+
+@dataclass
+class SwapPlan:
+    """How this instance gives back an evicted row's KV: the mode, the host pool, the measured
+    link and the prefill cost per token (what a recompute costs here)."""
+
+    mode: PreemptionMode
+    pool: HostSwapPool
+    link: SwapLink
+    delta_bytes: int
+    prefill_s_per_token: float
+
+    def choose(self, kv_tokens: int, recompute_tokens: int) -> PreemptionChoice:
+        return choose_preemption(self.mode, swap_seconds(kv_tokens, self.delta_bytes, self.link),
+                                 recompute_tokens * self.prefill_s_per_token, self.pool.free_tokens, kv_tokens)
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +85,11 @@ class ContinuousRun:
 
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, *, num_pages: int,
                  page_size: int = 16, token_budget: int = 512, max_preemptions: int = 8, emulate: bool = False,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, swap: SwapPlan | None = None) -> None:
         self.book = RowBook(num_pages, page_size, token_budget, max_preemptions)
         self.executor = PagedExecutor(model, self.book, dtype, device)
+        self.swap = swap
+        self.swaps = 0                          # evictions that went to the host pool
         self.tok, self.device, self.emulate, self.clock = tokenizer, device, emulate, clock
         self.stepper = TokenStepper(tokenizer, streaming=True, clock=clock)
         self.groups: dict[str, Group] = {}
@@ -126,7 +151,7 @@ class ContinuousRun:
         while True:
             plan = self.book.plan_step()
             for rid in plan.evicted:
-                self._evicted(rid, out)
+                self._evicted(rid, out, *plan.victims[rid])
             hooked = {rid for rid in self._prompt_logits}
             try:
                 logits = self.executor.run(plan, self.ids, self._hook, hooked) if plan.prefill or plan.decode else {}
@@ -137,8 +162,9 @@ class ContinuousRun:
                 if newest is None:
                     raise
                 log.warning("CUDA out of memory in a step (%s): row %s waits and resumes", e, newest)
+                victim = (list(self.book.rows[newest].pages), self.book.rows[newest].computed)
                 self.book.release(newest)
-                self._evicted(newest, out)
+                self._evicted(newest, out, *victim)
         self.book.commit(plan)
         ready = [rid for rid, _s, _n in plan.prefill if self.book.rows[rid].prefill_left == 0] + plan.decode
         if ready:
@@ -163,6 +189,8 @@ class ContinuousRun:
         self.ids.pop(rid, None)
         self.preempted.pop(rid, None)
         self._prompt_logits.pop(rid, None)
+        if self.swap is not None:
+            self.swap.pool.drop(rid)
 
     def _book_row(self, rid: str) -> BookRow:
         row = self.groups[self.group_of[rid]].rows[rid]
@@ -183,6 +211,9 @@ class ContinuousRun:
             if not self._fits([row]) or not self.book.admit([row]):
                 return  # resumed rows go first: nothing new joins before them
             self.resume.popleft()
+            if self.swap is not None and row.row_id in self.swap.pool.rows:  # its KV comes back from the host
+                slots = context_slots(torch.tensor(row.pages, device=self.device), row.prompt_len, self.book.page_size)
+                row.computed = self.swap.pool.swap_in(row.row_id, self.executor.store, slots)
         while self.waiting:
             g = self.groups[self.waiting[0]]
             rows = [self._book_row(rid) for rid in g.rows if rid in g.left]
@@ -202,14 +233,21 @@ class ContinuousRun:
     def _hook(self, rid: str, _first: int, logits: torch.Tensor) -> None:
         self._prompt_logits[rid].append(logits.float())
 
-    def _evicted(self, rid: str, out: StepOutput) -> None:
-        """Pages gone: the row keeps its tokens (streamed now) and resumes first by recompute."""
+    def _evicted(self, rid: str, out: StepOutput, pages: list[int], computed: int) -> None:
+        """Pages gone: the row keeps its tokens (streamed now) and resumes first, its KV either
+        copied back from the host pool (swap) or prefilled again (recompute), whichever
+        ``batcher.preemption.choose_preemption`` predicts cheaper under ``COHORT_PREEMPTION``."""
         row = self.groups[self.group_of[rid]].rows[rid]
         self.stepper.flush(row, out)
+        swapped = self.swap is not None and computed > 0 and self.swap.choose(computed, len(self.ids[rid])) == "swap"
+        if swapped:
+            slots = context_slots(torch.tensor(pages, device=self.device), computed, self.book.page_size)
+            self.swap.pool.swap_out(rid, self.executor.store, slots)
+            self.swaps += 1
         self.preempted[rid] = self.preempted.get(rid, 0) + 1
         self.evictions += 1
         out.preempted.append(rid)
-        if rid in self._prompt_logits:
+        if rid in self._prompt_logits and not swapped:
             self._prompt_logits[rid] = []  # its prompt is prefilled again from the start
         self.resume.append(rid)
         if not self.book.rows and pages_for(len(self.ids[rid]) + 1, self.book.page_size) > self.book.pool.num_pages:

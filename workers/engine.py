@@ -16,10 +16,11 @@ from batcher.memory import KVMemory, kv_bytes_per_token
 from cohort.settings import Settings
 from cohort.tokenizer import uses_special_tokens
 from cohort.types import ProfiledRequest
-from workers.continuous import ContinuousRun
+from workers.continuous import ContinuousRun, SwapPlan
 from workers.decode import DecodeRun
 from workers.decode_outputs import KVCacheOutOfMemory
 from workers.model import load_model
+from workers.swap_pool import HostSwapPool, measure_link
 
 __all__ = ["DecodeRun", "LLMEngine", "KVCacheOutOfMemory"]
 
@@ -75,10 +76,50 @@ class LLMEngine:
     def continuous_run(self) -> ContinuousRun:
         """A fresh continuous run over a page pool of ``kv_capacity_tokens``."""
         s = self.settings
-        return ContinuousRun(self.model, self.tokenizer, self.device, next(self.model.parameters()).dtype,
+        return ContinuousRun(self.model, self.tokenizer, self.device, self.dtype,
                              num_pages=max(1, self.kv_capacity_tokens // s.kv_page_tokens),
                              page_size=s.kv_page_tokens, token_budget=s.step_token_budget,
-                             max_preemptions=s.max_preemptions, emulate=s.emulate_lengths)
+                             max_preemptions=s.max_preemptions, emulate=s.emulate_lengths, swap=self.swap_plan())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def swap_plan(self) -> SwapPlan | None:
+        """What swapping costs on this instance (``COHORT_PREEMPTION`` swap or adaptive): the host
+        pool, the link measured both ways, and a recompute's cost per token measured on the model.
+        None under recompute, or with no host pool."""
+        s = self.settings
+        if s.preemption == "recompute":
+            return None
+        nbytes = s.swap_bytes if s.swap_bytes is not None else (4 << 30 if self.device.type == "cuda" else 0)
+        if nbytes < self.delta_bytes:
+            log.warning("COHORT_PREEMPTION=%s but no host swap pool (COHORT_SWAP_BYTES): every eviction "
+                        "recomputes", s.preemption)
+            return None
+        if not hasattr(self, "_swap_costs"):
+            self._swap_costs = (measure_link(self.device, self.dtype), self._prefill_s_per_token())
+            log.info("swap link %.2f GB/s out, %.2f GB/s in; recompute %.1f µs/token",
+                     self._swap_costs[0].to_host_bytes_per_s / 1e9, self._swap_costs[0].to_device_bytes_per_s / 1e9,
+                     self._swap_costs[1] * 1e6)
+        link, per_token = self._swap_costs
+        return SwapPlan(s.preemption, HostSwapPool(nbytes // self.delta_bytes, pin=self.device.type == "cuda"),
+                        link, self.delta_bytes, per_token)
+
+    @torch.inference_mode()
+    def _prefill_s_per_token(self, tokens: int = 256) -> float:
+        """A recompute's cost per token: the best of three plain prefills of ``tokens`` tokens."""
+        ids = torch.full((1, tokens), 1000 % self.model.config.vocab_size, device=self.device)
+        best = float("inf")
+        for _ in range(3):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t = time.perf_counter()
+            self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - t)
+        return best / tokens
 
     def start(self, requests: Sequence[ProfiledRequest], *, elastic: bool | None = None,
               recovery: str | None = None, emulate: bool | None = None,

@@ -47,6 +47,9 @@ class StepPlan:
     prefill: list[tuple[str, int, int]] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     evicted: list[str] = field(default_factory=list)
+    # each evicted row's pages and written KV count, read before the step's forward overwrites
+    # them (a swap copies them out to the host pool)
+    victims: dict[str, tuple[list[int], int]] = field(default_factory=dict)
 
 
 class PagePool:
@@ -119,6 +122,7 @@ class RowBook:
             order = eviction_order([self.rows[i].predicted_remaining for i in ids],
                                    [self.rows[i].preemptions for i in ids], self.max_preemptions)
             victim = ids[order[0]]
+            plan.victims[victim] = (list(self.rows[victim].pages), self.rows[victim].computed)
             self.release(victim)
             plan.evicted.append(victim)
             if victim == row.row_id:

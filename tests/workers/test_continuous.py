@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batcher.preemption import SwapLink
 from cohort.protocol import FailureCode, FinishReason
 from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest, SamplingParams
-from workers.continuous import ContinuousRun
+from workers.continuous import ContinuousRun, SwapPlan
 from workers.engine import LLMEngine
+from workers.swap_pool import HostSwapPool
 
 PROMPTS = ["Translate to French: good morning", "Hi", "a much longer prompt about static batching " * 4,
            "Summarise: the cat sat on the mat", "one more request that joins late"]
@@ -160,3 +162,31 @@ def test_prompt_logprobs_come_from_the_chunked_prefill(engine):
     ids = engine.prompt_ids(r.prompt)
     assert len(scores) == 1 and scores[0][1] == ids and len(scores[0][2]) == len(ids)
     assert scores[0][2][0] is None and all(s is not None for s in scores[0][2][1:])
+
+
+def _swap_plan(engine: LLMEngine, mode: str, link_bytes_per_s: float, host_tokens: int = 10**6) -> SwapPlan:
+    return SwapPlan(mode, HostSwapPool(host_tokens, pin=False), SwapLink(link_bytes_per_s, link_bytes_per_s),
+                    engine.delta_bytes, prefill_s_per_token=1e-4)
+
+
+@pytest.mark.parametrize("mode, link, swapped", [("swap", 1e9, True), ("adaptive", 1e12, True),
+                                                 ("adaptive", 1e3, False), ("recompute", 1e12, False)])
+def test_swapped_or_recomputed_rows_give_the_tokens_of_an_uninterrupted_run(engine, refs, mode, link, swapped):
+    """AdaptiveLLM: an evicted row's KV goes to the host pool and back (swap) or is prefilled again
+    (recompute); adaptive swaps only when the link makes it cheaper. Greedy tokens never change."""
+    run = make_run(engine, num_pages=10, page_size=8, swap=_swap_plan(engine, mode, link))
+    reqs = [req(i, PROMPTS[i], max_tokens=24, predicted=1) for i in (0, 1, 3)]
+    got = finished(drive(run, {0: [("A", reqs)]}, engine)[0])
+    assert run.evictions > 0
+    assert (run.swaps > 0) is swapped and (run.swaps == run.evictions or not swapped)
+    assert run.swap.pool.used == 0  # every copy came back
+    for r in reqs:
+        assert got[r.id].text == engine.tokenizer.decode(refs[r.prompt][:24], skip_special_tokens=True), r.id
+
+
+def test_a_full_host_pool_falls_back_to_recompute(engine, refs):
+    run = make_run(engine, num_pages=10, page_size=8, swap=_swap_plan(engine, "swap", 1e9, host_tokens=4))
+    reqs = [req(i, PROMPTS[i], max_tokens=24, predicted=1) for i in (0, 1, 3)]
+    got = finished(drive(run, {0: [("A", reqs)]}, engine)[0])
+    assert run.evictions > 0 and run.swaps == 0
+    assert all(got[r.id].text == engine.tokenizer.decode(refs[r.prompt][:24], skip_special_tokens=True) for r in reqs)
