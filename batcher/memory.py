@@ -81,7 +81,13 @@ class KVMemory:
         return int(size) * (int(input_len) + int(gen_len)) * self.delta_bytes
 
     def fits(self, size: int, input_len: int, gen_len: int) -> bool:
-        return self.mem(size, input_len, gen_len) <= self.theta_bytes
+        """β·(L+G) tokens within Θ in tokens: the gateway's admission, the worker's profiling grid
+        and the static rule all ask this one question."""
+        return int(size) * (int(input_len) + int(gen_len)) <= self.theta_tokens
+
+    def tokens_fit(self, tokens: int) -> bool:
+        """Whether ``tokens`` of KV fit Θ (the padded decode loop's next-step check)."""
+        return int(tokens) <= self.theta_tokens
 
     def max_fixed_batch_size(self, max_input: int, max_gen: int) -> int:
         """The largest β that fits even when every member has the longest input and max_tokens.

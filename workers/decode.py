@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from batcher.elastic import eviction_order, next_step_kv_tokens
+from batcher.memory import KVMemory
 from cohort.protocol import FailureCode, FinishReason
 from cohort.types import ProfiledRequest
 from workers.decode_outputs import KVCacheOutOfMemory, RowResult, StepOutput
@@ -91,7 +92,8 @@ class DecodeRun:
 
     # --- memory ---------------------------------------------------------------------------
     def _fits(self, rows: int, cache_len: int) -> bool:
-        return self.capacity is None or next_step_kv_tokens(rows, cache_len) * self.delta <= self.capacity
+        return self.capacity is None or KVMemory(self.delta, self.capacity).tokens_fit(
+            next_step_kv_tokens(rows, cache_len))
 
     def _make_room(self, out: StepOutput, cache_len: int) -> None:
         """Evict rows (preempt) until the next step fits, or raise (split). Under static
