@@ -52,10 +52,16 @@ def uses_special_tokens(model: str) -> bool:
     return model != DEFAULT_MODEL
 
 
-def prompt_token_counts(texts: list[str], model: str = DEFAULT_MODEL) -> list[int]:
-    """L(p) exactly as the worker will tokenize the prompt."""
+def prompt_token_ids(texts: list[str], model: str = DEFAULT_MODEL) -> list[list[int]]:
+    """The ids the model runs for each prompt: tokenized once, at the gateway, and carried to the
+    worker on the request (``ProfiledRequest.prompt_ids``)."""
     tok = load_tokenizer(model)
-    return [len(ids) for ids in tok(texts, add_special_tokens=uses_special_tokens(model))["input_ids"]]
+    return [list(ids) for ids in tok(texts, add_special_tokens=uses_special_tokens(model))["input_ids"]]
+
+
+def prompt_token_counts(texts: list[str], model: str = DEFAULT_MODEL) -> list[int]:
+    """L(p) exactly as the worker will run the prompt."""
+    return [len(ids) for ids in prompt_token_ids(texts, model)]
 
 
 def build_prompt(instruction: str, user_input: str) -> str:

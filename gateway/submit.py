@@ -33,7 +33,7 @@ from cohort import bus
 from cohort.logdb import finish_request, record_requests
 from cohort.protocol import dumps
 from cohort.settings import Settings
-from cohort.tokenizer import build_prompt, prompt_token_counts, vocab_size
+from cohort.tokenizer import build_prompt, prompt_token_ids, vocab_size
 from cohort.types import ProfiledRequest, SamplingParams, new_id
 from gateway.errors import APIError
 from gateway.pools import PoolView, ServedModel
@@ -79,8 +79,9 @@ def _default_model(s: Settings) -> ServedModel:
     return ServedModel(s.served_model_name or s.model, s.pool, s.model, 0, s.max_input_tokens + s.max_tokens_limit)
 
 
-async def _check(s: Settings, served: ServedModel, sub: Submission) -> int:
-    """Everything about one request that needs no queue: its L(p), or an APIError."""
+async def _check(s: Settings, served: ServedModel, sub: Submission) -> list[int]:
+    """Everything about one request that needs no queue: its prompt's token ids (L(p) is their
+    count), or an APIError. The worker runs these ids: the prompt is tokenized once, here."""
     if not (sub.instruction or sub.user_input or sub.prompt_ids):
         raise APIError(400, "the request has no text: give an instruction, an input or a prompt",
                        code="empty_prompt", param=sub.param)
@@ -97,16 +98,17 @@ async def _check(s: Settings, served: ServedModel, sub: Submission) -> int:
     for param, ids in (("logit_bias", [t for t, _ in sub.sampling.logit_bias]), ("prompt", sub.prompt_ids or [])):
         await check_token_ids(served, ids, param)
     if sub.prompt_ids is not None:
-        input_tokens = len(sub.prompt_ids)
+        ids = list(sub.prompt_ids)
     else:
-        (input_tokens,) = await run_in_threadpool(prompt_token_counts, [sub.text], served.path)
+        (ids,) = await run_in_threadpool(prompt_token_ids, [sub.text], served.path)
+    input_tokens = len(ids)
     if input_tokens == 0:  # " ", "\u200b": text with characters but nothing the model can read
         raise APIError(400, "the prompt is empty once tokenized (only whitespace or invisible characters)",
                        code="empty_prompt", param=sub.param)
     if input_tokens > s.max_input_tokens:
         raise APIError(400, f"the prompt has {input_tokens} tokens; the limit is {s.max_input_tokens}",
                        code="context_length_exceeded", param=sub.param)
-    return input_tokens
+    return ids
 
 
 async def check_token_ids(served: ServedModel, ids: list[int], param: str) -> None:
@@ -140,7 +142,8 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
     for sub in subs:
         if sub.shape not in checked:
             checked[sub.shape] = await _check(s, served, sub)
-    counts = [checked[sub.shape] for sub in subs]
+    prompt_ids = [checked[sub.shape] for sub in subs]
+    counts = [len(ids) for ids in prompt_ids]
     alive = await app_state.pool.alive(served.pool)
     if not alive:
         raise APIError(503, f"no LLM instance of {served.id} is available yet; retry shortly", code="no_instance")
@@ -159,7 +162,7 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
                        code="queue_full")
     recorded = False
     try:
-        reqs = await _profile(app_state, served, subs, counts, ids)
+        reqs = await _profile(app_state, served, subs, prompt_ids, ids)
         await run_in_threadpool(record_requests, app_state.db, [_row(served, r) for r in reqs])
         recorded = True
         await bus.enqueue(redis, served.pool, ids, [dumps(r.to_dict()) for r in reqs])
@@ -179,13 +182,14 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
     return [Ticket(req, endpoint, received, deadline, served.pool) for req in reqs]
 
 
-async def _profile(app_state, served: ServedModel, subs: list[Submission], counts: list[int],
+async def _profile(app_state, served: ServedModel, subs: list[Submission], prompt_ids: list[list[int]],
                    ids: list[str]) -> list[ProfiledRequest]:
     """The requests as the batcher reads them: each with its predicted length (one prediction
     per distinct prompt: ``n`` copies share it)."""
     predictions: dict[tuple, tuple] = {}
     reqs: list[ProfiledRequest] = []
-    for rid, sub, input_tokens in zip(ids, subs, counts, strict=True):
+    for rid, sub, p_ids in zip(ids, subs, prompt_ids, strict=True):
+        input_tokens = len(p_ids)
         key = (sub.instruction, sub.user_input, input_tokens, sub.task, sub.max_tokens)
         if key not in predictions:
             item = PredictItem(sub.instruction, sub.user_input, input_tokens, sub.task)
@@ -198,7 +202,7 @@ async def _profile(app_state, served: ServedModel, subs: list[Submission], count
             predicted_upper=upper, max_tokens=sub.max_tokens, arrival=time.time(), model=served.path,
             sampling=sub.sampling, slo_s=sub.slo_s, instruction=sub.instruction, user_input=sub.user_input,
             task=sub.task, emulated_tokens=sub.emulated_tokens, predictor_version=version,
-            prompt_ids=list(sub.prompt_ids) if sub.prompt_ids is not None else None, priority=sub.priority))
+            prompt_ids=list(p_ids), priority=sub.priority))
     return reqs
 
 

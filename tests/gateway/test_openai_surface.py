@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from cohort import bus
 from cohort.settings import DEFAULT_MODEL
-from cohort.tokenizer import tokenizer_path
+from cohort.tokenizer import prompt_token_ids, tokenizer_path
 from tests.gateway.harness import MSG, gateway, next_request, post_alone, register, sse_data, worker
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -245,5 +245,6 @@ def test_chat_uses_the_served_tokenizers_template(tmp_path: Path, templated: str
     assert req.prompt_ids == tok(req.prompt, add_special_tokens=False)["input_ids"]
     assert req.input_tokens == len(req.prompt_ids)
     assert (req.instruction, req.user_input) == ("Be brief.", "user: Hello")  # what the predictor reads
-    assert builtin.prompt == "Be brief.\n\nuser: Hello\nassistant:" and builtin.prompt_ids is None
+    assert builtin.prompt == "Be brief.\n\nuser: Hello\nassistant:"
+    assert builtin.prompt_ids == prompt_token_ids([builtin.prompt])[0]  # tokenized once, here: the worker runs these
     assert json.loads(json.dumps(req.to_dict()))["prompt_ids"] == req.prompt_ids
