@@ -40,7 +40,7 @@ from workers.decode_outputs import RowResult, StepOutput
 from workers.paged_attention import context_slots
 from workers.paged_executor import PagedExecutor
 from workers.prompt_logprobs import prompt_logprobs
-from workers.row_book import BookRow, RowBook, pages_for
+from workers.row_book import BookRow, RowBook, StepPlan, pages_for
 from workers.rows import RowState, TokenStepper
 from workers.swap_pool import HostSwapPool
 
@@ -63,6 +63,7 @@ class SwapPlan:
                                  recompute_tokens * self.prefill_s_per_token, self.pool.free_tokens, kv_tokens)
 
 log = logging.getLogger(__name__)
+MIN_STEP_TOKENS = 16  # the smallest per-step token budget a CUDA out-of-memory error halves it to
 
 
 @dataclass
@@ -90,6 +91,7 @@ class ContinuousRun:
         self.executor = PagedExecutor(model, self.book, dtype, device)
         self.swap = swap
         self.swaps = 0                          # evictions that went to the host pool
+        self.ooms = 0                           # CUDA out-of-memory errors caught inside a step
         self.tok, self.device, self.emulate, self.clock = tokenizer, device, emulate, clock
         self.stepper = TokenStepper(tokenizer, streaming=True, clock=clock)
         self.groups: dict[str, Group] = {}
@@ -157,19 +159,35 @@ class ContinuousRun:
                 logits = self.executor.run(plan, self.ids, self._hook, hooked) if plan.prefill or plan.decode else {}
                 break
             except torch.cuda.OutOfMemoryError as e:  # the safety net under the page pool
-                torch.cuda.empty_cache()
-                newest = next(reversed(self.book.rows), None)
-                if newest is None:
-                    raise
-                log.warning("CUDA out of memory in a step (%s): row %s waits and resumes", e, newest)
-                victim = (list(self.book.rows[newest].pages), self.book.rows[newest].computed)
-                self.book.release(newest)
-                self._evicted(newest, out, *victim)
+                self._out_of_memory(plan, out, e)
         self.book.commit(plan)
         ready = [rid for rid, _s, _n in plan.prefill if self.book.rows[rid].prefill_left == 0] + plan.decode
         if ready:
             self._accept(ready, logits, out)
         return self._route(out)
+
+    def _out_of_memory(self, plan: StepPlan, out: StepOutput, e: Exception) -> None:
+        """A step's activations did not fit beside the page pool (nothing was committed; the
+        slots it wrote are rewritten by the retry): smaller prefill chunks first, then the newest
+        row waits and resumes, and a row that cannot run even alone fails explicitly."""
+        torch.cuda.empty_cache()
+        self.ooms += 1
+        if plan.prefill and self.book.token_budget > MIN_STEP_TOKENS:
+            self.book.token_budget = max(MIN_STEP_TOKENS, self.book.token_budget // 2)
+            log.warning("CUDA out of memory in a step (%s): %d tokens per step from now on", e, self.book.token_budget)
+            return
+        newest = next(reversed(self.book.rows), None)
+        if newest is None:
+            raise e
+        if len(self.book.rows) == 1:
+            self.book.release(newest)
+            self._fail(newest, out, f"this request does not fit the device's memory even alone ({e}); "
+                       "shorten the input or lower max_tokens")
+            return
+        log.warning("CUDA out of memory in a step (%s): row %s waits and resumes", e, newest)
+        victim = (list(self.book.rows[newest].pages), self.book.rows[newest].computed)
+        self.book.release(newest)
+        self._evicted(newest, out, *victim)
 
     def _drop_cancelled(self) -> None:
         for rid in list(self._cancelled):

@@ -12,6 +12,9 @@ owns which pages each row holds; this module only reads the slot lists it is han
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -102,11 +105,29 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return out.unsqueeze(0), None
 
 
+_PACKED = ContextVar("cohort_packed_step", default=False)
+
+
+@contextmanager
+def packed_forward() -> Iterator[None]:
+    """Around a packed step's forward: the model builds no mask (each row's causal mask is built
+    in ``paged_attention``; a packed sequence's full mask would cost tokens² memory for nothing)."""
+    token = _PACKED.set(True)
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
+
+
+def _paged_mask(*args, **kwargs):
+    """SDPA's mask for an ordinary forward of the model, none inside a packed step."""
+    return None if _PACKED.get() else sdpa_mask(*args, **kwargs)
+
+
 def register_paged_attention() -> str:
-    """Register the attention function once; returns its name. Its mask is SDPA's: a packed
-    step ignores it (each row's causal mask is built in ``paged_attention``), while any other
-    forward of the same model (a padded batch, ``generate``) runs plain SDPA with it, so the
-    model serves both paths."""
+    """Register the attention function once; returns its name. Outside a packed step it is plain
+    SDPA with SDPA's mask, so any other forward of the same model (a padded batch, ``generate``)
+    still works: the model serves both paths."""
     AttentionInterface.register(PAGED_ATTENTION, paged_attention)
-    AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(PAGED_ATTENTION, _paged_mask)
     return PAGED_ATTENTION

@@ -18,6 +18,7 @@ from workers.paged_attention import (
     PackedStep,
     PageStore,
     context_slots,
+    packed_forward,
     register_paged_attention,
     slots_for,
 )
@@ -91,9 +92,10 @@ class PagedExecutor:
         if not ids:
             return {}
         step = PackedStep(self.store, torch.tensor(wslots, device=self.device), rows, decode)
-        logits = self.model(input_ids=torch.tensor([ids], device=self.device),
-                            position_ids=torch.tensor([pos], device=self.device), use_cache=False,
-                            logits_to_keep=torch.tensor(keep, device=self.device), cohort_step=step).logits[0]
+        with packed_forward():
+            logits = self.model(input_ids=torch.tensor([ids], device=self.device),
+                                position_ids=torch.tensor([pos], device=self.device), use_cache=False,
+                                logits_to_keep=torch.tensor(keep, device=self.device), cohort_step=step).logits[0]
         out: dict[str, torch.Tensor] = {}
         for row_id, at, n, hooked in order:
             if hooked:
