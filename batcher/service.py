@@ -24,7 +24,7 @@ from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import Policy, PolicyContext, make_policy, planning_memory
 from cohort import bus
-from cohort.logdb import fail_stale_queued, finish_request, get_db_engine
+from cohort.logdb import fail_stale_queued, finish_request, get_db_engine, settled_ids
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, dumps
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest, new_id
@@ -298,13 +298,15 @@ class BatcherService:
 
     def _resume_points(self, requests: list[ProfiledRequest]) -> list[ProfiledRequest]:
         """A lost batch's rows as they stand on their streams: answered rows are left out (never
-        answered twice) and rows that streamed tokens resume after them (the client already has
-        that text) instead of starting again."""
+        answered twice: a final event on the stream, or a settled log-DB record once the stream
+        has expired) and rows that streamed tokens resume after them (the client already has that
+        text) instead of starting again."""
         progress = bus.stream_progress(self.redis, [r.id for r in requests])
+        settled = settled_ids(get_db_engine(self.settings.database_url), [r.id for r in requests])
         rest = []
         for r in requests:
             final, ids = progress[r.id]
-            if final:
+            if final or r.id in settled:
                 continue
             sent = ids[len(r.generated_ids):] if ids[:len(r.generated_ids)] == r.generated_ids else []
             rest.append(r.continuation(sent, None) if sent else r)

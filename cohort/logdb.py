@@ -136,6 +136,17 @@ def finish_request(engine: Engine, request_id: str, *, overrule: bool = False, *
         return bool(res.rowcount)
 
 
+def settled_ids(engine: Engine, request_ids: list[str]) -> set[str]:
+    """Which of these requests have a settled record (answered or failed explicitly): the
+    worker settles a row's record before it publishes the answer, so these must never run again,
+    even when their stream has already expired."""
+    if not request_ids:
+        return set()
+    q = select(requests.c.id).where(requests.c.id.in_(request_ids), requests.c.status != OPEN)
+    with engine.connect() as conn:
+        return {r[0] for r in conn.execute(q)}
+
+
 def fail_stale_queued(engine: Engine, created_before: float, error: str) -> int:
     """Rows still ``queued`` that no client can be waiting for any more (older than the
     gateway's timeout): lost before they were scheduled, e.g. in a Redis restart without

@@ -315,3 +315,26 @@ def test_continuous_keeps_one_batch_per_instance_waiting_to_be_admitted(r, tmp_p
     complete(r, sent[0].id, answered=[q.id for q in sent[0].requests])
     svc.step(now=10.5)
     assert len(sent) == 4
+
+
+def test_a_lost_batch_never_reruns_a_row_whose_record_is_settled(r, tmp_path):
+    """Its stream may have expired (streams live a short while after their answer): the log-DB
+    record, settled before the answer was published, still says it was answered."""
+    from cohort.logdb import finish_request, get_db_engine, record_request
+
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    for i in range(2):
+        arrive(r, i)
+    svc.step(now=1.0)
+    first = sent[-1]
+    db = get_db_engine(svc.settings.database_url)
+    for q in first.requests:
+        record_request(db, {"id": q.id, "created": 0.0, "model": "m", "status": "queued"})
+    finish_request(db, "q0", status="done", actual_tokens=3)  # answered; its stream already expired
+    r.set(bus.claim_key(first.id), "w1")
+    r.delete(bus.alive_key("w1"))
+    register(r, "w2")
+    svc.step(now=2.0)
+    assert [q.id for q in sent[-1].requests] == ["q1"]
