@@ -79,8 +79,9 @@ class BatcherService:
             else:  # its heartbeat expired: the registration goes too (a restarted worker re-registers)
                 self.redis.hdel(bus.INSTANCES, name)
         if alive:
-            memory = planning_memory(self.settings.policy, KVMemory.for_pool(alive.values()),
-                                     self.settings.memory_headroom)
+            s = self.settings
+            memory = planning_memory(s.policy, KVMemory.for_pool(alive.values()), s.memory_headroom,
+                                     s.continuous_group_frac if s.execution == "continuous" else 1.0)
             if self.policy is None:
                 self.policy = self._make_policy(memory)
                 self._recover(now)

@@ -116,6 +116,9 @@ class Settings(BaseSettings):
     continuous_max_groups: int = Field(
         default=16, ge=1, description="continuous: batches one instance runs at once (its Celery threads); "
         "the batcher keeps at most one more waiting per instance.")
+    continuous_group_frac: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="continuous: the share of Θ the policy plans one batch (an "
+        "admission group) with; smaller groups join the running rows sooner and more often.")
     kv_page_tokens: int = Field(default=16, ge=1, description="continuous: tokens per KV page.")
     step_token_budget: int = Field(
         default=512, ge=16, description="continuous: tokens one step may run (decode rows first, then "

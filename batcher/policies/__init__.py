@@ -39,14 +39,19 @@ POLICIES: dict[str, PolicyFactory] = {
 }
 
 
-def planning_memory(policy: str, memory: KVMemory, headroom: float) -> KVMemory:
+def planning_memory(policy: str, memory: KVMemory, headroom: float, group_frac: float = 1.0) -> KVMemory:
     """Θ a policy plans with: Θ·(1 − headroom), slack for under-predicted lengths. VS sizes its
-    batches for the worst case (max_tokens) and never needs slack: it always plans with Θ."""
+    batches for the worst case (max_tokens) and never needs slack: it always plans with Θ.
+    Under continuous execution a batch is an admission group that joins rows already running,
+    so it is planned with a share of Θ (``group_frac``): small groups join sooner and more often."""
     if not 0.0 <= headroom < 1.0:
         raise ValueError("headroom must be in [0, 1)")
-    if policy == "vs" or not headroom:
-        return memory
-    return KVMemory(memory.delta_bytes, int(memory.theta_bytes * (1.0 - headroom)))
+    if not 0.0 < group_frac <= 1.0:
+        raise ValueError("group_frac must be in (0, 1]")
+    theta = memory.theta_bytes * group_frac
+    if policy != "vs" and headroom:
+        theta *= 1.0 - headroom
+    return memory if theta == memory.theta_bytes else KVMemory(memory.delta_bytes, int(theta))
 
 
 def make_policy(name: str, ctx: PolicyContext, **params: Any) -> Policy:
