@@ -49,6 +49,23 @@ class PagedExecutor:
         self.store = PageStore(cfg.num_hidden_layers, book.pool.num_pages, book.page_size, kv_heads, head_dim,
                                dtype, device)
         model.set_attn_implementation(register_paged_attention())
+        self._slots: dict[str, tuple[list[int], int, torch.Tensor]] = {}  # row -> (its pages, count, slots)
+
+    def _row_slots(self, row_id: str, pages: list[int]) -> torch.Tensor:
+        """Every slot of a row's pages, in position order: kept between steps (a row's page list
+        only grows while it runs; a new list means it was admitted again) and extended by the
+        pages it gained."""
+        ps = self.book.page_size
+        hit = self._slots.get(row_id)
+        if hit is not None and hit[0] is pages and hit[1] == len(pages):
+            return hit[2]
+        if hit is not None and hit[0] is pages and hit[1] < len(pages):
+            new = context_slots(torch.tensor(pages[hit[1]:], device=self.device), (len(pages) - hit[1]) * ps, ps)
+            slots = torch.cat([hit[2], new])
+        else:
+            slots = context_slots(torch.tensor(pages, device=self.device), len(pages) * ps, ps)
+        self._slots[row_id] = (pages, len(pages), slots)
+        return slots
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], prompt_hook: PromptHook | None = None,
@@ -69,7 +86,7 @@ class PagedExecutor:
             ids += tokens[row_id][start:start + n]
             pos += range(start, start + n)
             wslots += slots_for(table, start, start + n, ps)
-            rows.append((at, n, context_slots(torch.tensor(table, device=self.device), start + n, ps)))
+            rows.append((at, n, self._row_slots(row_id, table)[:start + n]))
             hooked = prompt_hook is not None and (hook_rows is None or row_id in hook_rows)
             order.append((row_id, len(keep), n, hooked))
             keep += range(at, at + n) if hooked else [at + n - 1]
@@ -82,7 +99,7 @@ class PagedExecutor:
                 ids.append(tokens[row_id][p])
                 pos.append(p)
                 wslots.append(book_row.pages[p // ps] * ps + p % ps)
-                ctxs.append(context_slots(torch.tensor(book_row.pages, device=self.device), p + 1, ps))
+                ctxs.append(self._row_slots(row_id, book_row.pages)[:p + 1])
                 order.append((row_id, len(keep), 1, False))
                 keep.append(len(ids) - 1)
             slots = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)
@@ -91,6 +108,9 @@ class PagedExecutor:
             decode = DecodeBatch(torch.arange(at0, len(ids), device=self.device), slots, valid)
         if not ids:
             return {}
+        if len(self._slots) > len(self.book.rows):  # forget rows that left
+            for gone in set(self._slots) - set(self.book.rows):
+                del self._slots[gone]
         step = PackedStep(self.store, torch.tensor(wslots, device=self.device), rows, decode)
         with packed_forward():
             logits = self.model(input_ids=torch.tensor([ids], device=self.device),
