@@ -26,7 +26,7 @@ from batcher.memory import KVMemory
 from batcher.policies import PolicyContext, make_policy, planning_memory
 from bench.continuous import ContinuousEngine, EngineLimits, Scheduler, SimInstance, StepStats
 from bench.continuous_sched import FCFSScheduler, GroupScheduler
-from bench.metrics import SimResult, compute_metrics
+from bench.metrics import SimResult, TraceBook
 from bench.roofline import RooflineBatchTime
 from cohort.types import ProfiledRequest
 
@@ -58,31 +58,14 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
     if not hasattr(time_model, "step_seconds"):
         raise ValueError("continuous execution needs the roofline time model (a step cost), not a fitted one")
     t0 = time.perf_counter()
+    book = TraceBook(requests, progress)
+    arrival, order = book.arrival, book.order
     n = len(requests)
-    index = {r.id: i for i, r in enumerate(requests)}
-    arrival = np.array([r.arrival for r in requests], dtype=float)
-    deadline = np.array([r.deadline for r in requests], dtype=float)
-    true = np.array([r.true_tokens for r in requests], dtype=np.int64)
-    finish = np.full(n, math.inf)
-    first = np.full(n, math.inf)
-    scheduled = np.full(n, math.inf)
-    ok = np.zeros(n, dtype=bool)
-    order = np.argsort(arrival, kind="stable")
     pages = memory.theta_tokens // limits.page_tokens
     insts = [SimInstance(pages, limits) for _ in range(instances)]
     stats = StepStats()
 
-    def settle(j: int, at: float, done: bool) -> None:
-        finish[j] = at
-        ok[j] = done
-        if progress:
-            progress(1)
-
-    def first_token(j: int, at: float) -> None:
-        if at < first[j]:
-            first[j] = at
-
-    engine = ContinuousEngine(time_model, scheduler, limits, stats, settle, first_token, [0])
+    engine = ContinuousEngine(time_model, scheduler, limits, stats, book.settle, book.first_token, [0])
     heap: list[tuple[float, int]] = []
     idle = set(range(instances))
     i, now = 0, 0.0
@@ -98,10 +81,10 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
             now, k = heapq.heappop(heap)
             inst = insts[k]
             before = {r.j for r in inst.rows}
-            end = engine.step(inst, now, index)
+            end = engine.step(inst, now, book.index)
             for r in inst.rows:
-                if r.j not in before and now < scheduled[r.j]:
-                    scheduled[r.j] = now
+                if r.j not in before:
+                    book.dispatched(r.j, now)
             if end is None:
                 idle.add(k)
             else:
@@ -114,12 +97,9 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
             i += 1
             if idle:
                 wake(now)
-    left = ~np.isfinite(finish)
-    for j in np.flatnonzero(left):    # nothing should be left; count it as failed if it is
-        settle(int(j), now, False)
-    metrics = compute_metrics(arrival, finish, ok, deadline, true, [], stats.decoded, 0.0, 0, first_token=first,
-                              preemptions=stats.preemptions, decoded_tokens=stats.decoded,
-                              recomputed_tokens=stats.recomputed_gen, scheduled=scheduled)
+    book.fail_unsettled(now)
+    metrics = book.metrics([], stats.decoded, 0.0, 0, preemptions=stats.preemptions, decoded_tokens=stats.decoded,
+                           recomputed_tokens=stats.recomputed_gen)
     metrics["mean_batch_size"] = stats.row_steps / stats.steps if stats.steps else 0.0
     bound = physical_bound(requests, time_model, memory, instances, limits)
     extra = {"execution": "continuous", "policy": policy, "steps": stats.steps,

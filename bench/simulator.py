@@ -38,8 +38,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import PolicyContext, make_policy, planning_memory
@@ -48,7 +46,7 @@ from batcher.wma import total_wma, wma_gen
 from bench.continuous import EngineLimits
 from bench.continuous_run import CB_FCFS, DEFAULT_GROUP_FRAC, make_scheduler, simulate_continuous
 from bench.execution import EXECUTIONS, RECOVERIES, SimBatchRun, simulate_batch_run
-from bench.metrics import SimResult, compute_metrics
+from bench.metrics import SimResult, TraceBook
 from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest
 
@@ -147,16 +145,9 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     params = {"threshold": DEFAULT_THRESHOLD, **(params or {})}
     pol = make_policy(base, ctx, **params)
 
-    n = len(requests)
-    index = {r.id: i for i, r in enumerate(requests)}
-    arrival = np.array([r.arrival for r in requests], dtype=float)
-    deadline = np.array([r.deadline for r in requests], dtype=float)
-    true = np.array([r.true_tokens for r in requests], dtype=np.int64)
-    finish = np.full(n, math.inf)
-    first = np.full(n, math.inf)
-    scheduled = np.full(n, math.inf)   # first dispatch of each request (weighted turnaround)
-    ok = np.zeros(n, dtype=bool)
-    order = np.argsort(arrival, kind="stable")
+    book = TraceBook(requests, progress)
+    n, index, first, settle = len(requests), book.index, book.first, book.settle
+    arrival, order = book.arrival, book.order
 
     budget = memory.theta_tokens
     idle = instances
@@ -170,12 +161,6 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     i = 0
     now = 0.0
 
-    def settle(j: int, at: float, done: bool) -> None:
-        finish[j] = at
-        ok[j] = done
-        if progress:
-            progress(1)
-
     def dispatch(now: float) -> None:
         nonlocal idle, seq
         while idle > 0:
@@ -184,8 +169,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
                 return
             reqs = b.requests
             for r in reqs:
-                j = index[r.id]
-                scheduled[j] = min(scheduled[j], now)
+                book.dispatched(index[r.id], now)
             run = simulate_batch_run([r.input_tokens for r in reqs], [r.true_tokens for r in reqs],
                                      [r.predicted_tokens for r in reqs], [r.preemptions for r in reqs], budget,
                                      time_model, execution, oom_recovery, max_preemptions)
@@ -264,10 +248,9 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
         if idle > 0:
             dispatch(now)
 
-    metrics = compute_metrics(arrival, finish, ok, deadline, true, sizes, stats["padded"], stats["wma"],
-                              stats["ooms"], first_token=first, preemptions=stats["preemptions"],
-                              wasted_tokens=stats["wasted"], decoded_tokens=stats["decoded"],
-                              recomputed_tokens=stats["recomputed"], scheduled=scheduled)
+    metrics = book.metrics(sizes, stats["padded"], stats["wma"], stats["ooms"], preemptions=stats["preemptions"],
+                           wasted_tokens=stats["wasted"], decoded_tokens=stats["decoded"],
+                           recomputed_tokens=stats["recomputed"])
     nb = max(1, len(sizes))
     return SimResult(policy, metrics, time.perf_counter() - t0, stats["batches"], now,
                      {"params": dict(params), "execution": execution, "oom_recovery": oom_recovery,
