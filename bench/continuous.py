@@ -14,6 +14,15 @@ step (iteration) it
 4. costs the step with the roofline's unpadded step (``RooflineBatchTime.step_seconds``): each
    row's own prompt tokens and its own context, nothing padded to a batch's longest member.
 
+Preemption (``preemption``, AdaptiveLLM §3.3, ``batcher.preemption``): a victim is recomputed
+(KV dropped, it re-enters the scheduler as a continuation) or swapped (its pages move to the
+instance's host pool over the GPU preset's PCIe link and it waits in the instance's *swapped* set,
+keeping its tokens; bringing it back costs the same bytes the other way). Transfers are
+synchronous: they lengthen the step that makes them. The recompute cost the rule compares against
+is the row's marginal cost inside a step, the FLOPs of re-prefilling its tokens (``tm.prefill``):
+cohort re-prefills inside the running batch, not as a lone prefill. At a step boundary the
+scheduler says whether the swapped set or the waiting queue goes (``swap_in_first``; never both).
+
 A row whose prompt completes in a step produces its first token at the end of that step, then one
 token per step; it leaves (answered, pages freed) the step it reaches its true length.
 
@@ -29,7 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from batcher.preemption import SwapLink, choose_preemption, swap_seconds
 from bench.roofline import RooflineBatchTime
+from cohort.settings import PreemptionMode
 from cohort.types import ProfiledRequest
 
 
@@ -76,7 +87,9 @@ class Scheduler(Protocol):
 
     def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]: ...
 
-    def victim(self, rows: list[SimRow], start: int) -> int: ...
+    def swap_in_first(self, inst: SimInstance, now: float) -> bool: ...
+
+    def victim(self, rows: list[SimRow], start: int, now: float) -> int: ...
 
     def preempted(self, req: ProfiledRequest, now: float) -> None: ...
 
@@ -92,6 +105,9 @@ class StepStats:
     recomputed_gen: int = 0       # generated tokens dropped and prefilled again
     dropped_kv: int = 0           # all KV tokens dropped by recompute (prompt + generated)
     decoded: int = 0              # tokens generated
+    swaps: int = 0                # victims swapped out to the host pool
+    recomputes: int = 0           # victims dropped for recompute
+    transfer_s: float = 0.0       # step time spent moving KV over PCIe
     groups: int = 0               # admission groups taken (cohort schedulers)
     group_sizes: list[int] = field(default_factory=list)
 
@@ -99,11 +115,13 @@ class StepStats:
 class SimInstance:
     """One instance's page pool and running rows."""
 
-    def __init__(self, pages: int, limits: EngineLimits) -> None:
+    def __init__(self, pages: int, limits: EngineLimits, host_pages: int = 0) -> None:
         self.total_pages = pages
         self.free_pages = pages
+        self.host_free = host_pages         # the swap pool's free pages (AdaptiveLLM's CPU blocks)
         self.limits = limits
         self.rows: list[SimRow] = []
+        self.swapped: list[SimRow] = []     # swapped out, in the order they left (they resume here)
         self.busy_until = 0.0
 
     def pages_for(self, tokens: int) -> int:
@@ -127,7 +145,13 @@ class ContinuousEngine:
     """Runs one instance's steps; the caller (``bench.continuous_run``) owns time and arrivals."""
 
     def __init__(self, tm: RooflineBatchTime, scheduler: Scheduler, limits: EngineLimits, stats: StepStats,
-                 settle: Settle, first_token: Callable[[int, float], None], seq: list[int]) -> None:
+                 settle: Settle, first_token: Callable[[int, float], None], seq: list[int],
+                 preemption: PreemptionMode = "recompute", link: SwapLink | None = None) -> None:
+        if preemption != "recompute" and link is None:
+            raise ValueError("swap and adaptive preemption need the host link (GPU preset's PCIe bandwidth)")
+        self.preemption = preemption
+        self.link = link
+        self.transfer = 0.0   # PCIe seconds of the step being built
         self.tm = tm
         self.sched = scheduler
         self.limits = limits
@@ -136,9 +160,29 @@ class ContinuousEngine:
         self.first_token = first_token
         self.seq = seq   # shared admission counter (one list cell: newest = largest)
 
+    def _bytes_s(self, pages: int, to_host: bool) -> float:
+        assert self.link is not None
+        nbytes = pages * self.limits.page_tokens * self.tm.delta_bytes
+        return nbytes / (self.link.to_host_bytes_per_s if to_host else self.link.to_device_bytes_per_s)
+
     def _preempt(self, inst: SimInstance, row: SimRow, now: float) -> None:
-        inst.drop(row)
         self.stats.preemptions += 1
+        if self.preemption != "recompute" and row.pages and row.filled >= row.prompt:
+            tokens = row.pages * self.limits.page_tokens
+            assert self.link is not None
+            swap_s = swap_seconds(tokens, int(self.tm.delta_bytes), self.link)
+            recompute_s = self.tm.prefill(1, row.kv)   # marginal: re-prefilled inside a running step
+            host_tokens = inst.host_free * self.limits.page_tokens
+            if choose_preemption(self.preemption, swap_s, recompute_s, host_tokens, tokens) == "swap":
+                self.stats.swaps += 1
+                self.transfer += self._bytes_s(row.pages, True)
+                inst.host_free -= row.pages
+                inst.free_pages += row.pages     # the row keeps its page count: its pages are on the host
+                inst.rows.remove(row)
+                inst.swapped.append(row)
+                return
+        self.stats.recomputes += 1
+        inst.drop(row)
         self.stats.recomputed_gen += row.gen
         self.stats.dropped_kv += row.kv
         # prompt_ids stay None here: the continuation's L(p) is then this run's prompt + generated
@@ -149,6 +193,24 @@ class ContinuousEngine:
         row = SimRow(j, req, self.seq[0])
         inst.rows.append(row)
         return row
+
+    def _swap_in(self, inst: SimInstance, sched: list[tuple[SimRow, int]]) -> int:
+        """Bring swapped rows back, oldest out first, while their pages fit; they decode this step."""
+        n = 0
+        while inst.swapped and len(inst.rows) < self.limits.max_num_seqs:
+            r = inst.swapped[0]
+            need = inst.pages_for(r.kv + 1)
+            if need > inst.free_pages:
+                break
+            inst.swapped.pop(0)
+            inst.host_free += r.pages
+            self.transfer += self._bytes_s(r.pages, False)
+            inst.free_pages -= need
+            r.pages = need
+            inst.rows.append(r)
+            sched.append((r, 1))
+            n += 1
+        return n
 
     def step(self, inst: SimInstance, now: float, index: dict[str, int]) -> float | None:
         """Run one step starting at ``now``; returns its end, or None when there is nothing to run."""
@@ -172,7 +234,7 @@ class ContinuousEngine:
                     self.settle(r.j, now, False)
                     gone = True
                     break
-                v = self.sched.victim(rows, i)
+                v = self.sched.victim(rows, i, now)
                 victim = rows[v]
                 self._preempt(inst, victim, now)
                 preempted = True
@@ -186,7 +248,9 @@ class ContinuousEngine:
             sched.append((r, n))
             budget -= n
             i += 1
-        if not preempted and budget > 0 and len(rows) < lim.max_num_seqs:
+        if not preempted and inst.swapped and self.sched.swap_in_first(inst, now):
+            budget -= self._swap_in(inst, sched)
+        elif not preempted and budget > 0 and len(rows) < lim.max_num_seqs:
             for req in self.sched.admit(inst, now, budget):
                 r = self._join(inst, req, index[req.id])
                 n = min(r.prompt, budget)
@@ -197,6 +261,8 @@ class ContinuousEngine:
                 r.pages = need
                 sched.append((r, n))
                 budget -= n
+        if not sched and inst.swapped:     # nothing else runs: the swapped rows come back (never idle with them)
+            self._swap_in(inst, sched)
         if not sched:
             return None
         p_tok = p_pairs = p_reads = d_rows = d_reads = 0.0
@@ -208,8 +274,10 @@ class ContinuousEngine:
             else:
                 d_rows += 1
                 d_reads += r.kv + 1
-        end = now + self.tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads)
+        end = now + self.tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads) + self.transfer
         st = self.stats
+        st.transfer_s += self.transfer
+        self.transfer = 0.0
         st.steps += 1
         st.row_steps += len(sched)
         st.busy_s += end - now
