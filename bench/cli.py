@@ -262,3 +262,40 @@ def chaos(
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({"experiments": results}, indent=2))
+
+
+@app.command()
+def adaptive(
+    json_out: Path = typer.Option(None, "--json", help="Write {\"config\", \"runs\": [...]} here."),
+    plot: Path = typer.Option(None, help="PNG of throughput and weighted turnaround (default: beside --json)."),
+    requests: int = typer.Option(1000, help="Requests per run (sampled from the validation rows)."),
+    max_output: str = typer.Option("64,256", help="Comma-separated maximum output lengths."),
+    data: str = typer.Option("alpaca,magnus", help="Comma-separated: alpaca (shared Alpaca rows) | magnus "
+                             "(the eight Magnus tasks)."),
+    gpu_pages: int = typer.Option(128, help="GPU KV pages of 16 tokens (the paper: 128)."),
+    host_pages: int = typer.Option(64, help="Host swap pool pages (the paper: 64)."),
+    gpu: str = typer.Option("a800-80gb", help="GPU preset (its PCIe bandwidth prices a swap)."),
+    model: str = typer.Option("llama-13b", help="Model preset."),
+    max_num_seqs: int = typer.Option(256, help="Most running rows per step."),
+    rate: float = typer.Option(0.0, help="Poisson request rate; 0 sends every request at t = 0 (the paper)."),
+    seed: int = typer.Option(0),
+) -> None:
+    """AdaptiveLLM's experiment (issue 19): recompute / swap / adaptive preemption under FCFS and
+    adaptive-fair, memory-starved, in the continuous simulator; prints the runs and the targets."""
+    from bench.adaptive import plot_adaptive, run_adaptive, target_lines
+
+    outs = [int(x) for x in max_output.split(",") if x.strip()]
+    sets = [x.strip() for x in data.split(",") if x.strip()]
+    result = run_adaptive(requests, outs, sets, gpu_pages, host_pages, gpu, model, max_num_seqs, rate, seed,
+                          progress=lambda s: typer.echo(s, err=True))
+    typer.echo(f"{'data':7s} {'max_out':>7s} {'policy':13s} {'preemption':10s} {'req/s':>8s} {'WT':>7s} "
+               f"{'mean lat':>9s} {'swaps':>6s} {'recomp':>6s}")
+    for r in result["runs"]:
+        typer.echo(f"{r['data']:7s} {r['max_output']:7d} {r['policy']:13s} {r['preemption']:10s} "
+                   f"{r['request_throughput']:8.2f} {r['weighted_turnaround']:7.2f} {r['mean_latency_s']:9.2f} "
+                   f"{r['swaps']:6d} {r['recomputes']:6d}")
+    typer.echo("\n".join(target_lines(result["runs"])))
+    write_result(result, json_out, None)
+    if plot or json_out:
+        p = plot_adaptive(result["runs"], plot or json_out.with_suffix(".png"))
+        typer.echo(f"wrote {p}", err=True)

@@ -19,8 +19,8 @@ Preemption (``preemption``, AdaptiveLLM §3.3, ``batcher.preemption``): a victim
 instance's host pool over the GPU preset's PCIe link and it waits in the instance's *swapped* set,
 keeping its tokens; bringing it back costs the same bytes the other way). Transfers are
 synchronous: they lengthen the step that makes them. The recompute cost the rule compares against
-is the row's marginal cost inside a step, the FLOPs of re-prefilling its tokens (``tm.prefill``):
-cohort re-prefills inside the running batch, not as a lone prefill. At a step boundary the
+is the row's marginal cost inside a step of the rows running beside it (``_recompute_s``): cohort
+re-prefills inside the running batch, not as a lone prefill. At a step boundary the
 scheduler says whether the swapped set or the waiting queue goes (``swap_in_first``; never both).
 
 A row whose prompt completes in a step produces its first token at the end of that step, then one
@@ -165,13 +165,24 @@ class ContinuousEngine:
         nbytes = pages * self.limits.page_tokens * self.tm.delta_bytes
         return nbytes / (self.link.to_host_bytes_per_s if to_host else self.link.to_device_bytes_per_s)
 
+    def _recompute_s(self, inst: SimInstance, row: SimRow) -> float:
+        """What re-prefilling ``row``'s KV adds to a step of the rows running beside it:
+        f(rows + its tokens) − f(rows) on the step cost, cohort's true marginal (issue 19 item 3),
+        not a lone prefill. Zero while the step stays bound by the weight reads."""
+        others = [r for r in inst.rows if r is not row]
+        d_rows = float(len(others))
+        d_reads = float(sum(r.kv + 1 for r in others))
+        k = float(row.kv)
+        base = self.tm.step_seconds(0.0, 0.0, 0.0, d_rows, d_reads)
+        return self.tm.step_seconds(k, k * k / 2.0, 0.0, d_rows, d_reads) - base
+
     def _preempt(self, inst: SimInstance, row: SimRow, now: float) -> None:
         self.stats.preemptions += 1
         if self.preemption != "recompute" and row.pages and row.filled >= row.prompt:
             tokens = row.pages * self.limits.page_tokens
             assert self.link is not None
             swap_s = swap_seconds(tokens, int(self.tm.delta_bytes), self.link)
-            recompute_s = self.tm.prefill(1, row.kv)   # marginal: re-prefilled inside a running step
+            recompute_s = self._recompute_s(inst, row)
             host_tokens = inst.host_free * self.limits.page_tokens
             if choose_preemption(self.preemption, swap_s, recompute_s, host_tokens, tokens) == "swap":
                 self.stats.swaps += 1
