@@ -146,11 +146,13 @@ class ContinuousEngine:
 
     def __init__(self, tm: RooflineBatchTime, scheduler: Scheduler, limits: EngineLimits, stats: StepStats,
                  settle: Settle, first_token: Callable[[int, float], None], seq: list[int],
-                 preemption: PreemptionMode = "recompute", link: SwapLink | None = None) -> None:
+                 preemption: PreemptionMode = "recompute", link: SwapLink | None = None,
+                 dispatched: Callable[[int, float], None] | None = None) -> None:
         if preemption != "recompute" and link is None:
             raise ValueError("swap and adaptive preemption need the host link (GPU preset's PCIe bandwidth)")
         self.preemption = preemption
         self.link = link
+        self.dispatched = dispatched   # a row joins (first scheduled: weighted turnaround)
         self.transfer = 0.0   # PCIe seconds of the step being built
         self.tm = tm
         self.sched = scheduler
@@ -199,7 +201,9 @@ class ContinuousEngine:
         # prompt_ids stay None here: the continuation's L(p) is then this run's prompt + generated
         self.sched.preempted(row.req.continuation([0] * row.gen, None), now)
 
-    def _join(self, inst: SimInstance, req: ProfiledRequest, j: int) -> SimRow:
+    def _join(self, inst: SimInstance, req: ProfiledRequest, j: int, now: float) -> SimRow:
+        if self.dispatched:
+            self.dispatched(j, now)
         self.seq[0] += 1
         row = SimRow(j, req, self.seq[0])
         inst.rows.append(row)
@@ -263,7 +267,7 @@ class ContinuousEngine:
             budget -= self._swap_in(inst, sched)
         elif not preempted and budget > 0 and len(rows) < lim.max_num_seqs:
             for req in self.sched.admit(inst, now, budget):
-                r = self._join(inst, req, index[req.id])
+                r = self._join(inst, req, index[req.id], now)
                 n = min(r.prompt, budget)
                 need = inst.pages_for(n)
                 if n <= 0 or need > inst.free_pages:

@@ -74,7 +74,7 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
     stats = StepStats()
 
     engine = ContinuousEngine(time_model, scheduler, limits, stats, book.settle, book.first_token, [0],
-                              preemption, link)
+                              preemption, link, book.dispatched)
     heap: list[tuple[float, int]] = []
     idle = set(range(instances))
     i, now = 0, 0.0
@@ -89,11 +89,7 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
         if heap and heap[0][0] <= t_arr:
             now, k = heapq.heappop(heap)
             inst = insts[k]
-            before = {r.j for r in inst.rows}
             end = engine.step(inst, now, book.index)
-            for r in inst.rows:
-                if r.j not in before:
-                    book.dispatched(r.j, now)
             if end is None:
                 idle.add(k)
             else:
