@@ -36,18 +36,20 @@ RUN_KEYS = ("max_output", "data", "policy", "preemption", "request_throughput", 
 def run_adaptive(requests: int = 1000, max_outputs: Sequence[int] = (64, 256),
                  datasets: Sequence[str] = ("alpaca", "magnus"), gpu_pages: int = 128, host_pages: int = 64,
                  gpu: str = "a800-80gb", model: str = "llama-13b", max_num_seqs: int = 256, rate: float = 0.0,
-                 seed: int = 0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The whole grid: {"config": ..., "runs": [{RUN_KEYS..., plus p99 latency and TTFT}]}."""
+                 seed: int = 0, progress: Callable[[str], None] | None = None,
+                 files: dict[str, Sequence[str]] | None = None) -> dict[str, Any]:
+    """The whole grid: {"config": ..., "runs": [{RUN_KEYS..., plus p99 latency and TTFT}]}.
+    ``files`` maps a dataset name to its JSONL files (default: ``DATASETS`` in the shared data)."""
     inst = instance(gpu, model)
     tm = inst.time_model()
     limits = EngineLimits(max_num_seqs=max_num_seqs)
     memory = KVMemory(inst.model.delta_bytes, gpu_pages * limits.page_tokens * inst.model.delta_bytes)
     runs: list[dict[str, Any]] = []
     for data in datasets:
-        files = [str(p) for p in data_files(DATASETS[data])]
-        rows = build_rows(files, None)
+        paths = [str(p) for p in (files or {}).get(data) or data_files(DATASETS[data])]
+        rows = build_rows(paths, None)
         for mo in max_outputs:
-            wc = WorkloadConfig(files=files, requests=requests, rate=rate or 1.0, seed=seed, max_tokens=mo)
+            wc = WorkloadConfig(files=paths, requests=requests, rate=rate or 1.0, seed=seed, max_tokens=mo)
             reqs = make_workload(wc, tm, rows).requests(oracle=True)
             if not rate:
                 reqs = [replace(r, arrival=0.0) for r in reqs]
@@ -67,7 +69,7 @@ def run_adaptive(requests: int = 1000, max_outputs: Sequence[int] = (64, 256),
                                  f"WT {m['weighted_turnaround']:.2f}, swaps {m['swaps']}, recomputes "
                                  f"{m['recomputes']}")
     config = {"runner": "adaptive", "requests": requests, "max_outputs": list(max_outputs),
-              "datasets": {d: list(DATASETS[d]) for d in datasets}, "gpu_pages": gpu_pages,
+              "datasets": {d: list((files or {}).get(d) or DATASETS[d]) for d in datasets}, "gpu_pages": gpu_pages,
               "host_pages": host_pages, "page_tokens": limits.page_tokens, "max_num_seqs": max_num_seqs,
               "rate": rate or "all at t=0", "seed": seed, "instance": inst.describe(),
               "time_model": tm.to_dict()}
