@@ -5,7 +5,9 @@ The paper runs vLLM 0.2.5 memory-starved on purpose (128 GPU blocks of 16 tokens
 vLLM_s (always swap) and AdaptiveLLM (swap only when predicted cheaper, ``batcher.preemption``),
 each under FCFS and its fairness scheduler (``adaptive-fair``). Here the same grid runs on
 ``bench.continuous`` with the Llama-13B preset on an A800 (the paper's GPU; its PCIe link prices a
-swap), on the shared Alpaca rows and on the Magnus tasks. Requests are all sent at t = 0 (the
+swap), on the shared Alpaca rows and on the Magnus tasks. ``chunked_prefill=False`` models the
+paper's vLLM 0.2.5 (a step that admits prompts runs only them, so a recompute stalls every
+decoding row); the default is cohort's engine, where a re-prefill rides inside a decode step. Requests are all sent at t = 0 (the
 paper's offline throughput run) unless ``rate`` is given. Why a module of its own: the grid,
 its JSON shape (issue 19) and its plot are this experiment's, the engine is everyone's.
 """
@@ -37,12 +39,13 @@ def run_adaptive(requests: int = 1000, max_outputs: Sequence[int] = (64, 256),
                  datasets: Sequence[str] = ("alpaca", "magnus"), gpu_pages: int = 128, host_pages: int = 64,
                  gpu: str = "a800-80gb", model: str = "llama-13b", max_num_seqs: int = 256, rate: float = 0.0,
                  seed: int = 0, progress: Callable[[str], None] | None = None,
-                 files: dict[str, Sequence[str]] | None = None) -> dict[str, Any]:
+                 files: dict[str, Sequence[str]] | None = None, chunked_prefill: bool = True) -> dict[str, Any]:
     """The whole grid: {"config": ..., "runs": [{RUN_KEYS..., plus p99 latency and TTFT}]}.
-    ``files`` maps a dataset name to its JSONL files (default: ``DATASETS`` in the shared data)."""
+    ``files`` maps a dataset name to its JSONL files (default: ``DATASETS`` in the shared data).
+    ``chunked_prefill=False`` runs the engine as vLLM 0.2.5 (``EngineLimits.chunked_prefill``)."""
     inst = instance(gpu, model)
     tm = inst.time_model()
-    limits = EngineLimits(max_num_seqs=max_num_seqs)
+    limits = EngineLimits(max_num_seqs=max_num_seqs, chunked_prefill=chunked_prefill)
     memory = KVMemory(inst.model.delta_bytes, gpu_pages * limits.page_tokens * inst.model.delta_bytes)
     runs: list[dict[str, Any]] = []
     for data in datasets:
@@ -71,6 +74,7 @@ def run_adaptive(requests: int = 1000, max_outputs: Sequence[int] = (64, 256),
     config = {"runner": "adaptive", "requests": requests, "max_outputs": list(max_outputs),
               "datasets": {d: list((files or {}).get(d) or DATASETS[d]) for d in datasets}, "gpu_pages": gpu_pages,
               "host_pages": host_pages, "page_tokens": limits.page_tokens, "max_num_seqs": max_num_seqs,
+              "engine": "cohort (chunked prefill)" if chunked_prefill else "vllm-0.2.5 (prefill-only steps)",
               "rate": rate or "all at t=0", "seed": seed, "instance": inst.describe(),
               "time_model": tm.to_dict()}
     return {"config": config, "runs": runs}

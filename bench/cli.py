@@ -279,6 +279,8 @@ def adaptive(
     max_num_seqs: int = typer.Option(256, help="Most running rows per step."),
     rate: float = typer.Option(0.0, help="Poisson request rate; 0 sends every request at t = 0 (the paper)."),
     seed: int = typer.Option(0),
+    chunked_prefill: bool = typer.Option(True, help="cohort's engine (re-prefill inside decode steps); "
+                                         "--no-chunked-prefill: vLLM 0.2.5's prefill-only steps (the paper's base)."),
 ) -> None:
     """AdaptiveLLM's experiment (issue 19): recompute / swap / adaptive preemption under FCFS and
     adaptive-fair, memory-starved, in the continuous simulator; prints the runs and the targets."""
@@ -287,7 +289,7 @@ def adaptive(
     outs = [int(x) for x in max_output.split(",") if x.strip()]
     sets = [x.strip() for x in data.split(",") if x.strip()]
     result = run_adaptive(requests, outs, sets, gpu_pages, host_pages, gpu, model, max_num_seqs, rate, seed,
-                          progress=lambda s: typer.echo(s, err=True))
+                          progress=lambda s: typer.echo(s, err=True), chunked_prefill=chunked_prefill)
     typer.echo(f"{'data':7s} {'max_out':>7s} {'policy':13s} {'preemption':10s} {'req/s':>8s} {'WT':>7s} "
                f"{'mean lat':>9s} {'swaps':>6s} {'recomp':>6s}")
     for r in result["runs"]:

@@ -51,6 +51,9 @@ class EngineLimits:
     page_tokens: int = 16
     max_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    # False: vLLM 0.2.5 (AdaptiveLLM's base): a step that admits prompts runs only those prompts,
+    # whole, and every decoding row waits for it; a recompute is then a lone prefill step
+    chunked_prefill: bool = True
 
 
 class SimRow:
@@ -170,11 +173,14 @@ class ContinuousEngine:
     def _recompute_s(self, inst: SimInstance, row: SimRow) -> float:
         """What re-prefilling ``row``'s KV adds to a step of the rows running beside it:
         f(rows + its tokens) − f(rows) on the step cost, cohort's true marginal (issue 19 item 3),
-        not a lone prefill. Zero while the step stays bound by the weight reads."""
+        not a lone prefill. Zero while the step stays bound by the weight reads. Without chunked
+        prefill it is the lone prefill step it will take (AdaptiveLLM's cost)."""
+        k = float(row.kv)
+        if not self.limits.chunked_prefill:
+            return self.tm.step_seconds(k, k * k / 2.0, 0.0, 0.0, 0.0)
         others = [r for r in inst.rows if r is not row]
         d_rows = float(len(others))
         d_reads = float(sum(r.kv + 1 for r in others))
-        k = float(row.kv)
         base = self.tm.step_seconds(0.0, 0.0, 0.0, d_rows, d_reads)
         return self.tm.step_seconds(k, k * k / 2.0, 0.0, d_rows, d_reads) - base
 
@@ -234,6 +240,10 @@ class ContinuousEngine:
         sched: list[tuple[SimRow, int]] = []
         preempted = False
         rows = inst.rows
+        if not lim.chunked_prefill and not (inst.swapped and self.sched.swap_in_first(inst, now)):
+            self._admit(inst, now, index, sched, budget)
+            if sched:                                         # a prefill-only step (vLLM 0.2.5)
+                return self._run(inst, now, sched)
         i = 0
         while i < len(rows):
             r = rows[i]
@@ -265,7 +275,18 @@ class ContinuousEngine:
             i += 1
         if not preempted and inst.swapped and self.sched.swap_in_first(inst, now):
             budget -= self._swap_in(inst, sched)
-        elif not preempted and budget > 0 and len(rows) < lim.max_num_seqs:
+        elif not preempted and lim.chunked_prefill:
+            self._admit(inst, now, index, sched, budget)
+        if not sched and inst.swapped:     # nothing else runs: the swapped rows come back (never idle with them)
+            self._swap_in(inst, sched)
+        if not sched:
+            return None
+        return self._run(inst, now, sched)
+
+    def _admit(self, inst: SimInstance, now: float, index: dict[str, int], sched: list[tuple[SimRow, int]],
+               budget: int) -> None:
+        """Waiting requests join (the scheduler's choice) and prefill their first chunk in this step."""
+        if budget > 0 and len(inst.rows) < self.limits.max_num_seqs:
             for req in self.sched.admit(inst, now, budget):
                 r = self._join(inst, req, index[req.id], now)
                 n = min(r.prompt, budget)
@@ -276,10 +297,9 @@ class ContinuousEngine:
                 r.pages = need
                 sched.append((r, n))
                 budget -= n
-        if not sched and inst.swapped:     # nothing else runs: the swapped rows come back (never idle with them)
-            self._swap_in(inst, sched)
-        if not sched:
-            return None
+
+    def _run(self, inst: SimInstance, now: float, sched: list[tuple[SimRow, int]]) -> float:
+        """Cost the step on the roofline (plus its PCIe transfers) and advance its rows."""
         p_tok = p_pairs = p_reads = d_rows = d_reads = 0.0
         for r, n in sched:
             if r.filled < r.prompt:
