@@ -105,7 +105,7 @@ def target_lines(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def plot_adaptive(runs: list[dict[str, Any]], out: Path) -> Path:
+def plot_adaptive(runs: list[dict[str, Any]], out: Path, title: str = "AdaptiveLLM experiment, simulated") -> Path:
     """Throughput and weighted turnaround per (data, max output): one bar per policy/preemption."""
     import matplotlib  # optional and slow to import: only when a plot is asked for
 
@@ -127,7 +127,7 @@ def plot_adaptive(runs: list[dict[str, Any]], out: Path) -> Path:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle("AdaptiveLLM experiment, simulated (128 GPU pages, 64 host pages, Llama-13B on A800)")
+    fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

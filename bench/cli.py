@@ -299,5 +299,8 @@ def adaptive(
     typer.echo("\n".join(target_lines(result["runs"])))
     write_result(result, json_out, None)
     if plot or json_out:
-        p = plot_adaptive(result["runs"], plot or json_out.with_suffix(".png"))
+        c = result["config"]
+        title = (f"AdaptiveLLM experiment, simulated: {c['instance']['model']} on {c['instance']['gpu']}, "
+                 f"{gpu_pages} GPU pages, {host_pages} host pages, {c['engine']}")
+        p = plot_adaptive(result["runs"], plot or json_out.with_suffix(".png"), title)
         typer.echo(f"wrote {p}", err=True)

@@ -11,8 +11,9 @@ tokens generating one token is one prefill, the recompute of β rows of L tokens
 Why here and not in ``batcher.preemption``: the rule there only compares two costs; fitting a
 regression needs scikit-learn and the samples, which belong with cohort's other estimators
 (``predictor.estimator``, Magnus's KNN batch-time model, which the search reports beside it).
-Repeated shapes (several profile runs) are reduced to their median before fitting: on a shared
-CPU one run of a shape can be slowed by a neighbour, and the median is the shape's cost.
+Repeated shapes (several profile runs) are reduced to one time before fitting, by default their
+minimum: on a shared CPU a neighbour can only slow a run down, so the fastest run of a shape is
+the closest to its cost.
 """
 
 from __future__ import annotations
@@ -61,10 +62,14 @@ class PrefillSamples:
         return len(self.y)
 
 
-def load_prefill_samples(paths: Sequence[str | Path], layers: int, hidden: int, max_gen: int = 1
-                         ) -> PrefillSamples:
-    """Samples of ``cohort worker profile`` files whose gen_len ≤ ``max_gen`` (prefills), the
-    median of each repeated (β, L), with the model's ``layers`` and ``hidden`` as features."""
+REDUCERS: dict[str, Callable[[list[float]], float]] = {"min": min, "median": lambda v: float(np.median(v))}
+
+
+def load_prefill_samples(paths: Sequence[str | Path], layers: int, hidden: int, max_gen: int = 1,
+                         reduce: str = "min") -> PrefillSamples:
+    """Samples of ``cohort worker profile`` files whose gen_len ≤ ``max_gen`` (prefills), each
+    repeated (β, L) reduced to one time (``min``: contention on a shared machine only ever adds
+    time; ``median``), with the model's ``layers`` and ``hidden`` as features."""
     times: dict[tuple[int, int], list[float]] = defaultdict(list)
     for p in paths:
         data = json.loads(Path(p).read_text())
@@ -75,7 +80,7 @@ def load_prefill_samples(paths: Sequence[str | Path], layers: int, hidden: int, 
         raise ValueError(f"no prefill samples (gen_len <= {max_gen}) in {list(map(str, paths))}")
     keys = sorted(times)
     x = np.array([(L, b, layers, hidden) for b, L in keys], dtype=float)
-    y = np.array([float(np.median(times[k])) for k in keys])
+    y = np.array([float(REDUCERS[reduce](times[k])) for k in keys])
     return PrefillSamples(x, y)
 
 

@@ -34,7 +34,7 @@ def _write(path, noise, seed):
 
 def test_samples_are_prefills_with_each_shapes_median(tmp_path):
     files = [_write(tmp_path / f"p{k}.json", 0.05, k) for k in range(3)]
-    s = load_prefill_samples(files, layers=4, hidden=128)
+    s = load_prefill_samples(files, layers=4, hidden=128, reduce="median")
     assert len(s) == 80                                   # gen_len 16 rows are not prefills; repeats merged
     assert set(s.x[:, 2]) == {4} and set(s.x[:, 3]) == {128}
     with pytest.raises(ValueError):
