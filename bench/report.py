@@ -31,7 +31,8 @@ def ratio_table(policies: dict[str, dict[str, float]], base: str = "vs", versus:
     """Throughput, latency, TTFT, SLO attainment, AdaptiveLLM's weighted turnaround (WT), their
     ratios against ``base`` (and ``versus``), against ``cb-fcfs`` when it ran (throughput, mean
     latency, TTFT, p99) and throughput over the physical bound when it is known, then OOM splits,
-    preemptions and the share of decoded tokens thrown away."""
+    preemptions, generated tokens prefilled again after a preemption and the share of decoded
+    tokens thrown away."""
     refs = [r for r in dict.fromkeys([base] + ([versus] if versus else [])) if r in policies]
     widths = [len(r) + 4 for r in refs]
     cb = policies.get(CB_FCFS)
@@ -42,7 +43,7 @@ def ratio_table(policies: dict[str, dict[str, float]], base: str = "vs", versus:
     if bound:
         cols += " thr/bound"
     head = (f"{'policy':26s} {'req/s':>8s} {'mean lat':>9s}{cols} {'p99 lat':>9s} {'TTFT':>8s} {'SLO att':>8s} "
-            f"{'WT':>6s} {'batch':>7s} {'OOM':>5s} {'preempt':>7s} {'wasted':>7s} {'failed':>6s}")
+            f"{'WT':>6s} {'batch':>7s} {'OOM':>5s} {'preempt':>7s} {'recomp':>8s} {'wasted':>7s} {'failed':>6s}")
     lines = [head, "-" * len(head)]
     for name, m in policies.items():
         ratios = ""
@@ -58,7 +59,7 @@ def ratio_table(policies: dict[str, dict[str, float]], base: str = "vs", versus:
         lines.append(f"{name:26s} {m['request_throughput']:8.2f} {m['mean_latency_s']:9.2f}{ratios} "
                      f"{m['p99_latency_s']:9.2f} {m.get('mean_ttft_s', math.nan):8.2f} {m['slo_attainment']:8.3f} "
                      f"{m.get('weighted_turnaround', math.nan):6.2f} {m['mean_batch_size']:7.1f} "
-                     f"{m['oom_splits']:5d} {m.get('preemptions', 0):7d} "
+                     f"{m['oom_splits']:5d} {m.get('preemptions', 0):7d} {m.get('recomputed_tokens', 0):8d} "
                      f"{m.get('wasted_token_frac', 0.0):7.3f} {m['failed']:6d}")
     return "\n".join(lines)
 
