@@ -335,8 +335,9 @@ if __name__ == "__main__":  # `python -m predictor.cli` = `cohort predictor`
 
 @app.command("recompute-search")
 def recompute_search(
-    samples: list[Path] = typer.Argument(..., help="Profile files of `cohort worker profile --gen-lens 1` "
-                                         "(several runs: each shape's median is used)."),
+    samples: list[Path] = typer.Argument(..., exists=True, dir_okay=False, help="Profile files of "
+                                         "`cohort worker profile-prefill` or `cohort worker profile --gen-lens 1` "
+                                         "(repeats of a shape are reduced by --reduce)."),
     layers: int = typer.Option(4, help="The profiled model's layers (the built-in tiny Llama: 4)."),
     hidden: int = typer.Option(128, help="The profiled model's hidden size (the built-in tiny Llama: 128)."),
     test_frac: float = typer.Option(0.2, help="Share of the shapes held back for the error."),
