@@ -97,6 +97,14 @@ def plot_sweep(by_rate: dict[str, dict[str, Any]], out: Path) -> list[Path]:
     return paths
 
 
+def _color(key: str) -> str:
+    """One colour per execution mode (cb-fcfs, vLLM's baseline, in grey)."""
+    if key == CB_FCFS:
+        return "tab:gray"
+    return {"elastic": "tab:orange", "continuous": "tab:green"}.get(key.partition("@")[2].partition("/")[0],
+                                                                       "tab:blue")
+
+
 def plot_runs(policies: dict[str, dict[str, float]], out: Path, name: str = "compare.png") -> Path:
     """One rate, many runs (e.g. static vs elastic): bars of throughput, mean latency and TTFT."""
     import matplotlib  # optional and slow to import: only when a plot is asked for
@@ -111,7 +119,7 @@ def plot_runs(policies: dict[str, dict[str, float]], out: Path, name: str = "com
                                           ("mean_latency_s", "mean latency (s, log)"),
                                           ("mean_ttft_s", "mean TTFT (s, log)")), strict=True):
         vals = [policies[k].get(metric, math.nan) for k in keys]
-        ax.barh(range(len(keys)), vals, color=["tab:orange" if "@elastic" in k else "tab:blue" for k in keys])
+        ax.barh(range(len(keys)), vals, color=[_color(k) for k in keys])
         ax.set_xlabel(label)
         if metric != "request_throughput":
             ax.set_xscale("log")
