@@ -23,9 +23,11 @@ from collections.abc import Sequence
 from itertools import count
 
 from batcher.policies.base import NextOpen, Policy, PolicyContext, Rank
+from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest, new_id
 
-DEFAULT_AGING = 5.0  # predicted tokens of rank gained per second of waiting
+# predicted tokens of rank gained per second of waiting: COHORT_SPF_AGING's default, one owner
+DEFAULT_AGING: float = Settings.model_fields["spf_aging"].default
 
 
 class SPFPolicy(Policy):

@@ -6,7 +6,7 @@ import pytest
 
 from batcher.policies import make_policy
 from batcher.policies.spf import SPFPolicy
-from tests.batcher.helpers import ctx, req
+from tests.batcher.helpers import ctx, level, req
 
 
 def test_shortest_predicted_goes_first_and_its_neighbours_ride_along():
@@ -36,3 +36,12 @@ def test_registered_and_validated():
     assert p.pop(0.0).size == 1
     with pytest.raises(ValueError):
         SPFPolicy(ctx(theta_tokens=100), aging=-1.0)
+
+
+def test_aging_comes_from_the_setting(monkeypatch):
+    from cohort.settings import Settings
+
+    monkeypatch.setenv("COHORT_SPF_AGING", "7.5")
+    params = Settings().policy_params()
+    p = level(make_policy("spf", ctx(theta_tokens=100), **params))
+    assert isinstance(p, SPFPolicy) and p.aging == 7.5
