@@ -17,7 +17,6 @@ preempts rows as continuations); keys in the JSON are ``POLICY[+oracle]@EXECUTIO
 from __future__ import annotations
 
 import json
-import math
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,13 @@ from typing import Any
 import typer
 from tqdm import tqdm
 
+from batcher.policies.spf import DEFAULT_AGING
 from bench.chaos import EXPERIMENTS, Outcome, run_all
+from bench.continuous import EngineLimits
+from bench.continuous_run import CB_FCFS, DEFAULT_GROUP_FRAC, physical_bound
 from bench.live import check_loopback, run_live_sync
 from bench.live_stack import parse_env, spawned_stack
+from bench.report import base_key, ratio_table, write_result
 from bench.roofline import Instance, fitted_time_model, instance
 from bench.simulator import DEFAULT_THRESHOLD, parse_policy, parse_run, simulate
 from bench.workload import ORACLE, WorkloadConfig, build_rows, make_workload
@@ -51,107 +54,6 @@ def _instance(gpu: str, model: str, theta_bytes: int | None, reserve_frac: float
               ) -> Instance:
     return instance(gpu, model, reserve_frac=reserve_frac, step_overhead_s=step_overhead_s,
                     theta_override=theta_bytes)
-
-
-def base_key(policies: dict[str, Any], policy: str = "vs") -> str:
-    """The first result key of ``policy`` (``vs``, ``vs@static``, ``vs@elastic``…), else ``policy``."""
-    return next((k for k in policies if k == policy or k.startswith(policy + "@")), policy)
-
-
-def ratio_table(policies: dict[str, dict[str, float]], base: str = "vs", versus: str | None = None) -> str:
-    """Throughput, latency and SLO attainment, their ratios against ``base`` (and ``versus``),
-    OOM splits, preemptions and the share of decoded tokens thrown away."""
-    refs = [base] + ([versus] if versus else [])
-    widths = [len(r) + 4 for r in refs]
-    cols = "".join(f" {'thr/' + r:>{w}s} {'lat/' + r:>{w}s}" for r, w in zip(refs, widths, strict=True))
-    head = (f"{'policy':26s} {'req/s':>8s} {'mean lat':>9s}{cols} {'p99 lat':>9s} {'TTFT':>8s} {'SLO att':>8s} "
-            f"{'batch':>7s} {'OOM':>5s} {'preempt':>7s} {'wasted':>7s} {'failed':>6s}")
-    lines = [head, "-" * len(head)]
-    for name, m in policies.items():
-        ratios = ""
-        for r, w in zip(refs, widths, strict=True):
-            b = policies.get(r)
-            rt = m["request_throughput"] / b["request_throughput"] if b and b["request_throughput"] else math.nan
-            rl = m["mean_latency_s"] / b["mean_latency_s"] if b and b["mean_latency_s"] else math.nan
-            ratios += f" {rt:{w}.2f} {rl:{w}.2f}"
-        lines.append(f"{name:26s} {m['request_throughput']:8.2f} {m['mean_latency_s']:9.2f}{ratios} "
-                     f"{m['p99_latency_s']:9.2f} {m.get('mean_ttft_s', math.nan):8.2f} {m['slo_attainment']:8.3f} "
-                     f"{m['mean_batch_size']:7.1f} {m['oom_splits']:5d} {m.get('preemptions', 0):7d} "
-                     f"{m.get('wasted_token_frac', 0.0):7.3f} {m['failed']:6d}")
-    return "\n".join(lines)
-
-
-def plot_sweep(by_rate: dict[str, dict[str, Any]], out: Path) -> list[Path]:
-    """throughput.png and latency.png: metric vs request rate, one line per policy."""
-    import matplotlib  # optional and slow to import: only when a plot is asked for
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    rates = sorted(by_rate, key=float)
-    names = list(by_rate[rates[0]]["policies"])
-    paths = []
-    for metric, fname, label in (("request_throughput", "throughput.png", "request throughput (req/s)"),
-                                 ("mean_latency_s", "latency.png", "mean latency (s)"),
-                                 ("p99_latency_s", "p99_latency.png", "p99 latency (s)"),
-                                 ("slo_attainment", "slo_attainment.png", "SLO attainment")):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for name in names:
-            ax.plot([float(r) for r in rates], [by_rate[r]["policies"][name][metric] for r in rates],
-                    marker="o", label=name)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(label)
-        if metric.endswith("latency_s"):
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = out / fname
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
-    return paths
-
-
-def plot_runs(policies: dict[str, dict[str, float]], out: Path, name: str = "compare.png") -> Path:
-    """One rate, many runs (e.g. static vs elastic): bars of throughput, mean latency and TTFT."""
-    import matplotlib  # optional and slow to import: only when a plot is asked for
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    keys = list(policies)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 0.35 * len(keys) + 1.8), sharey=True)
-    for ax, (metric, label) in zip(axes, (("request_throughput", "request throughput (req/s)"),
-                                          ("mean_latency_s", "mean latency (s, log)"),
-                                          ("mean_ttft_s", "mean TTFT (s, log)")), strict=True):
-        vals = [policies[k].get(metric, math.nan) for k in keys]
-        ax.barh(range(len(keys)), vals, color=["tab:orange" if "@elastic" in k else "tab:blue" for k in keys])
-        ax.set_xlabel(label)
-        if metric != "request_throughput":
-            ax.set_xscale("log")
-        ax.grid(alpha=0.3, axis="x")
-    axes[0].set_yticks(range(len(keys)), keys, fontsize=8)
-    axes[0].invert_yaxis()
-    fig.tight_layout()
-    p = out / name
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return p
-
-
-def _write(result: dict[str, Any], json_out: Path | None, plot: Path | None) -> None:
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2, default=float))
-        typer.echo(f"wrote {json_out}", err=True)
-    if plot:
-        by_rate = result.get("by_rate") or {str(result["config"]["rate"]): {"policies": result["policies"]}}
-        paths = plot_sweep(by_rate, plot) if len(by_rate) > 1 else [plot_runs(result["policies"], plot)]
-        for p in paths:
-            typer.echo(f"wrote {p}", err=True)
 
 
 @app.command()
@@ -188,15 +90,20 @@ def sim(
     slo_k_min: float = typer.Option(2.0, help="SLO = U[k_min,k_max] × solo time."),
     slo_k_max: float = typer.Option(20.0),
     headroom: float = typer.Option(0.0, help="Policies plan with Θ·(1−headroom): slack for under-predictions."),
+    group_frac: float = typer.Option(DEFAULT_GROUP_FRAC, help="continuous: share of Θ one admission group is "
+                                     "planned with."),
+    spf_aging: float = typer.Option(DEFAULT_AGING, help="spf: predicted tokens of rank gained per second waiting."),
+    baseline: bool = typer.Option(True, help="Also run cb-fcfs (vLLM's default scheduler) on the roofline, "
+                                  "so every table has its ratio column."),
 ) -> None:
-    """Simulate every policy on the same seeded workload; print ratios vs VS; write JSON/plots."""
+    """Simulate every policy on the same seeded workload; print ratios vs VS, cb-fcfs and the
+    physical bound; write JSON/plots."""
     modes = [x.strip() for x in execution.split(",") if x.strip()]
     try:
         runs = [(name, *run) for p in policies.split(",") if (name := p.strip())
                 for run in parse_run(name, modes, oom_recovery)]
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    names = [name for name, *_ in runs]
     files = _files(data)
     inst = _instance(gpu, model, theta_bytes, reserve_frac, step_overhead_s)
     if batch_time:
@@ -205,12 +112,15 @@ def sim(
     else:
         tm = inst.time_model()
         tm_desc = tm.to_dict()
+        if baseline and CB_FCFS not in [key for _, key, *_ in runs]:
+            runs.insert(0, (CB_FCFS, *parse_run(CB_FCFS)[0]))
+    names = [name for name, *_ in runs]
     pred = None if predictor == ORACLE else predictor
     needs_pred = any(not parse_policy(n)[1] for n in names)
     if pred is None and needs_pred:
         typer.echo("note: no --predictor: every policy sees true lengths (same as +oracle)", err=True)
     rows = build_rows(files, pred)
-    params = {"threshold": threshold, "batch_size": batch_size, "l1": l1}
+    params = {"threshold": threshold, "batch_size": batch_size, "l1": l1, "spf_aging": spf_aging}
     params = {k: v for k, v in params.items() if v is not None}
     by_rate: dict[str, Any] = {}
     rates = _floats(rate)
@@ -228,13 +138,16 @@ def sim(
                 res = simulate(lists[oracle], key, inst.memory, tm, instances=instances,
                                max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens,
                                params=params, progress=bar.update, headroom=headroom, execution=ex,
-                               oom_recovery=rec, max_preemptions=max_preemptions)
+                               oom_recovery=rec, max_preemptions=max_preemptions, group_frac=group_frac)
+            if not batch_time:
+                res.metrics["physical_bound_rps"] = physical_bound(lists[oracle], tm, inst.memory, instances,
+                                                                   EngineLimits())
             results[key] = res.metrics
             sim_info[key] = {"wall_s": round(res.wall_s, 3), "batches": res.batches,
                              "sim_time_s": res.sim_time_s, **{k: v for k, v in res.extra.items() if k != "params"}}
         config = {"runner": "sim", "workload": wc.to_dict(), "instances": instances,
                   "instance": inst.describe(), "time_model": tm_desc, "policy_params": params,
-                  "max_input_tokens": max_input_tokens, "headroom": headroom, "rate": r,
+                  "max_input_tokens": max_input_tokens, "headroom": headroom, "rate": r, "group_frac": group_frac,
                   "execution": modes, "oom_recovery": oom_recovery, "max_preemptions": max_preemptions,
                   "sim": sim_info}
         by_rate[f"{r:g}"] = {"config": config, "policies": results}
@@ -244,7 +157,7 @@ def sim(
     out: dict[str, Any] = {"config": last["config"], "policies": last["policies"]}
     if len(rates) > 1:
         out["by_rate"] = by_rate
-    _write(out, json_out, plot)
+    write_result(out, json_out, plot)
 
 
 @app.command()
@@ -321,7 +234,7 @@ def live(
             prev["by_rate"][k]["policies"].update(v["policies"])
         out = prev
         typer.echo(ratio_table(out["policies"], base_key(out["policies"])))
-    _write(out, json_out or merge, plot)
+    write_result(out, json_out or merge, plot)
 
 
 @app.command()
@@ -349,3 +262,45 @@ def chaos(
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({"experiments": results}, indent=2))
+
+
+@app.command()
+def adaptive(
+    json_out: Path = typer.Option(None, "--json", help="Write {\"config\", \"runs\": [...]} here."),
+    plot: Path = typer.Option(None, help="PNG of throughput and weighted turnaround (default: beside --json)."),
+    requests: int = typer.Option(1000, help="Requests per run (sampled from the validation rows)."),
+    max_output: str = typer.Option("64,256", help="Comma-separated maximum output lengths."),
+    data: str = typer.Option("alpaca,magnus", help="Comma-separated: alpaca (shared Alpaca rows) | magnus "
+                             "(the eight Magnus tasks)."),
+    gpu_pages: int = typer.Option(128, help="GPU KV pages of 16 tokens (the paper: 128)."),
+    host_pages: int = typer.Option(64, help="Host swap pool pages (the paper: 64)."),
+    gpu: str = typer.Option("a800-80gb", help="GPU preset (its PCIe bandwidth prices a swap)."),
+    model: str = typer.Option("llama-13b", help="Model preset."),
+    max_num_seqs: int = typer.Option(256, help="Most running rows per step."),
+    rate: float = typer.Option(0.0, help="Poisson request rate; 0 sends every request at t = 0 (the paper)."),
+    seed: int = typer.Option(0),
+    chunked_prefill: bool = typer.Option(True, help="cohort's engine (re-prefill inside decode steps); "
+                                         "--no-chunked-prefill: vLLM 0.2.5's prefill-only steps (the paper's base)."),
+) -> None:
+    """AdaptiveLLM's experiment (issue 19): recompute / swap / adaptive preemption under FCFS and
+    adaptive-fair, memory-starved, in the continuous simulator; prints the runs and the targets."""
+    from bench.adaptive import plot_adaptive, run_adaptive, target_lines
+
+    outs = [int(x) for x in max_output.split(",") if x.strip()]
+    sets = [x.strip() for x in data.split(",") if x.strip()]
+    result = run_adaptive(requests, outs, sets, gpu_pages, host_pages, gpu, model, max_num_seqs, rate, seed,
+                          progress=lambda s: typer.echo(s, err=True), chunked_prefill=chunked_prefill)
+    typer.echo(f"{'data':7s} {'max_out':>7s} {'policy':13s} {'preemption':10s} {'req/s':>8s} {'WT':>7s} "
+               f"{'mean lat':>9s} {'swaps':>6s} {'recomp':>6s}")
+    for r in result["runs"]:
+        typer.echo(f"{r['data']:7s} {r['max_output']:7d} {r['policy']:13s} {r['preemption']:10s} "
+                   f"{r['request_throughput']:8.2f} {r['weighted_turnaround']:7.2f} {r['mean_latency_s']:9.2f} "
+                   f"{r['swaps']:6d} {r['recomputes']:6d}")
+    typer.echo("\n".join(target_lines(result["runs"])))
+    write_result(result, json_out, None)
+    if plot or json_out:
+        c = result["config"]
+        title = (f"AdaptiveLLM experiment, simulated: {c['instance']['model']} on {c['instance']['gpu']}, "
+                 f"{gpu_pages} GPU pages, {host_pages} host pages, {c['engine']}")
+        p = plot_adaptive(result["runs"], plot or json_out.with_suffix(".png"), title)
+        typer.echo(f"wrote {p}", err=True)

@@ -14,6 +14,15 @@ step (iteration) it
 4. costs the step with the roofline's unpadded step (``RooflineBatchTime.step_seconds``): each
    row's own prompt tokens and its own context, nothing padded to a batch's longest member.
 
+Preemption (``preemption``, AdaptiveLLM §3.3, ``batcher.preemption``): a victim is recomputed
+(KV dropped, it re-enters the scheduler as a continuation) or swapped (its pages move to the
+instance's host pool over the GPU preset's PCIe link and it waits in the instance's *swapped* set,
+keeping its tokens; bringing it back costs the same bytes the other way). Transfers are
+synchronous: they lengthen the step that makes them. The recompute cost the rule compares against
+is the row's marginal cost inside a step of the rows running beside it (``_recompute_s``): cohort
+re-prefills inside the running batch, not as a lone prefill. At a step boundary the
+scheduler says whether the swapped set or the waiting queue goes (``swap_in_first``; never both).
+
 A row whose prompt completes in a step produces its first token at the end of that step, then one
 token per step; it leaves (answered, pages freed) the step it reaches its true length.
 
@@ -29,7 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from batcher.preemption import SwapLink, choose_preemption, swap_seconds
 from bench.roofline import RooflineBatchTime
+from cohort.settings import PreemptionMode
 from cohort.types import ProfiledRequest
 
 
@@ -40,6 +51,9 @@ class EngineLimits:
     page_tokens: int = 16
     max_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    # False: vLLM 0.2.5 (AdaptiveLLM's base): a step that admits prompts runs only those prompts,
+    # whole, and every decoding row waits for it; a recompute is then a lone prefill step
+    chunked_prefill: bool = True
 
 
 class SimRow:
@@ -76,7 +90,9 @@ class Scheduler(Protocol):
 
     def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]: ...
 
-    def victim(self, rows: list[SimRow], start: int) -> int: ...
+    def swap_in_first(self, inst: SimInstance, now: float) -> bool: ...
+
+    def victim(self, rows: list[SimRow], start: int, now: float) -> int: ...
 
     def preempted(self, req: ProfiledRequest, now: float) -> None: ...
 
@@ -92,6 +108,9 @@ class StepStats:
     recomputed_gen: int = 0       # generated tokens dropped and prefilled again
     dropped_kv: int = 0           # all KV tokens dropped by recompute (prompt + generated)
     decoded: int = 0              # tokens generated
+    swaps: int = 0                # victims swapped out to the host pool
+    recomputes: int = 0           # victims dropped for recompute
+    transfer_s: float = 0.0       # step time spent moving KV over PCIe
     groups: int = 0               # admission groups taken (cohort schedulers)
     group_sizes: list[int] = field(default_factory=list)
 
@@ -99,11 +118,13 @@ class StepStats:
 class SimInstance:
     """One instance's page pool and running rows."""
 
-    def __init__(self, pages: int, limits: EngineLimits) -> None:
+    def __init__(self, pages: int, limits: EngineLimits, host_pages: int = 0) -> None:
         self.total_pages = pages
         self.free_pages = pages
+        self.host_free = host_pages         # the swap pool's free pages (AdaptiveLLM's CPU blocks)
         self.limits = limits
         self.rows: list[SimRow] = []
+        self.swapped: list[SimRow] = []     # swapped out, in the order they left (they resume here)
         self.busy_until = 0.0
 
     def pages_for(self, tokens: int) -> int:
@@ -127,7 +148,15 @@ class ContinuousEngine:
     """Runs one instance's steps; the caller (``bench.continuous_run``) owns time and arrivals."""
 
     def __init__(self, tm: RooflineBatchTime, scheduler: Scheduler, limits: EngineLimits, stats: StepStats,
-                 settle: Settle, first_token: Callable[[int, float], None], seq: list[int]) -> None:
+                 settle: Settle, first_token: Callable[[int, float], None], seq: list[int],
+                 preemption: PreemptionMode = "recompute", link: SwapLink | None = None,
+                 dispatched: Callable[[int, float], None] | None = None) -> None:
+        if preemption != "recompute" and link is None:
+            raise ValueError("swap and adaptive preemption need the host link (GPU preset's PCIe bandwidth)")
+        self.preemption = preemption
+        self.link = link
+        self.dispatched = dispatched   # a row joins (first scheduled: weighted turnaround)
+        self.transfer = 0.0   # PCIe seconds of the step being built
         self.tm = tm
         self.sched = scheduler
         self.limits = limits
@@ -136,19 +165,73 @@ class ContinuousEngine:
         self.first_token = first_token
         self.seq = seq   # shared admission counter (one list cell: newest = largest)
 
+    def _bytes_s(self, pages: int, to_host: bool) -> float:
+        assert self.link is not None
+        nbytes = pages * self.limits.page_tokens * self.tm.delta_bytes
+        return nbytes / (self.link.to_host_bytes_per_s if to_host else self.link.to_device_bytes_per_s)
+
+    def _recompute_s(self, inst: SimInstance, row: SimRow) -> float:
+        """What re-prefilling ``row``'s KV adds to a step of the rows running beside it:
+        f(rows + its tokens) − f(rows) on the step cost, cohort's true marginal (issue 19 item 3),
+        not a lone prefill. Zero while the step stays bound by the weight reads. Without chunked
+        prefill it is the lone prefill step it will take (AdaptiveLLM's cost)."""
+        k = float(row.kv)
+        if not self.limits.chunked_prefill:
+            return self.tm.step_seconds(k, k * k / 2.0, 0.0, 0.0, 0.0)
+        others = [r for r in inst.rows if r is not row]
+        d_rows = float(len(others))
+        d_reads = float(sum(r.kv + 1 for r in others))
+        base = self.tm.step_seconds(0.0, 0.0, 0.0, d_rows, d_reads)
+        return self.tm.step_seconds(k, k * k / 2.0, 0.0, d_rows, d_reads) - base
+
     def _preempt(self, inst: SimInstance, row: SimRow, now: float) -> None:
-        inst.drop(row)
         self.stats.preemptions += 1
+        if self.preemption != "recompute" and row.pages and row.filled >= row.prompt:
+            tokens = row.pages * self.limits.page_tokens
+            assert self.link is not None
+            swap_s = swap_seconds(tokens, int(self.tm.delta_bytes), self.link)
+            recompute_s = self._recompute_s(inst, row)
+            host_tokens = inst.host_free * self.limits.page_tokens
+            if choose_preemption(self.preemption, swap_s, recompute_s, host_tokens, tokens) == "swap":
+                self.stats.swaps += 1
+                self.transfer += self._bytes_s(row.pages, True)
+                inst.host_free -= row.pages
+                inst.free_pages += row.pages     # the row keeps its page count: its pages are on the host
+                inst.rows.remove(row)
+                inst.swapped.append(row)
+                return
+        self.stats.recomputes += 1
+        inst.drop(row)
         self.stats.recomputed_gen += row.gen
         self.stats.dropped_kv += row.kv
         # prompt_ids stay None here: the continuation's L(p) is then this run's prompt + generated
         self.sched.preempted(row.req.continuation([0] * row.gen, None), now)
 
-    def _join(self, inst: SimInstance, req: ProfiledRequest, j: int) -> SimRow:
+    def _join(self, inst: SimInstance, req: ProfiledRequest, j: int, now: float) -> SimRow:
+        if self.dispatched:
+            self.dispatched(j, now)
         self.seq[0] += 1
         row = SimRow(j, req, self.seq[0])
         inst.rows.append(row)
         return row
+
+    def _swap_in(self, inst: SimInstance, sched: list[tuple[SimRow, int]]) -> int:
+        """Bring swapped rows back, oldest out first, while their pages fit; they decode this step."""
+        n = 0
+        while inst.swapped and len(inst.rows) < self.limits.max_num_seqs:
+            r = inst.swapped[0]
+            need = inst.pages_for(r.kv + 1)
+            if need > inst.free_pages:
+                break
+            inst.swapped.pop(0)
+            inst.host_free += r.pages
+            self.transfer += self._bytes_s(r.pages, False)
+            inst.free_pages -= need
+            r.pages = need
+            inst.rows.append(r)
+            sched.append((r, 1))
+            n += 1
+        return n
 
     def step(self, inst: SimInstance, now: float, index: dict[str, int]) -> float | None:
         """Run one step starting at ``now``; returns its end, or None when there is nothing to run."""
@@ -157,6 +240,10 @@ class ContinuousEngine:
         sched: list[tuple[SimRow, int]] = []
         preempted = False
         rows = inst.rows
+        if not lim.chunked_prefill and not (inst.swapped and self.sched.swap_in_first(inst, now)):
+            self._admit(inst, now, index, sched, budget)
+            if sched:                                         # a prefill-only step (vLLM 0.2.5)
+                return self._run(inst, now, sched)
         i = 0
         while i < len(rows):
             r = rows[i]
@@ -172,7 +259,7 @@ class ContinuousEngine:
                     self.settle(r.j, now, False)
                     gone = True
                     break
-                v = self.sched.victim(rows, i)
+                v = self.sched.victim(rows, i, now)
                 victim = rows[v]
                 self._preempt(inst, victim, now)
                 preempted = True
@@ -186,9 +273,22 @@ class ContinuousEngine:
             sched.append((r, n))
             budget -= n
             i += 1
-        if not preempted and budget > 0 and len(rows) < lim.max_num_seqs:
+        if not preempted and inst.swapped and self.sched.swap_in_first(inst, now):
+            budget -= self._swap_in(inst, sched)
+        elif not preempted and lim.chunked_prefill:
+            self._admit(inst, now, index, sched, budget)
+        if not sched and inst.swapped:     # nothing else runs: the swapped rows come back (never idle with them)
+            self._swap_in(inst, sched)
+        if not sched:
+            return None
+        return self._run(inst, now, sched)
+
+    def _admit(self, inst: SimInstance, now: float, index: dict[str, int], sched: list[tuple[SimRow, int]],
+               budget: int) -> None:
+        """Waiting requests join (the scheduler's choice) and prefill their first chunk in this step."""
+        if budget > 0 and len(inst.rows) < self.limits.max_num_seqs:
             for req in self.sched.admit(inst, now, budget):
-                r = self._join(inst, req, index[req.id])
+                r = self._join(inst, req, index[req.id], now)
                 n = min(r.prompt, budget)
                 need = inst.pages_for(n)
                 if n <= 0 or need > inst.free_pages:
@@ -197,8 +297,9 @@ class ContinuousEngine:
                 r.pages = need
                 sched.append((r, n))
                 budget -= n
-        if not sched:
-            return None
+
+    def _run(self, inst: SimInstance, now: float, sched: list[tuple[SimRow, int]]) -> float:
+        """Cost the step on the roofline (plus its PCIe transfers) and advance its rows."""
         p_tok = p_pairs = p_reads = d_rows = d_reads = 0.0
         for r, n in sched:
             if r.filled < r.prompt:
@@ -208,8 +309,10 @@ class ContinuousEngine:
             else:
                 d_rows += 1
                 d_reads += r.kv + 1
-        end = now + self.tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads)
+        end = now + self.tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads) + self.transfer
         st = self.stats
+        st.transfer_s += self.transfer
+        self.transfer = 0.0
         st.steps += 1
         st.row_steps += len(sched)
         st.busy_s += end - now

@@ -61,6 +61,7 @@ async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, re
     ok = np.zeros(n, dtype=bool)
     gen = np.zeros(n, dtype=np.int64)
     first = np.full(n, math.nan)
+    scheduled = np.full(n, math.nan)   # sent + the server's queued_s: first dispatch (weighted turnaround)
     batch_of: list[tuple[str, int] | None] = [None] * n
     errors: dict[str, int] = defaultdict(int)
     sem = asyncio.Semaphore(max_in_flight)
@@ -93,6 +94,8 @@ async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, re
             gen[i] = int(d.get("generated_tokens", 0))
             ttft = (d.get("timings") or {}).get("first_token_s")
             first[i] = sent[i] + float(ttft) if ttft is not None else finish[i]
+            queued = (d.get("timings") or {}).get("queued_s")
+            scheduled[i] = sent[i] + float(queued) if queued is not None else sent[i]
             b = d.get("batch") or {}
             batch_of[i] = (str(b.get("id")), int(b.get("size", 1)))
 
@@ -126,7 +129,8 @@ async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, re
     true = np.where(ok, gen, workload.true_tokens)
     events = {k: after.get(k, 0) - before.get(k, 0) for k in ("oom_splits", "preemptions")}
     metrics = compute_metrics(arrival, finish, ok, deadline, true, list(sizes.values()), padded, wma,
-                              events["oom_splits"], first_token=first, preemptions=events["preemptions"])
+                              events["oom_splits"], first_token=first, preemptions=events["preemptions"],
+                              scheduled=scheduled)
     return LiveResult(metrics, wall, dict(errors), len(sizes))
 
 

@@ -7,11 +7,14 @@ replay) reports the same names computed the same way, so their tables can sit si
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from cohort.types import ProfiledRequest
 
 METRICS = ("request_throughput", "valid_token_throughput", "total_token_throughput", "mean_latency_s",
            "p50_latency_s", "p99_latency_s", "mean_ttft_s", "p50_ttft_s", "p99_ttft_s", "slo_attainment",
@@ -19,6 +22,52 @@ METRICS = ("request_throughput", "valid_token_throughput", "total_token_throughp
            "recomputed_tokens", "weighted_turnaround", "completed", "failed")
 
 
+class TraceBook:
+    """Per-request outcomes of one simulated trace: every simulator keeps the same arrays.
+
+    Why one class: the batch simulator, the continuous engine and the AdaptiveLLM experiment all
+    index requests by id, record first dispatch, first token and end, and settle each request
+    exactly once (answered or failed); writing that once keeps "nothing lost" checkable in one place.
+    """
+
+    def __init__(self, requests: Sequence[ProfiledRequest], progress: Callable[[int], None] | None = None) -> None:
+        n = len(requests)
+        self.index = {r.id: i for i, r in enumerate(requests)}
+        self.arrival = np.array([r.arrival for r in requests], dtype=float)
+        self.deadline = np.array([r.deadline for r in requests], dtype=float)
+        self.true = np.array([r.true_tokens for r in requests], dtype=np.int64)
+        self.finish = np.full(n, math.inf)
+        self.first = np.full(n, math.inf)
+        self.scheduled = np.full(n, math.inf)   # first dispatch (AdaptiveLLM's weighted turnaround)
+        self.ok = np.zeros(n, dtype=bool)
+        self.order = np.argsort(self.arrival, kind="stable")
+        self.progress = progress
+
+    def settle(self, j: int, at: float, done: bool) -> None:
+        """Request ``j`` ends at ``at``: answered (``done``) or failed."""
+        self.finish[j] = at
+        self.ok[j] = done
+        if self.progress:
+            self.progress(1)
+
+    def first_token(self, j: int, at: float) -> None:
+        if at < self.first[j]:
+            self.first[j] = at
+
+    def dispatched(self, j: int, at: float) -> None:
+        if at < self.scheduled[j]:
+            self.scheduled[j] = at
+
+    def fail_unsettled(self, at: float) -> None:
+        """Nothing should be left unsettled at the end of a run; if something is, it failed."""
+        for j in np.flatnonzero(~np.isfinite(self.finish)):
+            self.settle(int(j), at, False)
+
+    def metrics(self, batch_sizes: Sequence[int], padded_tokens: float, wma: float, oom_splits: int,
+                **kw: Any) -> dict[str, float]:
+        return compute_metrics(self.arrival, self.finish, self.ok, self.deadline, self.true, batch_sizes,
+                               padded_tokens, wma, oom_splits, first_token=self.first, scheduled=self.scheduled,
+                               **kw)
 
 
 @dataclass

@@ -78,6 +78,8 @@ GPUS: dict[str, GPU] = {
     "v100-32gb": GPU("V100-32GB", 32 * GIB, 125e12, 900e9, 12e9),
     # A100-SXM4-80GB: 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e; PCIe 4.0 x16 (31.5 raw, ~25 GB/s).
     "a100-80gb": GPU("A100-80GB", 80 * GIB, 312e12, 2039e9, 25e9),
+    # A800-PCIe-80GB (AdaptiveLLM's testbed): the A100 PCIe part, 312 TFLOP/s bf16, 1935 GB/s; PCIe 4.0.
+    "a800-80gb": GPU("A800-80GB", 80 * GIB, 312e12, 1935e9, 25e9),
     # H100-SXM5-80GB: 989 TFLOP/s bf16 dense, 3350 GB/s HBM3; PCIe 5.0 x16 (63 raw, ~50 GB/s).
     "h100-80gb": GPU("H100-80GB", 80 * GIB, 989e12, 3350e9, 50e9),
 }
@@ -87,6 +89,8 @@ MODELS: dict[str, RooflineShape] = {
     "chatglm-6b": RooflineShape("ChatGLM-6B", 6.173e9, 28, 4096, 32, 32, 128),
     # LLaMA-7B: 32 layers, hidden 4096, 32 heads, 6.74 B parameters.
     "llama-7b": RooflineShape("Llama-7B", 6.738e9, 32, 4096, 32, 32, 128),
+    # LLaMA-13B (AdaptiveLLM's Llama-13B): 40 layers, hidden 5120, 40 heads, 13.02 B parameters.
+    "llama-13b": RooflineShape("Llama-13B", 13.016e9, 40, 5120, 40, 40, 128),
     # The built-in model (cohort/tiny-random-llama, workers.model.TINY_LLAMA) as a CPU worker runs it,
     # in fp32: 4 layers, hidden 128, 4 heads, 2 KV heads of 32; 4.50 M parameters, 3.9 M of them the
     # MiniLM vocabulary's (30,522) tied embeddings (tests/bench/test_roofline.py checks the match).

@@ -38,18 +38,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import PolicyContext, make_policy, planning_memory
 from batcher.policies.base import BatchTimeModel
+from batcher.preemption import SwapLink
 from batcher.wma import total_wma, wma_gen
 from bench.continuous import EngineLimits
-from bench.continuous_run import CB_FCFS, DEFAULT_GROUP_FRAC, make_scheduler, simulate_continuous
+from bench.continuous_run import DEFAULT_GROUP_FRAC, ENGINE_SCHEDULERS, make_scheduler, simulate_continuous
 from bench.execution import EXECUTIONS, RECOVERIES, SimBatchRun, simulate_batch_run
-from bench.metrics import SimResult, compute_metrics
-from cohort.settings import Settings
+from bench.metrics import SimResult, TraceBook
+from cohort.settings import PreemptionMode, Settings
 from cohort.types import Batch, ProfiledRequest
 
 # Φ when a run does not set one: the live batcher's default (``COHORT_WMA_THRESHOLD``), so a
@@ -82,10 +81,10 @@ def parse_run(name: str, executions: Sequence[str] = ("static",), recovery: str 
     """
     parse_policy(name)
     head, _, spec = name.partition("@")
-    if head == CB_FCFS:       # vLLM's default scheduler: continuous execution only
+    if head in ENGINE_SCHEDULERS:   # vLLM's default scheduler, AdaptiveLLM's: continuous execution only
         if spec not in ("", "continuous"):
-            raise ValueError(f"{name!r}: cb-fcfs runs only under continuous execution")
-        return [(CB_FCFS, "continuous", "preempt")]
+            raise ValueError(f"{name!r}: {head} runs only under continuous execution")
+        return [(head, "continuous", "preempt")]
     out = []
     for ex_spec in ([spec] if spec else list(executions)):
         ex, _, rec = ex_spec.partition("/")
@@ -112,7 +111,8 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
              max_tokens_limit: int = 2048, params: dict[str, Any] | None = None,
              progress: Callable[[int], None] | None = None, headroom: float = 0.0,
              execution: str = "static", oom_recovery: str = "split", max_preemptions: int = 8,
-             limits: EngineLimits = EngineLimits(), group_frac: float = DEFAULT_GROUP_FRAC) -> SimResult:
+             limits: EngineLimits = EngineLimits(), group_frac: float = DEFAULT_GROUP_FRAC,
+             preemption: PreemptionMode = "recompute", link: SwapLink | None = None, host_pages: int = 0) -> SimResult:
     """Run one policy over a request trace (sorted by arrival) on ``instances`` identical instances.
 
     ``requests`` must carry ``true_tokens``; the policy reads ``predicted_tokens`` (build the
@@ -126,7 +126,8 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     (``bench.execution``); the policies plan for the same execution (``PolicyContext.elastic``).
     The defaults are the papers' (static, split). ``execution="continuous"`` runs steps instead
     (``bench.continuous``: ``limits`` are the engine's, cohort policies plan admission groups with
-    Θ·``group_frac``; ``cb-fcfs`` is vLLM's default scheduler) on the roofline time model.
+    Θ·``group_frac``; ``cb-fcfs`` is vLLM's default scheduler, ``adaptive-fair`` AdaptiveLLM's) on
+    the roofline time model, preempting by ``preemption`` (swap: ``host_pages`` behind ``link``).
     """
     if execution == "continuous":
         base, _ = parse_policy(policy)
@@ -134,7 +135,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
         sched = make_scheduler(base, memory, time_model, limits, params, max_input_tokens,  # type: ignore[arg-type]
                                max_tokens_limit, headroom, group_frac, max_preemptions)
         res = simulate_continuous(requests, policy, sched, memory, time_model, instances, limits,  # type: ignore[arg-type]
-                                  progress)
+                                  progress, preemption, link, host_pages)
         res.extra["params"] = dict(params)
         return res
     t0 = time.perf_counter()
@@ -147,16 +148,9 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     params = {"threshold": DEFAULT_THRESHOLD, **(params or {})}
     pol = make_policy(base, ctx, **params)
 
-    n = len(requests)
-    index = {r.id: i for i, r in enumerate(requests)}
-    arrival = np.array([r.arrival for r in requests], dtype=float)
-    deadline = np.array([r.deadline for r in requests], dtype=float)
-    true = np.array([r.true_tokens for r in requests], dtype=np.int64)
-    finish = np.full(n, math.inf)
-    first = np.full(n, math.inf)
-    scheduled = np.full(n, math.inf)   # first dispatch of each request (weighted turnaround)
-    ok = np.zeros(n, dtype=bool)
-    order = np.argsort(arrival, kind="stable")
+    book = TraceBook(requests, progress)
+    n, index, first, settle = len(requests), book.index, book.first, book.settle
+    arrival, order = book.arrival, book.order
 
     budget = memory.theta_tokens
     idle = instances
@@ -170,12 +164,6 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     i = 0
     now = 0.0
 
-    def settle(j: int, at: float, done: bool) -> None:
-        finish[j] = at
-        ok[j] = done
-        if progress:
-            progress(1)
-
     def dispatch(now: float) -> None:
         nonlocal idle, seq
         while idle > 0:
@@ -184,8 +172,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
                 return
             reqs = b.requests
             for r in reqs:
-                j = index[r.id]
-                scheduled[j] = min(scheduled[j], now)
+                book.dispatched(index[r.id], now)
             run = simulate_batch_run([r.input_tokens for r in reqs], [r.true_tokens for r in reqs],
                                      [r.predicted_tokens for r in reqs], [r.preemptions for r in reqs], budget,
                                      time_model, execution, oom_recovery, max_preemptions)
@@ -264,10 +251,9 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
         if idle > 0:
             dispatch(now)
 
-    metrics = compute_metrics(arrival, finish, ok, deadline, true, sizes, stats["padded"], stats["wma"],
-                              stats["ooms"], first_token=first, preemptions=stats["preemptions"],
-                              wasted_tokens=stats["wasted"], decoded_tokens=stats["decoded"],
-                              recomputed_tokens=stats["recomputed"], scheduled=scheduled)
+    metrics = book.metrics(sizes, stats["padded"], stats["wma"], stats["ooms"], preemptions=stats["preemptions"],
+                           wasted_tokens=stats["wasted"], decoded_tokens=stats["decoded"],
+                           recomputed_tokens=stats["recomputed"])
     nb = max(1, len(sizes))
     return SimResult(policy, metrics, time.perf_counter() - t0, stats["batches"], now,
                      {"params": dict(params), "execution": execution, "oom_recovery": oom_recovery,

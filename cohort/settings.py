@@ -90,7 +90,8 @@ class Settings(BaseSettings):
     )
 
     # --- batcher --------------------------------------------------------------------------
-    policy: str = Field(default="magnus", description="vs | glp | abp | magnus | s3 | slo-dbs | odbs | slo-odbs")
+    policy: str = Field(default="magnus", description="vs | glp | abp | magnus | s3 | s3-hrrn | slo-dbs | odbs | "
+                        "slo-odbs | spf")
     wma_threshold: float = Field(default=20_000.0, description="Φ: WMA (token reads) under which p joins a "
                                  "batch. 20k was best in the simulator sweep (docs/benchmarks.md); 200k let "
                                  "10-token requests join 500-token batches.")
@@ -183,11 +184,16 @@ class Settings(BaseSettings):
         "to start the training set with (0: start from the log DB only).")
     estimator_retrain_every_s: float = 120.0
 
+    # --- issue 18 item 5 (continuous simulator): the spf policy ---------------------------
+    spf_aging: float = Field(default=5.0, ge=0.0, description="spf (shortest predicted first): predicted tokens "
+                             "of rank a waiting request gains per second; 0 = pure SPF, large = FCFS. 5 kept "
+                             "p99 within 1.5x of vLLM's FCFS in the simulator (docs/benchmarks.md).")
+
     def policy_params(self) -> dict:
         """Everything a policy factory may take; each policy picks what it uses."""
         slo = {"w1": self.slo_w1, "w2": self.slo_w2, "l1": self.slo_l1, "l2": self.slo_l2,
                "slo_threshold": self.slo_threshold}
-        return {"threshold": self.wma_threshold, "batch_size": self.fixed_batch_size,
+        return {"threshold": self.wma_threshold, "batch_size": self.fixed_batch_size, "spf_aging": self.spf_aging,
                 **{k: v for k, v in slo.items() if v is not None}}
 
     @property

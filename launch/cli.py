@@ -17,6 +17,7 @@ from cohort.sampling_defaults import sampling_defaults
 from cohort.settings import Settings, get_settings
 from cohort.tokenizer import tokenizer_path
 from deployer.cli import app as deploy_app
+from launch.prefill_profile import profile_prefill
 from launch.supervisor import serve_all
 from learning.cli import beat as learning_beat
 from learning.cli import learning as learning_worker
@@ -29,6 +30,7 @@ app = typer.Typer(help="cohort: static-batch scheduling for LLM serving.", no_ar
                   pretty_exceptions_enable=False)
 worker_app.command("learning")(learning_worker)  # the learning worker's, under `cohort worker`
 worker_app.command("beat")(learning_beat)
+worker_app.command("profile-prefill")(profile_prefill)  # the recompute-cost predictor's samples (issue 19)
 app.add_typer(worker_app, name="worker")
 app.add_typer(predictor_app, name="predictor")
 app.add_typer(bench_app, name="bench")

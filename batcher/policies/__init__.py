@@ -13,6 +13,7 @@ from batcher.policies.base import BatchTimeModel, Policy, PolicyContext
 from batcher.policies.priority import PriorityLevels
 from batcher.policies.s3 import S3Policy
 from batcher.policies.slo import ODBSPolicy, SLODBSPolicy, SLOODBSPolicy
+from batcher.policies.spf import DEFAULT_AGING, SPFPolicy
 from batcher.policies.vs import VanillaPolicy
 from batcher.policies.wma import ABPPolicy, GLPPolicy, MagnusPolicy, WMAPolicy
 
@@ -36,6 +37,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "slo-dbs": lambda ctx, **kw: SLODBSPolicy(ctx, **_slo_params(kw)),
     "odbs": lambda ctx, **kw: ODBSPolicy(ctx, **_slo_params(kw)),
     "slo-odbs": lambda ctx, **kw: SLOODBSPolicy(ctx, **_slo_params(kw)),
+    "spf": lambda ctx, spf_aging=DEFAULT_AGING, **_: SPFPolicy(ctx, aging=spf_aging),
 }
 
 
@@ -65,4 +67,4 @@ def make_policy(name: str, ctx: PolicyContext, **params: Any) -> Policy:
 
 
 __all__ = ["POLICIES", "BatchTimeModel", "ODBSPolicy", "Policy", "PolicyContext", "S3Policy", "SLODBSPolicy",
-           "SLOODBSPolicy", "VanillaPolicy", "WMAPolicy", "make_policy", "planning_memory"]
+           "SLOODBSPolicy", "SPFPolicy", "VanillaPolicy", "WMAPolicy", "make_policy", "planning_memory"]

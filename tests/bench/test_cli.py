@@ -20,10 +20,13 @@ def test_sim_writes_json_table_and_plots(tiny_files, tmp_path, monkeypatch):
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "thr/vs@elastic" in r.output and "magnus+oracle@elastic" in r.output
+    assert "thr/cb" in r.output and "thr/bound" in r.output and "WT" in r.output   # vLLM baseline, bound, eq. 5
     d = json.loads(out.read_text())
     assert set(d) == {"config", "policies", "by_rate"}
-    assert set(d["policies"]) == {"vs@elastic", "magnus@elastic", "magnus+oracle@elastic", "s3@elastic",
-                                  "slo-odbs@elastic"}
+    assert set(d["policies"]) == {"cb-fcfs", "vs@elastic", "magnus@elastic", "magnus+oracle@elastic",
+                                  "s3@elastic", "slo-odbs@elastic"}   # cb-fcfs: added on the roofline
+    for m in d["policies"].values():
+        assert 0 < m["request_throughput"] <= m["physical_bound_rps"] * 1.001
     assert d["config"]["rate"] == 20.0 and set(d["by_rate"]) == {"5", "20"}
     for name, m in d["policies"].items():
         assert set(METRICS) <= set(m), name
@@ -49,7 +52,7 @@ def test_sim_compares_execution_modes_in_one_run(tiny_files, tmp_path, monkeypat
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
-    assert list(d["policies"]) == ["vs@static", "vs@elastic", "magnus+oracle@static", "magnus+oracle@elastic",
+    assert list(d["policies"]) == ["cb-fcfs", "vs@static", "vs@elastic", "magnus+oracle@static", "magnus+oracle@elastic",
                                    "magnus@elastic/split"]
     assert d["config"]["sim"]["magnus@elastic/split"]["oom_recovery"] == "split"
     assert d["config"]["sim"]["vs@elastic"]["oom_recovery"] == "preempt"

@@ -20,7 +20,7 @@ def test_policy_names_parse():
         parse_policy("magnus+foo")
 
 
-@pytest.mark.parametrize("name", ["vs", "glp", "abp", "magnus", "s3", "slo-dbs", "odbs", "slo-odbs"])
+@pytest.mark.parametrize("name", ["vs", "glp", "abp", "magnus", "s3", "slo-dbs", "odbs", "slo-odbs", "spf"])
 def test_every_policy_conserves_requests(name):
     reqs = bimodal(600, rate=20.0, noise=0.5)
     r = simulate(reqs, name, MEM, StepTime(), instances=3, max_input_tokens=50, max_tokens_limit=250,

@@ -1,0 +1,58 @@
+"""Recompute-cost predictor: loading profile samples, the model search, the fitted predictor."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from predictor.recompute_cost import (
+    DEGREES,
+    MODELS,
+    RecomputeCostModel,
+    load_prefill_samples,
+    mape,
+    model_search,
+    search_table,
+)
+
+
+def _prefill_s(b: int, L: int) -> float:
+    """A prefill-shaped cost: overhead, linear in tokens, quadratic attention per row."""
+    return 2e-3 + 4e-6 * b * L + 1e-9 * b * L * L
+
+
+def _write(path, noise, seed):
+    rng = np.random.default_rng(seed)
+    samples = [{"size": b, "input_len": L, "gen_len": g, "seconds": _prefill_s(b, L) * (1 + rng.normal(0, noise))}
+               for b in (1, 2, 3, 4, 6, 8, 12, 16) for L in (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+               for g in (1, 16)]
+    path.write_text(json.dumps({"samples": samples}))
+    return path
+
+
+def test_samples_are_prefills_with_each_shapes_median(tmp_path):
+    files = [_write(tmp_path / f"p{k}.json", 0.05, k) for k in range(3)]
+    s = load_prefill_samples(files, layers=4, hidden=128, reduce="median")
+    assert len(s) == 80                                   # gen_len 16 rows are not prefills; repeats merged
+    assert set(s.x[:, 2]) == {4} and set(s.x[:, 3]) == {128}
+    with pytest.raises(ValueError):
+        load_prefill_samples(files, 4, 128, max_gen=0)
+
+
+def test_search_covers_the_papers_grid_and_finds_a_smooth_cost(tmp_path):
+    s = load_prefill_samples([_write(tmp_path / "p.json", 0.0, 0)], layers=4, hidden=128)
+    res = model_search(s, seed=0)
+    assert len(res["table"]) == len(MODELS) * len(DEGREES)
+    assert res["best"]["mape_pct"] == min(r["mape_pct"] for r in res["table"])
+    assert res["best"]["mape_pct"] < 2.0                  # a noiseless polynomial cost is found
+    assert res["paper_choice"]["model"] == "random_forest" and res["paper_choice"]["degree"] == 2
+    assert "knn_batch_time_mape_pct" in res and "Magnus" in search_table(res)
+
+
+def test_fitted_model_predicts_seconds(tmp_path):
+    s = load_prefill_samples([_write(tmp_path / "p.json", 0.0, 0)], layers=4, hidden=128)
+    m = RecomputeCostModel("linear", 3).fit(s)
+    assert m.seconds(200, 4, 4, 128) == pytest.approx(_prefill_s(4, 200), rel=0.02)
+    assert mape(np.array([1.0, 2.0]), np.array([1.1, 1.8])) == pytest.approx(10.0)
