@@ -35,6 +35,7 @@ from bench.roofline import Instance, fitted_time_model, instance
 from bench.simulator import DEFAULT_THRESHOLD, parse_policy, parse_run, simulate
 from bench.workload import ORACLE, WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
+from cohort.settings import Settings
 from predictor.estimator import AnalyticBatchTime
 
 app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
@@ -213,7 +214,8 @@ def live(
         for name in targets:
             ctx = spawned_stack(name, extra_env, workdir) if spawn else nullcontext(url)
             with ctx as target_url, tqdm(total=requests, desc=f"{name} @ {r:g} req/s", unit="req") as bar:
-                res = run_live_sync(wl, target_url, max_in_flight=max_in_flight,
+                res = run_live_sync(wl, target_url, padded_batches=_execution_of(name) != "continuous",
+                                    max_in_flight=max_in_flight,
                                     request_timeout_s=request_timeout_s, time_limit_s=time_limit_s,
                                     progress=bar.update)
             results[name] = res.metrics
@@ -235,6 +237,14 @@ def live(
         out = prev
         typer.echo(ratio_table(out["policies"], base_key(out["policies"])))
     write_result(out, json_out or merge, plot)
+
+
+def _execution_of(run_name: str) -> str:
+    """The execution mode a live run name asks for (``POLICY@EXECUTION``), else the server's default."""
+    if "@" in run_name:
+        ((_, execution, _),) = parse_run(run_name)
+        return execution
+    return Settings.model_fields["execution"].default
 
 
 @app.command()

@@ -29,17 +29,15 @@ from bench.continuous import ContinuousEngine, EngineLimits, Scheduler, SimInsta
 from bench.continuous_sched import AdaptiveFairScheduler, FCFSScheduler, GroupScheduler
 from bench.metrics import SimResult, TraceBook
 from bench.roofline import RooflineBatchTime
-from cohort.settings import PreemptionMode
+from cohort.settings import PreemptionMode, Settings
 from cohort.types import ProfiledRequest
 
 CB_FCFS = "cb-fcfs"
 ADAPTIVE_FAIR = "adaptive-fair"   # AdaptiveLLM's Algorithm 2 (FCFS engine rules, fairness order)
 ENGINE_SCHEDULERS = (CB_FCFS, ADAPTIVE_FAIR)   # request-level schedulers: continuous execution only
-# Share of Θ a cohort policy plans one admission group with under ``continuous``: small groups
-# join a running set that is far from empty at many step boundaries instead of waiting for room
-# for a big one. Measured (docs/benchmarks.md, "Continuous execution"): on the saturated Magnus
-# trace 0.05 against 0.25 cuts magnus's mean latency 8.95 → 8.35 s and spf's TTFT 2.20 → 1.40 s.
-DEFAULT_GROUP_FRAC = 0.05
+# Share of Θ a cohort policy plans one admission group with under ``continuous``: the live
+# batcher's default (COHORT_CONTINUOUS_GROUP_FRAC), so the simulator and the stack plan alike.
+DEFAULT_GROUP_FRAC = Settings.model_fields["continuous_group_frac"].default
 
 
 def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime, limits: EngineLimits,
@@ -50,10 +48,7 @@ def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime,
         return FCFSScheduler(limits)
     if policy == ADAPTIVE_FAIR:
         return AdaptiveFairScheduler(limits)
-    if not 0.0 < group_frac <= 1.0:
-        raise ValueError("group_frac must be in (0, 1]")
-    plan_mem = planning_memory(policy, KVMemory(memory.delta_bytes, int(memory.theta_bytes * group_frac)),
-                               headroom)
+    plan_mem = planning_memory(policy, memory, headroom, group_frac)
     ctx = PolicyContext(memory=plan_mem, estimator=time_model, max_input_tokens=max_input_tokens,
                         max_tokens_limit=max_tokens_limit, elastic=True)
     return GroupScheduler(make_policy(policy, ctx, **params), limits, max_preemptions)

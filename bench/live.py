@@ -10,7 +10,9 @@ load generator and must never be pointed at someone else's server by accident.
 
 Metrics are the simulator's (``bench.metrics.compute_metrics``): batch sizes come from the
 responses' ``batch`` field (one entry per distinct batch id), WMA and padded tokens from the
-members of each batch seen in the responses, with true lengths = generated tokens.
+members of each batch seen in the responses, with true lengths = generated tokens — except under
+continuous execution (``padded_batches=False``), where a batch is an admission group whose rows
+neither pad to nor wait for each other.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class LiveResult:
     batches: int
 
 
-async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, request_timeout_s: float = 300.0,
+async def run_live(workload: Workload, url: str, *, padded_batches: bool = True, max_in_flight: int = 256,
+                   request_timeout_s: float = 300.0,
                    time_limit_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
                    progress: Callable[[int], None] | None = None) -> LiveResult:
     """Send every request of ``workload`` at its arrival time; return the benchmark metrics."""
@@ -123,6 +126,9 @@ async def run_live(workload: Workload, url: str, *, max_in_flight: int = 256, re
             sizes[bs[0]] = bs[1]
     padded, wma = 0.0, 0
     for bid, idx in members.items():
+        if not padded_batches:  # continuous: rows neither wait for nor pad to the others of their batch
+            padded += float(gen[idx].sum())
+            continue
         g_b = int(gen[idx].max())
         padded += sizes[bid] * g_b
         wma += total_wma([(int(workload.input_tokens[i]), int(gen[i])) for i in idx])
