@@ -178,6 +178,14 @@ class Settings(BaseSettings):
     predictor_online_min_rows: int = Field(
         default=30, ge=1, description="Scores a group needs before its own online bound is used "
         "(fewer: the pool-wide online bound, then the model's static table).")
+    predictor_online_correction: bool = Field(
+        default=True, description="Also correct the point prediction online: a forgetting ridge on the log "
+        "residual over cross-source cues, learnt from completions (needs COHORT_PREDICTOR_ONLINE_CONFORMAL).")
+    predictor_online_forget: float = Field(
+        default=0.998, gt=0.0, le=1.0, description="Forgetting factor of the online correction per completion "
+        "(memory ≈ 1/(1−λ) completions).")
+    predictor_online_ridge: float = Field(
+        default=30.0, ge=0.0, description="Ridge penalty of the online correction (pulls it to no correction).")
     predictor_online_interval_s: float = Field(
         default=2.0, gt=0.0, description="How often the predictor service reads new completions from the "
         "log DB to update the online bound.")

@@ -17,9 +17,11 @@ quantile (see ``predictor.conformal``), which the batcher plans memory with.
 
 The upper quantile is the *current* one (issue 20): with ``COHORT_PREDICTOR_ONLINE_CONFORMAL``
 (default on) the service reads completed requests from the log DB every
-``predictor_online_interval_s`` (off the event loop) and recalibrates the bound online per pool ×
-task / instruction (``predictor.online_conformal``); its state is saved next to the registry's
-versions, so a restart continues from it. ``observe`` is that learning step, shared by the live
+``predictor_online_interval_s`` (off the event loop), corrects the point prediction by a
+residual model learnt online (``predictor.online_residual``, ``COHORT_PREDICTOR_ONLINE_CORRECTION``)
+and recalibrates the bound online per pool × task / instruction (``predictor.online_conformal``);
+the state is saved next to the registry's versions (``predictor.online_state``), so a restart
+continues from it. ``observe`` is that learning step, shared by the live
 path and ``cohort predictor replay``.
 """
 
@@ -42,7 +44,9 @@ from predictor.base import META_FILE, LengthPredictor, PredictItem
 from predictor.conformal import predict_bounds
 from predictor.hotswap import HotSwap
 from predictor.loading import load_predictor
-from predictor.online_conformal import STATE_FILE, OnlineConformal
+from predictor.online_conformal import OnlineConformal
+from predictor.online_residual import OnlineResidual
+from predictor.online_state import STATE_FILE, load_state, save_state
 from predictor.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -78,7 +82,10 @@ class PredictorService:
         self.items_predicted = 0
         self._online_lock = threading.Lock()
         self.online_path = self.registry.root / STATE_FILE
-        self.online: OnlineConformal | None = self._load_online() if settings.predictor_online_conformal else None
+        self.online: OnlineConformal | None = None
+        self.residual: OnlineResidual | None = None
+        if settings.predictor_online_conformal:
+            self.online, self.residual = self._load_online()
         self._syncing = False
         self._next_sync = time.monotonic() + settings.predictor_online_interval_s
 
@@ -179,31 +186,43 @@ class PredictorService:
             return None, None, version
         point, upper = predict_bounds(model, items)
         if self.online is not None:
+            static = getattr(model, "conformal", None)
             with self._online_lock:
-                live = self.online.upper(items, point, getattr(model, "conformal", None), pools)
+                if self.residual is not None:
+                    point = self.residual.correct(items, point, pools)
+                    upper = None if static is None else static.upper(items, point)
+                live = self.online.upper(items, point, static, pools)
             if upper is None and not np.isfinite(live).any():
                 return point, None, version
             upper = np.where(np.isfinite(live), live, point if upper is None else upper)
         return point, upper, version
 
     # --- online recalibration (issue 20) ----------------------------------------------------------
-    def _load_online(self) -> OnlineConformal:
+    def _load_online(self) -> tuple[OnlineConformal, OnlineResidual | None]:
         s = self.settings
-        opts = {"window": s.predictor_online_window, "gamma": s.predictor_online_gamma,
-                "min_rows": s.predictor_online_min_rows}
-        return OnlineConformal.load(self.online_path, **opts) or OnlineConformal(**opts)
+        conformal = {"window": s.predictor_online_window, "gamma": s.predictor_online_gamma,
+                     "min_rows": s.predictor_online_min_rows}
+        residual = ({"forget": s.predictor_online_forget, "ridge": s.predictor_online_ridge}
+                    if s.predictor_online_correction else None)
+        return load_state(self.online_path, conformal, residual)
 
     def observe(self, items: Sequence[PredictItem], point: np.ndarray, actual: np.ndarray,
-                upper: np.ndarray | None = None, pools: Sequence[str | None] | None = None) -> None:
-        """Learn the upper quantile from completed requests (in completion order): ``point`` and
-        ``upper`` are what they were predicted / planned with. No-op with online conformal off."""
+                upper: np.ndarray | None = None, pools: Sequence[str | None] | None = None,
+                raw: np.ndarray | None = None) -> None:
+        """Learn from completed requests (in completion order): ``point`` and ``upper`` are what they
+        were predicted / planned with, ``raw`` the model's own prediction before the online
+        correction (None: predicted again now). No-op with online learning off."""
         if self.online is None or not items:
             return
         model = self.model
+        if self.residual is not None and raw is None and model is not None:
+            raw = np.asarray(model.predict(list(items)), float)
         with self._online_lock:
             self.online.update(items, np.asarray(point, float), np.asarray(actual, float),
                                None if upper is None else np.asarray(upper, float),
                                getattr(model, "conformal", None), pools)
+            if self.residual is not None and raw is not None:
+                self.residual.update(items, raw, np.asarray(actual, float), pools)
 
     def sync_completions(self, limit: int = 5000) -> int:
         """Read requests completed since the saved cursor from the log DB, ``observe`` them and save
@@ -222,7 +241,7 @@ class PredictorService:
                      pools=[r.get("model") for r in used])
         with self._online_lock:
             self.online.cursor = max(float(r["finished"]) for r in rows)
-            self.online.save(self.online_path)
+            save_state(self.online_path, self.online, self.residual)
         return len(used)
 
     def _maybe_sync_background(self) -> None:
