@@ -121,3 +121,26 @@ def test_service_learns_from_log_db_and_restarts_from_saved_state(settings) -> N
     off = PredictorService(settings.model_copy(update={"predictor_online_conformal": False}))
     off._swap.current = (model, "v1")
     assert asyncio.run(off.predict_bounds(item, 2000)).upper == 44  # static table only
+
+
+def test_residual_correction_learns_a_source_shift_and_stays_put_without_one() -> None:
+    """A source whose answers are 3× the model's prediction (code under an Alpaca model): after a
+    few hundred completions the corrected point is close; on traffic the model already predicts
+    well, the correction stays near zero (the ridge pulls it there)."""
+    from predictor.online_residual import OnlineResidual
+
+    rng = np.random.default_rng(1)
+    items = [PredictItem("Write a Python function.", "x" * int(rng.integers(1, 50)), 5) for _ in range(600)]
+    point = rng.uniform(20, 80, 600)
+    actual = np.expm1(np.log1p(point) + np.log(3.0) + rng.normal(0, 0.2, 600))
+    res = OnlineResidual()
+    assert np.allclose(res.correct(items[:5], point[:5]), point[:5])  # nothing learnt: no correction
+    for i in range(0, 500, 50):
+        res.update(items[i:i + 50], point[i:i + 50], actual[i:i + 50])
+    ratio = res.correct(items[500:], point[500:]) / point[500:]
+    assert 2.4 < np.median(ratio) < 3.3
+    calm = OnlineResidual()
+    calm.update(items[:500], point[:500], np.expm1(np.log1p(point[:500]) + rng.normal(0, 0.2, 500)))
+    assert np.abs(np.log(calm.correct(items[500:], point[500:]) / point[500:])).max() < 0.15
+    back = OnlineResidual.from_dict(res.to_dict())
+    np.testing.assert_allclose(back.correct(items[500:], point[500:]), res.correct(items[500:], point[500:]))
