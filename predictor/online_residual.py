@@ -12,7 +12,8 @@ line (where a long system-style preamble ends in the actual ask) and the input],
 least squares in its batch form: ``A ← λA + xxᵀ``, ``b ← λb + x·r``, ``w = (A + αI)⁻¹ b``). The ridge
 pulls ``w`` to 0 (no correction) until completions say otherwise, so on traffic the model already
 predicts well the correction stays near zero; λ forgets old traffic (effective memory 1/(1−λ) rows).
-The state is ``A`` and ``b`` per pool (a few KB), saved with the online conformal state.
+The state is ``A`` and ``b`` per pool (~200 KB as JSON), saved with the online conformal state,
+and reset when a new model version is activated (``follow``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ class OnlineResidual:
     a: dict[str, np.ndarray] = field(default_factory=dict)
     b: dict[str, np.ndarray] = field(default_factory=dict)
     n: dict[str, float] = field(default_factory=dict)  # forgetting-weighted row count
+    version: str | None = None  # the model version the residuals were learnt against
+
+    def follow(self, version: str | None) -> None:
+        """Forget everything when the model version changes: a retrained model has learnt (part of)
+        the shift itself, and the old correction on top of it would count the shift twice."""
+        if version is not None and version != self.version:
+            self.a, self.b, self.n, self.version = {}, {}, {}, version
 
     def _weights(self, key: str) -> np.ndarray | None:
         if self.n.get(key, 0.0) < self.min_rows:
@@ -111,13 +119,14 @@ class OnlineResidual:
             self.n[key] = (self.forget ** k) * self.n.get(key, 0.0) + float(decay.sum())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"forget": self.forget, "ridge": self.ridge, "min_rows": self.min_rows,
+        return {"forget": self.forget, "ridge": self.ridge, "min_rows": self.min_rows, "version": self.version,
                 "a": {k: v.tolist() for k, v in self.a.items()}, "b": {k: v.tolist() for k, v in self.b.items()},
                 "n": self.n}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OnlineResidual:
-        self = cls(forget=float(d["forget"]), ridge=float(d["ridge"]), min_rows=int(d["min_rows"]))
+        self = cls(forget=float(d["forget"]), ridge=float(d["ridge"]), min_rows=int(d["min_rows"]),
+                   version=d.get("version"))
         width = correction_features([PredictItem("", "", 0)], np.ones(1)).shape[1]
         for k, v in d.get("a", {}).items():
             a = np.asarray(v, float)

@@ -189,6 +189,7 @@ class PredictorService:
             static = getattr(model, "conformal", None)
             with self._online_lock:
                 if self.residual is not None:
+                    self.residual.follow(version)
                     point = self.residual.correct(items, point, pools)
                     upper = None if static is None else static.upper(items, point)
                 live = self.online.upper(items, point, static, pools)
@@ -222,6 +223,7 @@ class PredictorService:
                                None if upper is None else np.asarray(upper, float),
                                getattr(model, "conformal", None), pools)
             if self.residual is not None and raw is not None:
+                self.residual.follow(self.version)
                 self.residual.update(items, raw, np.asarray(actual, float), pools)
 
     def sync_completions(self, limit: int = 5000) -> int:

@@ -142,5 +142,12 @@ def test_residual_correction_learns_a_source_shift_and_stays_put_without_one() -
     calm = OnlineResidual()
     calm.update(items[:500], point[:500], np.expm1(np.log1p(point[:500]) + rng.normal(0, 0.2, 500)))
     assert np.abs(np.log(calm.correct(items[500:], point[500:]) / point[500:])).max() < 0.15
+    res.follow("v1")  # the first version it meets: it forgets what it learnt without a version
+    for i in range(0, 500, 50):
+        res.update(items[i:i + 50], point[i:i + 50], actual[i:i + 50])
     back = OnlineResidual.from_dict(res.to_dict())
     np.testing.assert_allclose(back.correct(items[500:], point[500:]), res.correct(items[500:], point[500:]))
+    back.follow("v1")  # same version after a restart: kept
+    np.testing.assert_allclose(back.correct(items[500:], point[500:]), res.correct(items[500:], point[500:]))
+    back.follow("v2")  # a retrained model: the old correction would count the shift twice
+    np.testing.assert_allclose(back.correct(items[500:], point[500:]), point[500:])
