@@ -126,8 +126,13 @@ class OnlineConformal:
         ``pool``: one model pool for all items, or one per item."""
         p = np.maximum(np.asarray(point, float), 0.0)
         pools = _per_item(pool, len(items))
-        q = np.array([self.group_quantile(it, pl, static) for it, pl in zip(items, pools, strict=True)],
-                     dtype=float)
+        memo: dict[tuple[str, ...], float] = {}  # one window sort per group and call, not per item
+        q = np.empty(len(items))
+        for i, (it, pl) in enumerate(zip(items, pools, strict=True)):
+            keys = (*self.keys(it, pl), static.group_of(it) if static is not None else "")
+            if keys not in memo:
+                memo[keys] = self.group_quantile(it, pl, static)
+            q[i] = memo[keys]
         return np.maximum(np.expm1(np.log1p(p) + np.maximum(q, 0.0)), p)
 
     def update(self, items: Sequence[PredictItem], point: np.ndarray, actual: np.ndarray,

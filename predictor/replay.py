@@ -36,7 +36,10 @@ def _window_metrics(actual: np.ndarray, point: np.ndarray, upper: np.ndarray | N
     return {"n": int(len(actual)), "tau": float(kendall_tau(actual, point)), "mae": float(mae(actual, point)),
             "q90_coverage": None if upper is None else coverage(actual, upper),
             "static_q90_coverage": None if static is None else coverage(actual, static),
-            "model_tau": float(kendall_tau(actual, raw)), "model_mae": float(mae(actual, raw))}
+            "model_tau": float(kendall_tau(actual, raw)), "model_mae": float(mae(actual, raw)),
+            # what memory planning reserves per row (tokens): a bound that covers by being huge is waste
+            "upper_mean": None if upper is None else float(np.mean(upper)),
+            "static_upper_mean": None if static is None else float(np.mean(static))}
 
 
 def replay(service: PredictorService, items: Sequence[PredictItem], actual: np.ndarray,
