@@ -90,7 +90,9 @@ def replay(service: PredictorService, items: Sequence[PredictItem], actual: np.n
         if sources is not None:
             w["source"] = max(set(sources[sel]), key=list(sources[sel]).count)
         windows.append(w)
-    return {"rows": n, "chunk": chunk, "window": window, "windows": windows,
+    segments = [] if sources is None else [
+        {"source": str(sources[i]), "first_row": i} for i in range(n) if i == 0 or sources[i] != sources[i - 1]]
+    return {"rows": n, "chunk": chunk, "window": window, "windows": windows, "segments": segments,
             "final": metrics(slice(max(0, n - final), n)),
             "online": None if service.online is None else {
                 "window": service.online.window, "gamma": service.online.gamma,
@@ -116,12 +118,10 @@ def plot_replay(result: dict[str, Any], out: Path, title: str) -> None:
     ax1.axhspan(0.85, 0.95, color="green", alpha=0.08)
     ax1.set_ylabel(f"q90 coverage per {result['window']} rows")
     ax1.set_ylim(0.4, 1.02)
-    prev = None
-    for w in ws:  # mark where the source changes (the shift)
-        if prev is not None and w.get("source") != prev:
-            for ax in (ax1, ax2):
-                ax.axvline(w["first_row"], color="red", lw=1, alpha=0.6)
-        prev = w.get("source")
+    for seg in result.get("segments", [])[1:]:  # where the source changes (the shift)
+        for ax in (ax1, ax2):
+            ax.axvline(seg["first_row"], color="red", lw=1, alpha=0.6)
+        ax1.text(seg["first_row"], 0.42, f" → {seg['source']}", color="red", fontsize=7)
     ax1.legend(fontsize=8, loc="lower right")
     ax1.set_title(title)
     ax2.plot(x, [w["tau"] for w in ws], "o-", color="tab:purple", label="τ, online-corrected")
