@@ -33,6 +33,8 @@ def test_cli_replay_windows_final_and_plot(data_paths, tmp_path, monkeypatch):
         assert [w["rows"] for w in res["windows"]] == [200, 400, 600]
         assert set(res["final"]) >= {"tau", "mae", "q90_coverage", "static_q90_coverage"}
         assert res["final"]["n"] == 300 and png.is_file()
+        assert res["segments"] == [{"source": "ct_java_cs", "first_row": 0}]
+        assert all(w["model_tau"] is not None and w["upper_mean"] >= 1 for w in res["windows"])
         final = res["final"]
         assert abs(final["q90_coverage"] - 0.9) < abs(final["static_q90_coverage"] - 0.9)
         assert 0.8 <= final["q90_coverage"] <= 0.98
