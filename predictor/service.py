@@ -217,7 +217,8 @@ class PredictorService:
             return
         model = self.model
         if self.residual is not None and raw is None and model is not None:
-            raw = np.asarray(model.predict(list(items)), float)
+            # on the prediction thread: models keep LRU vector caches that one thread may touch at a time
+            raw = np.asarray(self._executor.submit(model.predict, list(items)).result(), float)
         with self._online_lock:
             self.online.update(items, np.asarray(point, float), np.asarray(actual, float),
                                None if upper is None else np.asarray(upper, float),
@@ -235,7 +236,11 @@ class PredictorService:
         rows = finished_requests(engine, self.online.cursor, limit=limit)
         if not rows:
             return 0
-        used = [r for r in rows if r.get("predicted_tokens") is not None and r.get("actual_tokens") is not None]
+        # cold-start answers (no model version) and rows planned at max_tokens (cold start, ignore_eos)
+        # say nothing about the model's error: they would only pull the bound down
+        used = [r for r in rows if r.get("predicted_tokens") is not None and r.get("actual_tokens") is not None
+                and r.get("predictor_version") is not None
+                and (r.get("max_tokens") is None or r["predicted_tokens"] < r["max_tokens"])]
         self.observe([PredictItem(r.get("instruction") or "", r.get("user_input") or "",
                                   int(r.get("input_tokens") or 0), r.get("task")) for r in used],
                      np.array([r["predicted_tokens"] for r in used], float),

@@ -107,8 +107,12 @@ def test_service_learns_from_log_db_and_restarts_from_saved_state(settings) -> N
     engine = get_db_engine(settings.database_url)
     for i in range(60):
         record_request(engine, {"id": f"r{i}", "model": "m", "instruction": f"Write code {i}.", "user_input": "x",
-                                "input_tokens": 3, "max_tokens": 2000, "predicted_tokens": 40})
+                                "input_tokens": 3, "max_tokens": 2000, "predicted_tokens": 40,
+                                "predictor_version": "v1"})
         finish_request(engine, f"r{i}", status="done", actual_tokens=120 + i, finished=1000.0 + i)
+    record_request(engine, {"id": "cold", "model": "m", "instruction": "x", "user_input": "x", "input_tokens": 3,
+                            "max_tokens": 2000, "predicted_tokens": 2000})  # cold start: not learnt from
+    finish_request(engine, "cold", status="done", actual_tokens=5, finished=1000.5)
     assert svc.sync_completions() == 60
     after = asyncio.run(svc.predict_bounds(item, 2000))
     assert after.tokens == 40 and after.upper >= 170  # most of the 120..179 answers are now covered
