@@ -54,7 +54,7 @@ STATE_FILE = "online_conformal.json"
 WINDOW = 250
 GAMMA = 0.005  # Gibbs & Candès' step size
 MIN_ROWS = 30
-MAX_GROUPS = 2048  # instruction groups come and go; the least recently updated are dropped
+MAX_GROUPS = 512  # instruction groups come and go; the least recently updated are dropped (state ≤ ~2.5 MB)
 
 
 @dataclass
