@@ -191,6 +191,30 @@ class Settings(BaseSettings):
                              "of rank a waiting request gains per second; 0 = pure SPF, large = FCFS. 5 kept "
                              "p99 within 1.5x of vLLM's FCFS in the simulator (docs/benchmarks.md).")
 
+    # --- issue 20: online recalibration of the predictor's upper quantile (predictor/online_conformal.py)
+    predictor_online_conformal: bool = Field(
+        default=True, description="Recalibrate the q90 upper bound online from completions (rolling window + "
+        "adaptive conformal inference per pool × task / instruction); off: the model's static table only.")
+    predictor_online_window: int = Field(
+        default=250, ge=10, description="Completions per group in the online conformal window.")
+    predictor_online_gamma: float = Field(
+        default=0.005, ge=0.0, le=0.5, description="ACI step size γ (Gibbs & Candès 2021): how fast the level "
+        "reacts to misses of the upper bound.")
+    predictor_online_min_rows: int = Field(
+        default=30, ge=1, description="Scores a group needs before its own online bound is used "
+        "(fewer: the pool-wide online bound, then the model's static table).")
+    predictor_online_correction: bool = Field(
+        default=True, description="Also correct the point prediction online: a forgetting ridge on the log "
+        "residual over cross-source cues, learnt from completions (needs COHORT_PREDICTOR_ONLINE_CONFORMAL).")
+    predictor_online_forget: float = Field(
+        default=0.998, gt=0.0, le=1.0, description="Forgetting factor of the online correction per completion "
+        "(memory ≈ 1/(1−λ) completions).")
+    predictor_online_ridge: float = Field(
+        default=30.0, ge=0.0, description="Ridge penalty of the online correction (pulls it to no correction).")
+    predictor_online_interval_s: float = Field(
+        default=2.0, gt=0.0, description="How often the predictor service reads new completions from the "
+        "log DB to update the online bound.")
+
     def policy_params(self) -> dict:
         """Everything a policy factory may take; each policy picks what it uses."""
         slo = {"w1": self.slo_w1, "w2": self.slo_w2, "l1": self.slo_l1, "l2": self.slo_l2,

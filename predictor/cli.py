@@ -1,4 +1,4 @@
-"""`cohort predictor ...` commands: train, eval, register, versions, activate, embed.
+"""`cohort predictor ...` commands: train, eval, replay, register, versions, activate, embed.
 
 ``train`` fits on the 80 % split of each ``--data`` file, ``eval`` reports on the 20 % split (the
 split is seeded per file by ``cohort.datasets``), so evaluation never sees a training row.
@@ -327,6 +327,58 @@ def bench_service(
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(res, indent=2))
     typer.echo(json.dumps(res))
+
+
+@app.command("replay")
+def replay_command(
+    model: Path = typer.Option(..., help="Model directory (served through PredictorService)."),
+    data: list[Path] = typer.Option(..., help="JSONL data files, streamed in this order (file order within each)."),
+    json_out: Path = typer.Option(..., "--json", help="Where to write the windows / final JSON."),
+    plot: Path | None = typer.Option(None, help="PNG of coverage and τ / MAE per window."),
+    part: str = typer.Option("all", help="all | train | val: which split of each file is streamed."),
+    limit_per_file: int | None = typer.Option(None, help="At most N rows per file (seeded, order kept)."),
+    chunk: int = typer.Option(50, help="Rows predicted, then completed and learnt from, at a time."),
+    window: int = typer.Option(250, help="Rows per reported window."),
+    final: int = typer.Option(500, help="The final metrics are over the last N rows."),
+    task_labels: bool = typer.Option(False, help="Give the predictor each row's task (source) name; off: "
+                                     "unlabelled traffic, as a gateway that is not told the task sees it."),
+    online: bool = typer.Option(True, help="Online conformal recalibration (off: the static table only)."),
+    gamma: float | None = typer.Option(None, help="ACI step size (default COHORT_PREDICTOR_ONLINE_GAMMA)."),
+    online_window: int | None = typer.Option(None, help="Online window (default COHORT_PREDICTOR_ONLINE_WINDOW)."),
+) -> None:
+    """Stream rows in order through predict → complete → learn (the live code path) and report
+    τ, MAE and q90 coverage per window of rows and over the last rows. Starts from a fresh online
+    state (a temporary data dir), so runs do not leak into each other or into the live state."""
+    import tempfile
+
+    from predictor.replay import plot_replay, replay
+
+    if part not in ("all", "train", "val"):
+        raise typer.BadParameter("--part must be all, train or val")
+    base = _settings()
+    recs = load_split(data, part, limit_per_file=limit_per_file)
+    items, y = records_to_items(recs, base.model)
+    if not task_labels:
+        items = [PredictItem(it.instruction, it.user_input, it.input_tokens) for it in items]
+    with tempfile.TemporaryDirectory(prefix="cohort-replay-") as tmp:
+        upd: dict = {"predictor_dir": model, "data_dir": Path(tmp), "predictor_online_conformal": online,
+                     "database_url": f"sqlite:///{tmp}/replay.db"}
+        if gamma is not None:
+            upd["predictor_online_gamma"] = gamma
+        if online_window is not None:
+            upd["predictor_online_window"] = online_window
+        svc = PredictorService(base.model_copy(update=upd))
+        svc.maybe_reload(force=True)
+        typer.echo(f"replaying {len(items)} rows through {svc.model.kind if svc.model else None}", err=True)
+        res = replay(svc, items, y, sources=np.array([r.task for r in recs]), chunk=chunk, window=window,
+                     final=final, progress=True)
+        svc.close()
+    res = {"model": str(model), "data": [str(p) for p in data], "part": part, "task_labels": task_labels, **res}
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(res, indent=2))
+    if plot is not None:
+        plot_replay(res, plot, f"replay: {model.name} on {', '.join(p.name for p in data)}")
+    typer.echo(json.dumps({"final": res["final"], "windows": len(res["windows"])}))
 
 
 if __name__ == "__main__":  # `python -m predictor.cli` = `cohort predictor`

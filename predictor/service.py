@@ -14,6 +14,15 @@ prediction is ``max_tokens`` (memory-safe) or the number in ``settings.cold_star
 Predictions are clamped to [1, max_tokens]. A failing model never fails a request: it logs and
 answers with the cold-start value. ``predict_bounds`` also returns the model's conformal upper
 quantile (see ``predictor.conformal``), which the batcher plans memory with.
+
+The upper quantile is the *current* one (issue 20): with ``COHORT_PREDICTOR_ONLINE_CONFORMAL``
+(default on) the service reads completed requests from the log DB every
+``predictor_online_interval_s`` (off the event loop), corrects the point prediction by a
+residual model learnt online (``predictor.online_residual``, ``COHORT_PREDICTOR_ONLINE_CORRECTION``)
+and recalibrates the bound online per pool × task / instruction (``predictor.online_conformal``);
+the state is saved next to the registry's versions (``predictor.online_state``), so a restart
+continues from it. ``observe`` is that learning step, shared by the live
+path and ``cohort predictor replay``.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,11 +38,15 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cohort.logdb import finished_requests, get_db_engine
 from cohort.settings import Settings
 from predictor.base import META_FILE, LengthPredictor, PredictItem
 from predictor.conformal import predict_bounds
 from predictor.hotswap import HotSwap
 from predictor.loading import load_predictor
+from predictor.online_conformal import OnlineConformal
+from predictor.online_residual import OnlineResidual
+from predictor.online_state import STATE_FILE, load_state, save_state
 from predictor.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -61,11 +75,19 @@ class PredictorService:
                                                               reload_interval_s)
         self._reloading = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predictor")
-        self._pending: list[tuple[PredictItem, asyncio.Future]] = []
+        self._pending: list[tuple[PredictItem, str | None, asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
         self._runner_loop: asyncio.AbstractEventLoop | None = None
         self.batches_run = 0
         self.items_predicted = 0
+        self._online_lock = threading.Lock()
+        self.online_path = self.registry.root / STATE_FILE
+        self.online: OnlineConformal | None = None
+        self.residual: OnlineResidual | None = None
+        if settings.predictor_online_conformal:
+            self.online, self.residual = self._load_online()
+        self._syncing = False
+        self._next_sync = time.monotonic() + settings.predictor_online_interval_s
 
     # --- model state ----------------------------------------------------------------------------
     @property
@@ -154,15 +176,98 @@ class PredictorService:
         point, _, version = self.predict_many_bounds(items)
         return point, version
 
-    def predict_many_bounds(self, items: Sequence[PredictItem]
+    def predict_many_bounds(self, items: Sequence[PredictItem], pools: Sequence[str | None] | None = None
                             ) -> tuple[np.ndarray | None, np.ndarray | None, str | None]:
-        """(point, upper quantile, version) for a batch; upper is None when the model has no
-        conformal table, both are None when cold."""
+        """(point, upper quantile, version) for a batch; both are None when cold. The upper
+        quantile is the online one where it has learnt a bound for the item's group, else the
+        model's static table; upper is None only for a model without a table and no online bound."""
         model, version = self._swap.current
         if model is None or not items:
             return None, None, version
         point, upper = predict_bounds(model, items)
+        if self.online is not None:
+            static = getattr(model, "conformal", None)
+            with self._online_lock:
+                if self.residual is not None:
+                    self.residual.follow(version)
+                    point = self.residual.correct(items, point, pools)
+                    upper = None if static is None else static.upper(items, point)
+                live = self.online.upper(items, point, static, pools)
+            if upper is None and not np.isfinite(live).any():
+                return point, None, version
+            upper = np.where(np.isfinite(live), live, point if upper is None else upper)
         return point, upper, version
+
+    # --- online recalibration (issue 20) ----------------------------------------------------------
+    def _load_online(self) -> tuple[OnlineConformal, OnlineResidual | None]:
+        s = self.settings
+        conformal = {"window": s.predictor_online_window, "gamma": s.predictor_online_gamma,
+                     "min_rows": s.predictor_online_min_rows}
+        residual = ({"forget": s.predictor_online_forget, "ridge": s.predictor_online_ridge}
+                    if s.predictor_online_correction else None)
+        return load_state(self.online_path, conformal, residual)
+
+    def observe(self, items: Sequence[PredictItem], point: np.ndarray, actual: np.ndarray,
+                upper: np.ndarray | None = None, pools: Sequence[str | None] | None = None,
+                raw: np.ndarray | None = None) -> None:
+        """Learn from completed requests (in completion order): ``point`` and ``upper`` are what they
+        were predicted / planned with, ``raw`` the model's own prediction before the online
+        correction (None: predicted again now). No-op with online learning off."""
+        if self.online is None or not items:
+            return
+        model = self.model
+        if self.residual is not None and raw is None and model is not None:
+            # on the prediction thread: models keep LRU vector caches that one thread may touch at a time
+            raw = np.asarray(self._executor.submit(model.predict, list(items)).result(), float)
+        with self._online_lock:
+            self.online.update(items, np.asarray(point, float), np.asarray(actual, float),
+                               None if upper is None else np.asarray(upper, float),
+                               getattr(model, "conformal", None), pools)
+            if self.residual is not None and raw is not None:
+                self.residual.follow(self.version)
+                self.residual.update(items, raw, np.asarray(actual, float), pools)
+
+    def sync_completions(self, limit: int = 5000) -> int:
+        """Read requests completed since the saved cursor from the log DB, ``observe`` them and save
+        the state (restart-safe). Returns how many rows were learnt from."""
+        if self.online is None:
+            return 0
+        engine = get_db_engine(self.settings.database_url)
+        rows = finished_requests(engine, self.online.cursor, limit=limit)
+        if not rows:
+            return 0
+        # cold-start answers (no model version) and rows planned at max_tokens (cold start, ignore_eos)
+        # say nothing about the model's error: they would only pull the bound down
+        used = [r for r in rows if r.get("predicted_tokens") is not None and r.get("actual_tokens") is not None
+                and r.get("predictor_version") is not None
+                and (r.get("max_tokens") is None or r["predicted_tokens"] < r["max_tokens"])]
+        self.observe([PredictItem(r.get("instruction") or "", r.get("user_input") or "",
+                                  int(r.get("input_tokens") or 0), r.get("task")) for r in used],
+                     np.array([r["predicted_tokens"] for r in used], float),
+                     np.array([r["actual_tokens"] for r in used], float),
+                     pools=[r.get("model") for r in used])
+        with self._online_lock:
+            self.online.cursor = max(float(r["finished"]) for r in rows)
+            save_state(self.online_path, self.online, self.residual)
+        return len(used)
+
+    def _maybe_sync_background(self) -> None:
+        """From the event loop: at most every ``predictor_online_interval_s``, read completions off the loop."""
+        now = time.monotonic()
+        if self.online is None or self._syncing or now < self._next_sync:
+            return
+        self._syncing = True
+        self._next_sync = now + self.settings.predictor_online_interval_s
+
+        def work() -> None:
+            try:
+                self.sync_completions()
+            except Exception:  # the log DB may be briefly unavailable: the bound just stays as it is
+                log.exception("online conformal: reading completions failed")
+            finally:
+                self._syncing = False
+
+        threading.Thread(target=work, name="predictor-online", daemon=True).start()
 
     async def predict(self, item: PredictItem, max_tokens: int) -> tuple[int, str | None]:
         """Predicted generation tokens, clamped to [1, max_tokens], and the model version (None = cold).
@@ -170,16 +275,17 @@ class PredictorService:
         p = await self.predict_bounds(item, max_tokens)
         return p.tokens, p.version
 
-    async def predict_bounds(self, item: PredictItem, max_tokens: int) -> Prediction:
+    async def predict_bounds(self, item: PredictItem, max_tokens: int, pool: str | None = None) -> Prediction:
         """Point prediction and upper quantile, both clamped to [1, max_tokens] (upper ≥ point).
         Cold start: the cold value and ``max_tokens`` as the bound (nothing is known, so memory
         planning must assume the worst); a model without a conformal table gives ``upper=None``."""
         self._maybe_reload_background()
+        self._maybe_sync_background()
         if self.model is None:
             return Prediction(self.cold_value(max_tokens), max(1, int(max_tokens)), None)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self._pending.append((item, fut))
+        self._pending.append((item, pool, fut))
         if self._runner is None or self._runner.done() or self._runner_loop is not loop:
             self._runner_loop = loop
             self._runner = loop.create_task(self._drain())
@@ -196,16 +302,16 @@ class PredictorService:
         while self._pending:
             batch = self._pending[:self.max_batch]
             del self._pending[:self.max_batch]
-            items = [it for it, _ in batch]
+            items = [it for it, _, _ in batch]
             try:
                 preds, uppers, version = await loop.run_in_executor(self._executor, self.predict_many_bounds,
-                                                                    items)
+                                                                    items, [p for _, p, _ in batch])
             except Exception:
                 log.exception("prediction failed for a batch of %d; answering with cold start", len(items))
                 preds, uppers, version = None, None, None
             self.batches_run += 1
             self.items_predicted += len(items)
-            for i, (_, fut) in enumerate(batch):
+            for i, (_, _, fut) in enumerate(batch):
                 if not fut.done():
                     fut.set_result((None if preds is None else float(preds[i]),
                                     None if uppers is None else float(uppers[i]), version))
