@@ -193,7 +193,7 @@ async def _profile(app_state, served: ServedModel, subs: list[Submission], promp
         key = (sub.instruction, sub.user_input, input_tokens, sub.task, sub.max_tokens)
         if key not in predictions:
             item = PredictItem(sub.instruction, sub.user_input, input_tokens, sub.task)
-            predictions[key] = await app_state.predictor.predict_bounds(item, sub.max_tokens)
+            predictions[key] = await app_state.predictor.predict_bounds(item, sub.max_tokens, pool=served.path)
         predicted, upper, version = predictions[key]
         if sub.sampling.ignore_eos:  # the client fixed the length: max_tokens, unless a stop string ends it
             predicted, upper = sub.max_tokens, sub.max_tokens
