@@ -115,8 +115,8 @@ class Settings(BaseSettings):
         "fits beside them; unpadded, chunked prefill on paged KV (workers.continuous).")
     # --- continuous execution (issue 18) ---------------------------------------------------
     continuous_max_groups: int = Field(
-        default=16, ge=1, description="continuous: batches one instance runs at once (its Celery threads); "
-        "the batcher keeps at most one more waiting per instance.")
+        default=16, ge=1, description="continuous: batches one instance runs at once (the batcher sends no "
+        "more), and it keeps at most one more waiting per instance.")
     continuous_group_frac: float = Field(
         default=0.05, gt=0.0, le=1.0, description="continuous: the share of Θ the policy plans one batch (an "
         "admission group) with; small groups join a running set that is far from empty at many step boundaries "

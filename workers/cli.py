@@ -24,10 +24,13 @@ def _setup_logging() -> None:
 
 @app.callback()
 def worker(ctx: typer.Context) -> None:
-    """Load the model, register the instance, then consume the pool's queue (solo pool, 1 at a time;
-    under continuous execution a thread per running batch, all feeding one engine loop).
+    """Load the model, register the instance, then consume the pool's queue (solo pool: one task at
+    a time; under continuous execution a task hands its batch to the engine loop and returns, so
+    many batches run at once, each published by a thread of its own).
 
-    Solo or thread pool: the model lives in this process and CUDA is never initialised before a fork.
+    Solo pool: the model lives in this process and CUDA is never initialised before a fork. (Celery's
+    thread pool dies on a broker connection loss — kombu closes a channel whose connection is gone —
+    where the solo worker reconnects: measured with `cohort bench chaos`, Redis restarted.)
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -38,15 +41,13 @@ def worker(ctx: typer.Context) -> None:
     _setup_logging()
     s = get_settings()
     rt = runtime.start(s)
-    # Continuous execution runs several batches at once: each batch task (a thread) hands its group
-    # to the engine's loop and publishes what its rows produce; otherwise one batch at a time.
-    pool = ["--pool=threads", f"--concurrency={s.continuous_max_groups}"] if rt.loop else ["--pool=solo",
-                                                                                             "--concurrency=1"]
     try:
-        celery_app.worker_main(["worker", *pool, "-Q", queue_for_pool(s.pool),
+        celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_for_pool(s.pool),
                                 "-n", f"{rt.name}@%h", "--loglevel=INFO", "--without-gossip",
                                 "--without-mingle", "--prefetch-multiplier=1"])
     finally:
+        if rt.loop is not None:  # a warm shutdown lets the running rows finish
+            rt.loop.drain(s.request_timeout_s)
         rt.deregister()
 
 

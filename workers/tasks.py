@@ -11,6 +11,7 @@ under split recovery, that the batch outgrew memory).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -175,20 +176,29 @@ def _group_steps(rt: runtime.Runtime, b: Batch, handle: GroupHandle, rep: _Repor
 
 @celery_app.task(name=RUN_BATCH, acks_late=True)
 def run_batch_task(batch: dict[str, Any]) -> dict[str, Any]:
+    """Run a batch: on the padded path here, to its end; under continuous execution hand it to the
+    engine loop and return, its rows published by a thread of its own (``_drive``), so the solo
+    worker takes the next batch while this one runs. A worker that dies then loses the batch the
+    way it loses a running padded batch: the batcher sees its heartbeat go and resumes the rows
+    from their streams."""
     rt = runtime.get()
     b = Batch.from_dict(batch)
     if not _claim(rt, b.id):
         log.info("batch %s: already done, cancelled or claimed elsewhere; skipped", b.id)
         return {"batch_id": b.id, "skipped": True}
+    if rt.loop is None:
+        return _drive(rt, b, rt.engine.start(b.requests))
+    handle = rt.loop.submit(b, [rt.engine.request_prompt_ids(r) for r in b.requests])
+    threading.Thread(target=_drive, args=(rt, b, handle), name=f"batch-{b.id}", daemon=True).start()
+    return {"batch_id": b.id, "running": True}
+
+
+def _drive(rt: runtime.Runtime, b: Batch, run: DecodeRun | GroupHandle) -> dict[str, Any]:
+    """Publish the batch's steps until it ends, then tell the batcher and record the batch."""
     started = time.time()
     t0 = time.perf_counter()
     rep = _Reporter(rt, b, started)
-    if rt.loop is not None:  # continuous execution: the group joins the engine's running rows
-        run: DecodeRun | GroupHandle = rt.loop.submit(b, [rt.engine.request_prompt_ids(r) for r in b.requests])
-        steps = _group_steps(rt, b, run, rep)
-    else:
-        run = rt.engine.start(b.requests)
-        steps = _padded_steps(rt, b, run)
+    steps = _padded_steps(rt, b, run) if isinstance(run, DecodeRun) else _group_steps(rt, b, run, rep)
     base = dict(batch_id=b.id, instance=rt.name, size=b.size, started=started)
     batch_row = {"id": b.id, "created": b.created, "started": started, "instance": rt.name,
                  "model": rt.settings.model, "size": b.size, "input_len": b.input_len,
@@ -217,14 +227,14 @@ def run_batch_task(batch: dict[str, Any]) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     finished = time.time()
     generated = [rep.tokens.get(r.id, 0) for r in b.requests]
-    input_len, gen_len = (run.input_len, run.steps) if isinstance(run, DecodeRun) else (b.input_len, max(generated, default=0))
-    _complete(rt, CompletionEvent(outcome=BatchOutcome.DONE, finished=finished, input_len=input_len,
-                                  gen_len=gen_len, seconds=seconds, generated_tokens=generated,
-                                  answered=rep.answered, continuations=rep.continuations,
-                                  cancelled=rep.cancelled, **base))
+    padded = isinstance(run, DecodeRun)
+    _complete(rt, CompletionEvent(outcome=BatchOutcome.DONE, finished=finished,
+                                  input_len=run.input_len if padded else b.input_len,
+                                  gen_len=run.steps if padded else max(generated, default=0), seconds=seconds,
+                                  generated_tokens=generated, answered=rep.answered,
+                                  continuations=rep.continuations, cancelled=rep.cancelled, **base))
     record_batch(rt.db, {**batch_row, "finished": finished, "actual_gen_len": max(generated, default=0),
-                         "batch_time_s": seconds, "oom": False,
-                         "peak_mem_bytes": run.peak_kv_bytes if isinstance(run, DecodeRun) else None})
+                         "batch_time_s": seconds, "oom": False, "peak_mem_bytes": run.peak_kv_bytes if padded else None})
     if rep.continuations:
         log.info("batch %s: %d row(s) preempted and handed back with their tokens", b.id, len(rep.continuations))
     return {"batch_id": b.id, "seconds": seconds}
