@@ -144,7 +144,10 @@ class BatcherService:
         msgs = self._peek(self.keys.incoming, limit)
         for js in msgs:
             req = ProfiledRequest.from_dict(json.loads(js))
-            if self.redis.hsetnx(self.keys.pending, req.id, js):  # 0: already taken before a crash
+            # hsetnx 0: already taken, before a crash (then ``_recover`` put it in ``_waiting``) or by
+            # this very call whose reply a dropped connection lost before the client retried it (then
+            # nothing holds it but ``pending``: it is taken now, never left there forever)
+            if self.redis.hsetnx(self.keys.pending, req.id, js) or req.id not in self._waiting:
                 self._add(req, now)
         self._trim(self.keys.incoming, len(msgs))
         if msgs:

@@ -338,3 +338,17 @@ def test_a_lost_batch_never_reruns_a_row_whose_record_is_settled(r, tmp_path):
     register(r, "w2")
     svc.step(now=2.0)
     assert [q.id for q in sent[-1].requests] == ["q1"]
+
+
+def test_an_arrival_already_in_pending_but_unknown_to_the_batcher_is_taken(r, tmp_path):
+    """A Redis restart can drop the reply to the batcher's HSETNX after Redis applied it; the
+    client's retry then answers 0. Such a request is in ``pending`` and nowhere else: it must
+    still be scheduled, not left there until its client times out."""
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    svc.step(now=1.0)  # the policy exists; nothing waits
+    req = arrive(r, 7, t=1.5)
+    r.hset(KEYS.pending, req.id, json.dumps(req.to_dict()))  # applied, reply lost
+    svc.step(now=2.0)
+    assert [q.id for b in sent for q in b.requests] == ["q7"]
