@@ -1,9 +1,9 @@
 """API keys on /v1 (issue 21): who is calling, whether they may, and what they used.
 
 ``ApiKeys`` is ASGI middleware in front of every ``/v1/…`` route. With no key configured
-(``COHORT_API_KEYS``) or created (``/admin/keys``) the API is open, as before. Once any exists:
+(``COHORT_API_KEYS``) or created (``/admin/keys``) the API is open, as before. Once any exists (or ever existed: revoking the last one does not open it):
 
-- a missing or unknown key is answered 401 with OpenAI's error body (code ``invalid_api_key``);
+- a missing, unknown or revoked key is answered 401 with OpenAI's error body (code ``invalid_api_key``);
 - a key over its requests-per-minute, or whose tokens this minute are spent, is answered 429 with
   ``Retry-After`` (the seconds until the minute turns). The counters are Redis keys per key and
   minute, so every gateway process shares them;
@@ -62,7 +62,8 @@ class KeyMetrics:
 
 class KeyBook:
     """The valid keys (hash → limits): the configured ones and the log DB's unrevoked ones,
-    re-read every ``REFRESH_S``."""
+    re-read every ``REFRESH_S``. ``closed``: keys are in use — some are configured, or were ever
+    created (revoking the last key does not open the API to everyone)."""
 
     def __init__(self, s: Settings) -> None:
         self.s = s
@@ -70,15 +71,17 @@ class KeyBook:
                      for k in configured_keys(s.api_keys)}
         self._keys: dict[str, KeyLimits] = dict(self._env)
         self._read_at = 0.0
+        self.closed = bool(self._env)
         self.runner = runner_secret(s.data_dir)
 
     def refresh(self, db) -> None:
         keys = dict(self._env)
-        for k in jobdb.list_keys(db):
+        stored = jobdb.list_keys(db)
+        for k in stored:
             if k["revoked"] is None:
                 keys[k["hash"]] = KeyLimits(k["id"], self.s.api_key_rpm if k["rpm"] is None else k["rpm"],
                                             self.s.api_key_tpm if k["tpm"] is None else k["tpm"])
-        self._keys, self._read_at = keys, time.monotonic()
+        self._keys, self._read_at, self.closed = keys, time.monotonic(), bool(self._env or stored)
 
     async def current(self, db) -> dict[str, KeyLimits]:
         if time.monotonic() - self._read_at > REFRESH_S:
@@ -118,7 +121,7 @@ class ApiKeys:
         limits: KeyLimits | None = None
         if given is not None and given == book.runner:
             owner = dict(scope.get("headers") or []).get(RUNNER_HEADER.encode(), b"").decode("latin-1")
-        elif not keys:
+        elif not book.closed:
             owner = OPEN
         else:
             limits = keys.get(hash_key(given)) if given else None
