@@ -242,3 +242,27 @@ def test_a_row_is_answered_once_however_often_it_is_sent(tmp_path):
     assert jobdb.settle_row(db, r["id"], jobdb.ROW_DONE, "first") is True
     assert jobdb.settle_row(db, r["id"], jobdb.ROW_DONE, "second") is False
     assert jobdb.settled_lines(db, "batch-x", jobdb.ROW_DONE) == ["first"]
+
+
+def test_a_job_past_its_window_expires(tmp_path):
+    async def scenario():
+        async with gateway(tmp_path) as (app, client, _redis):  # no worker: the rows never finish
+            fid = (await upload(client, "\n".join(line(str(i)) for i in range(3)))).json()["id"]
+            b = (await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/chat/completions",
+                                                        "completion_window": "2s"})).json()
+            runner = JobRunner(app.state.settings, client=httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://gw", timeout=30))
+            await runner.step()
+            await asyncio.sleep(2.2)
+            await runner.step()
+            final = (await client.get(f"/v1/batches/{b['id']}")).json()
+            err = (await client.get(f"/v1/files/{final['error_file_id']}/content")).text
+            bad_window = await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/chat/completions",
+                                                                "completion_window": "48h"})
+            return final, err, bad_window
+
+    final, err, bad_window = asyncio.run(scenario())
+    assert final["status"] == "expired" and final["expired_at"] and final["output_file_id"] is None
+    assert final["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    assert {json.loads(e)["error"]["code"] for e in err.splitlines()} == {"batch_expired"}
+    assert bad_window.status_code == 400 and bad_window.json()["error"]["param"] == "completion_window"
