@@ -21,6 +21,9 @@ from pathlib import Path
 
 KEY_PREFIX = "sk-cohort-"
 RUNNER_HEADER = "x-cohort-batch-owner"  # the runner names the job's key id in it
+# The gateway sets this Redis key (a timestamp) when interactive generation requests arrive; the
+# job runner reads it to keep fewer rows in flight while they do (offline.runner).
+INTERACTIVE_SEEN_KEY = "cohort:offline:interactive_seen"
 
 
 def hash_key(key: str) -> str:

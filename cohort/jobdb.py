@@ -223,11 +223,15 @@ def settle_row(engine: Engine, row_id: str, status: str, line: str) -> bool:
         return bool(res.rowcount)
 
 
-def release_row(engine: Engine, row_id: str) -> None:
-    """A running row goes back to pending (a transient failure: it is sent again)."""
+def release_row(engine: Engine, row_id: str, refund: bool = False) -> None:
+    """A running row goes back to pending (a transient failure: it is sent again); ``refund``:
+    the attempt does not count (the request never reached the gateway)."""
+    values: dict[str, Any] = {"status": ROW_PENDING}
+    if refund:
+        values["attempts"] = batch_rows.c.attempts - 1
     with engine.begin() as conn:
         conn.execute(update(batch_rows).where(batch_rows.c.id == row_id, batch_rows.c.status == ROW_RUNNING)
-                     .values(status=ROW_PENDING))
+                     .values(**values))
 
 
 def release_all_running(engine: Engine) -> int:

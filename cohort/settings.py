@@ -188,8 +188,15 @@ class Settings(BaseSettings):
     offline_urgent_after: float = Field(default=0.5, ge=0.0, le=1.0, description="Fraction of the completion "
                                         "window after which a job's rows rise linearly from COHORT_OFFLINE_PRIORITY "
                                         "to 0, reached at 90 % of the window.")
-    offline_max_attempts: int = Field(default=5, ge=1, description="Times a row is sent again after a transient "
-                                      "failure (gateway gone, 429, 503, a lost worker) before its error is final.")
+    offline_yield_outstanding: int = Field(default=8, ge=1, description="Rows of batch jobs the runner keeps in "
+                                           "flight while interactive requests arrive (within COHORT_OFFLINE_YIELD_S): "
+                                           "a batch cannot be interrupted, so small background batches keep the wait "
+                                           "of an interactive request short.")
+    offline_yield_s: float = Field(default=10.0, ge=0.0, description="How long after the last interactive request "
+                                   "the runner keeps yielding (COHORT_OFFLINE_YIELD_OUTSTANDING); 0: never yields.")
+    offline_max_attempts: int = Field(default=8, ge=1, description="Times a row is sent again after a transient "
+                                      "failure (429, 503, a lost worker; backing off exponentially up to 30 s) before its error is final. A gateway "
+                                      "that does not answer at all costs no attempt: the runner waits for it.")
     offline_poll_s: float = Field(default=0.5, gt=0.0, description="How often the job runner looks for new, "
                                   "cancelled and finished jobs.")
 

@@ -30,7 +30,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cohort import jobdb
-from cohort.apikeys import RUNNER_HEADER, configured_keys, env_key_id, hash_key, runner_secret
+from cohort.apikeys import (
+    INTERACTIVE_SEEN_KEY,
+    RUNNER_HEADER,
+    configured_keys,
+    env_key_id,
+    hash_key,
+    runner_secret,
+)
 from cohort.settings import Settings
 from gateway.errors import APIError
 
@@ -109,6 +116,18 @@ class ApiKeys:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self._seen_at = 0.0  # when this process last told the job runner of interactive traffic
+
+    async def _mark_interactive(self, st) -> None:
+        """Tell the job runner interactive requests are arriving (at most once a second per process)."""
+        now = time.time()
+        if now - self._seen_at < 1.0:
+            return
+        self._seen_at = now
+        try:
+            await st.redis.set(INTERACTIVE_SEEN_KEY, str(now), ex=3600)
+        except Exception:  # a hint for the runner: never worth failing a request over
+            log.debug("could not mark interactive traffic", exc_info=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -119,7 +138,10 @@ class ApiKeys:
         given = _bearer(scope)
         keys = await book.current(st.db)
         limits: KeyLimits | None = None
-        if given is not None and given == book.runner:
+        from_runner = given is not None and given == book.runner
+        if not from_runner and scope["path"] in COUNTED:
+            await self._mark_interactive(st)
+        if from_runner:
             owner = dict(scope.get("headers") or []).get(RUNNER_HEADER.encode(), b"").decode("latin-1")
         elif not book.closed:
             owner = OPEN

@@ -30,8 +30,8 @@ from typing import Any
 
 import httpx
 
-from cohort import jobdb
-from cohort.apikeys import RUNNER_HEADER, runner_secret
+from cohort import bus, jobdb
+from cohort.apikeys import INTERACTIVE_SEEN_KEY, RUNNER_HEADER, runner_secret
 from cohort.filestore import FileStore
 from cohort.settings import Settings
 from offline.lines import DONE, RETRY, error_line, outcome, parse_input, response_line
@@ -39,7 +39,9 @@ from offline.lines import DONE, RETRY, error_line, outcome, parse_input, respons
 log = logging.getLogger("cohort.offline")
 
 URGENT_AT = 0.9  # fraction of the window at which a job's rows reach priority 0
-BACKOFF_S = 1.0
+BACKOFF_S = 1.0  # the first wait before a row is sent again; doubled each attempt, up to MAX_BACKOFF_S
+MAX_BACKOFF_S = 30.0
+GATEWAY_WAIT_S = 2.0  # a gateway that did not answer: no row is sent for this long
 
 
 def row_priority(s: Settings, now: float, started: float, expires: float) -> int:
@@ -63,6 +65,22 @@ class JobRunner:
         self.secret = runner_secret(s.data_dir)
         self.tasks: dict[str, dict[str, asyncio.Task]] = {}  # batch id -> row id -> its sending task
         self._turn = 0
+        self._paused_until = 0.0  # the gateway did not answer: wait before sending more
+        self.redis = bus.connect_async(s.redis_url) if s.redis_url else None  # only for the interactive hint
+
+    async def in_flight_limit(self) -> int:
+        """COHORT_OFFLINE_MAX_OUTSTANDING, or COHORT_OFFLINE_YIELD_OUTSTANDING while interactive
+        requests arrive: a running batch cannot be interrupted, so while interactive traffic is
+        there the background rows go in small batches that finish soon."""
+        s = self.s
+        if self.redis is None or s.offline_yield_s <= 0:
+            return s.offline_max_outstanding
+        try:
+            seen = float(await self.redis.get(INTERACTIVE_SEEN_KEY) or 0)
+        except Exception:  # Redis away: the gateway will refuse rows anyway; no hint
+            return s.offline_max_outstanding
+        recent = time.time() - seen < s.offline_yield_s
+        return min(s.offline_yield_outstanding, s.offline_max_outstanding) if recent else s.offline_max_outstanding
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
@@ -84,6 +102,8 @@ class JobRunner:
                 for t in rows.values():
                     t.cancel()
             await self.client.aclose()
+            if self.redis is not None:
+                await self.redis.aclose()
 
     async def step(self) -> None:
         """One round: validate new jobs, stop cancelled and expired ones, finish done ones, send rows."""
@@ -173,8 +193,10 @@ class JobRunner:
 
     async def _fill(self, live: list[dict[str, Any]]) -> None:
         """Send pending rows while fewer than the limit are in flight, the jobs taking turns."""
-        free = self.s.offline_max_outstanding - sum(len(t) for t in self.tasks.values())
-        if free <= 0 or not live:
+        if not live or time.monotonic() < self._paused_until:
+            return
+        free = await self.in_flight_limit() - sum(len(t) for t in self.tasks.values())
+        if free <= 0:
             return
         self._turn = (self._turn + 1) % len(live)
         order = live[self._turn:] + live[:self._turn]
@@ -204,14 +226,15 @@ class JobRunner:
         headers = {"authorization": f"Bearer {self.secret}", RUNNER_HEADER: b["owner"]}
         try:
             resp = await self.client.post(b["endpoint"], json=body, headers=headers)
-        except httpx.HTTPError as e:
-            kind, status, rid, answer = RETRY, 503, None, {"error": {"message": f"the gateway did not answer: {e}",
-                                                                     "type": "server_error", "param": None,
-                                                                     "code": "gateway_unavailable"}}
-        else:
-            (kind, answer), status, rid = outcome(resp), resp.status_code, resp.headers.get("x-request-id")
+        except httpx.HTTPError as e:  # the gateway is down or restarting: no attempt spent, wait for it
+            log.warning("batch %s row %s: the gateway did not answer (%s); sent again later", b["id"], r["idx"], e)
+            self._paused_until = time.monotonic() + GATEWAY_WAIT_S
+            await asyncio.sleep(GATEWAY_WAIT_S)
+            await asyncio.to_thread(jobdb.release_row, self.db, r["id"], True)
+            return
+        (kind, answer), status, rid = outcome(resp), resp.status_code, resp.headers.get("x-request-id")
         if kind == RETRY and r["attempts"] < self.s.offline_max_attempts:
-            await asyncio.sleep(BACKOFF_S * r["attempts"])
+            await asyncio.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (r["attempts"] - 1)))
             await asyncio.to_thread(jobdb.release_row, self.db, r["id"])
             return
         line = response_line(b["id"], r["idx"], r["custom_id"], status, rid, answer)

@@ -266,3 +266,19 @@ def test_a_job_past_its_window_expires(tmp_path):
     assert final["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
     assert {json.loads(e)["error"]["code"] for e in err.splitlines()} == {"batch_expired"}
     assert bad_window.status_code == 400 and bad_window.json()["error"]["param"] == "completion_window"
+
+
+def test_the_runner_yields_while_interactive_requests_arrive(tmp_path):
+    async def scenario():
+        async with gateway(tmp_path, offline_max_outstanding=100, offline_yield_outstanding=4) as (app, client, redis):
+            runner = JobRunner(app.state.settings, client=httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://gw"))
+            runner.redis = redis
+            idle = await runner.in_flight_limit()
+            async with answering(redis):
+                r = await client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
+            busy = await runner.in_flight_limit()
+            return idle, r.status_code, busy
+
+    idle, status, busy = asyncio.run(scenario())
+    assert (idle, status, busy) == (100, 200, 4)
