@@ -3,13 +3,14 @@ and how it shares the stack with interactive traffic.
 
 One fresh stack (its own redis-server with an append-only file, SQLite log DB; worker, batcher,
 gateway and the job runner as processes; length emulation on, so every row generates exactly
-its ``max_tokens``). Phases, each optional:
+its ``max_tokens``). Phases, each optional, run in this order:
 
+- ``job``: the job through the Batch API, nothing else running: offline throughput (rows/s, tokens/s);
 - ``interactive``: the job's rows sent as ordinary interactive requests, as many in flight as the
   runner keeps — the stack's throughput at saturation on this workload (the 1.0 of the ratio);
 - ``probe``: a light interactive load alone (one request every ``probe_gap_s``): its p50 latency;
-- ``job+probe``: the same job through the Batch API with the probe running: offline throughput
-  (rows/s, tokens/s) and the probe's p50 while the job runs;
+- ``job+probe``: the same job with the probe running: the probe's p50 while the job runs (the job
+  yields: COHORT_OFFLINE_YIELD_OUTSTANDING rows in flight while interactive requests arrive);
 - ``chaos``: the job again, with a worker SIGKILL, a job-runner SIGKILL and a gateway SIGKILL
   (each started again, as ``cohort serve`` does) at fractions of the job. Checked: every
   ``custom_id`` of the input is in the output or error file exactly once.
@@ -38,7 +39,7 @@ from procstack.stack import Stack, free_port
 KEY = "sk-bench-batch"
 PROMPTS = ("Summarise the news.", "Translate to French: good morning.", "Write a haiku about rain.",
            "List three prime numbers.", "Explain static batching in one sentence.", "Name a colour.")
-PHASES = ("interactive", "probe", "job+probe", "chaos")
+PHASES = ("job", "interactive", "probe", "job+probe", "chaos")
 
 
 def job_lines(rows: int, lo: int, hi: int, seed: int) -> list[dict[str, Any]]:
@@ -192,6 +193,9 @@ def run(rows: int, workdir: Path, phases: list[str], outstanding: int, lo: int, 
                                          "policy": os.environ.get("COHORT_POLICY", "magnus")}}
 
     async def main(bs: BenchStack) -> None:
+        if "job" in phases:  # first: no interactive request has been seen yet, the job does not yield
+            result["job"] = await run_job(bs, lines)
+            echo(f"job alone: {result['job']}")
         if "interactive" in phases:
             result["interactive"] = await interactive(bs.url, lines, outstanding)
             echo(f"interactive: {result['interactive']}")
@@ -217,9 +221,9 @@ def run(rows: int, workdir: Path, phases: list[str], outstanding: int, lo: int, 
 
     with BenchStack(workdir / time.strftime("%Y%m%d-%H%M%S"), outstanding) as bs:
         asyncio.run(main(bs))
-    base, job = result.get("interactive"), result.get("job+probe")
-    if base and job:
-        result["offline_vs_interactive_throughput"] = round(job["rows_per_s"] / base["rows_per_s"], 3)
+    base, alone, job = result.get("interactive"), result.get("job"), result.get("job+probe")
+    if base and alone:
+        result["offline_vs_interactive_throughput"] = round(alone["rows_per_s"] / base["rows_per_s"], 3)
     if result.get("probe", {}).get("p50_s") and job and job["probe"]["p50_s"]:
         result["probe_p50_with_job_vs_alone"] = round(job["probe"]["p50_s"] / result["probe"]["p50_s"], 3)
     return result

@@ -6,6 +6,8 @@ other's files and batches, and no key answered 401."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import httpx
@@ -97,3 +99,19 @@ def test_cancel_stops_the_queued_rows(stack, runner):
     assert {e["error"]["code"] for e in errs} == {"batch_cancelled"} and len(errs) == counts.failed
     if final.output_file_id:  # rows finished before the cancel are kept
         assert len(a.files.content(final.output_file_id).text.splitlines()) == counts.completed
+
+
+def test_cohort_batch_run_writes_one_line_per_input_line(stack, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [row("x0"), json.dumps({"custom_id": "x1", "method": "POST", "url": "/v1/completions",
+                                    "body": {"prompt": "Once", "max_tokens": 3}}), "{broken", row("x2")]
+    src.write_text("\n".join(lines) + "\n")
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "batch", "run", str(src), "-o", str(out),
+                           "--url", stack.url, "--api-key", KEY_A], env=stack.env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [g["custom_id"] for g in got] == ["x0", "x1", None, "x2"]
+    assert [g["response"]["status_code"] if g["response"] else g["error"]["code"] for g in got] == [
+        200, 200, "invalid_json", 200]
+    assert got[1]["response"]["body"]["object"] == "text_completion"
