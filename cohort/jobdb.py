@@ -56,6 +56,9 @@ batch_jobs = Table(
     Column("failed", Integer, default=0),
 )
 
+# The endpoints a batch's rows may call (POST /v1/batches checks it; `cohort batch run` reads it).
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+
 ROW_PENDING, ROW_RUNNING, ROW_DONE, ROW_ERROR = "pending", "running", "done", "error"
 
 batch_rows = Table(

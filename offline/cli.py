@@ -21,6 +21,7 @@ import httpx
 import typer
 from tqdm import tqdm
 
+from cohort import jobdb
 from cohort.settings import get_settings
 from offline.lines import DONE, RETRY, outcome, parse_input, response_line
 from offline.runner import BACKOFF_S, JobRunner
@@ -28,7 +29,7 @@ from offline.runner import BACKOFF_S, JobRunner
 app = typer.Typer(help="Offline jobs: the Batch API's job runner and batch files from the command line.",
                   no_args_is_help=True)
 log = logging.getLogger("cohort.offline")
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = jobdb.BATCH_ENDPOINTS
 
 
 @app.command()

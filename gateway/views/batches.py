@@ -30,7 +30,7 @@ from gateway.views.files import owned_file
 
 router = APIRouter(tags=["batches"])
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = jobdb.BATCH_ENDPOINTS
 CANCELLABLE = ("validating", "in_progress")
 _WINDOW = re.compile(r"(\d{1,6})(s|m|h)")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600}
