@@ -17,6 +17,7 @@ from cohort.tokenizer import prompt_token_counts
 from gateway import openapi as openapi_doc
 from gateway.admin import make_admin_router
 from gateway.auth import ApiKeys, KeyBook, KeyMetrics
+from gateway.batch_metrics import BatchJobs
 from gateway.errors import RequestIds, install_error_handlers
 from gateway.metrics import CountRequests, GatewayMetrics
 from gateway.submit import PoolView
@@ -58,6 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.predictor = PredictorService(s)  # cheap; the model loads in the lifespan (warmup)
     app.state.keys = KeyBook(s)
     app.state.key_metrics = KeyMetrics(app.state.metrics.registry)
+    BatchJobs(app.state, app.state.metrics.registry)
     app.add_middleware(ApiKeys)  # inside BodyLimit: a body too large is refused before the key is looked up
     app.add_middleware(BodyLimit, max_chars=s.max_text_chars, large={"/v1/files": s.max_file_bytes})
     app.add_middleware(CountRequests, metrics=app.state.metrics)  # outside BodyLimit: 413s are counted

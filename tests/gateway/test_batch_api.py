@@ -90,9 +90,11 @@ def test_a_job_runs_through_the_gateway_with_bad_lines_in_the_error_file(tmp_pat
                 done = await run_job(app, client, created.json()["id"])
             out = (await client.get(f"/v1/files/{done['output_file_id']}/content")).text
             err = (await client.get(f"/v1/files/{done['error_file_id']}/content")).text
-            return created.json(), done, out, err
+            metrics = (await client.get("/metrics")).text
+            return created.json(), done, out, err, metrics
 
-    created, done, out, err = asyncio.run(scenario())
+    created, done, out, err, metrics = asyncio.run(scenario())
+    assert 'cohort_batch_jobs{status="completed"} 1.0' in metrics
     assert created["status"] == "validating" and created["metadata"] == {"k": "v"} and created["object"] == "batch"
     assert done["status"] == "completed", done
     assert done["request_counts"] == {"total": 7, "completed": 2, "failed": 5}
