@@ -182,7 +182,7 @@ def _check(bs: BenchStack, b: dict, lines: list[dict], out: str, err: str, wall:
             "tokens_per_s": round(tokens / wall, 1), "kills": events}
 
 
-def run(rows: int, workdir: Path, phases: list[str], outstanding: int, lo: int, hi: int, seed: int,
+def run_batch_bench(rows: int, workdir: Path, phases: list[str], outstanding: int, lo: int, hi: int, seed: int,
         kills: dict[float, str], probe_gap_s: float, probe_s: float,
         echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Every asked phase on one stack; the result (what ``--json`` writes)."""

@@ -26,7 +26,7 @@ import typer
 from tqdm import tqdm
 
 from bench.batch_job import PHASES as BATCH_PHASES
-from bench.batch_job import run as run_batch_job
+from bench.batch_job import run_batch_bench as run_batch_job
 from bench.chaos import EXPERIMENTS, Outcome, run_all
 from bench.live import check_loopback, run_live_sync
 from bench.live_stack import parse_env, spawned_stack
