@@ -25,6 +25,8 @@ import typer
 from tqdm import tqdm
 
 from batcher.policies.spf import DEFAULT_AGING
+from bench.batch_job import PHASES as BATCH_PHASES
+from bench.batch_job import run_batch_bench as run_batch_job
 from bench.chaos import EXPERIMENTS, Outcome, run_all
 from bench.continuous import EngineLimits
 from bench.continuous_run import CB_FCFS, DEFAULT_GROUP_FRAC, physical_bound
@@ -314,3 +316,37 @@ def adaptive(
                  f"{gpu_pages} GPU pages, {host_pages} host pages, {c['engine']}")
         p = plot_adaptive(result["runs"], plot or json_out.with_suffix(".png"), title)
         typer.echo(f"wrote {p}", err=True)
+
+
+@app.command("batch-job")
+def batch_job(
+    rows: int = typer.Option(500, min=1, help="Requests in the job."),
+    phases: str = typer.Option("chaos", help=f"Comma-separated, in this order: {', '.join(BATCH_PHASES)}."),
+    outstanding: int = typer.Option(128, min=1, help="Rows the job runner keeps in flight (and the interactive "
+                                    "phase's concurrency)."),
+    min_tokens: int = typer.Option(8, min=1), max_tokens: int = typer.Option(48, min=1),
+    seed: int = 0,
+    kills: str = typer.Option("0.25:worker,0.45:batch-runner,0.65:gateway",
+                              help="FRACTION:PROCESS pairs: SIGKILL the process (and start it again) once that "
+                              "fraction of the job's rows is answered (chaos phase)."),
+    probe_gap_s: float = typer.Option(1.0, help="The probe's gap between interactive requests."),
+    probe_s: float = typer.Option(30.0, help="How long the probe runs alone."),
+    workdir: Path = typer.Option(Path("var/bench/batch-job")),
+    json_out: Path = typer.Option(None, "--json"),
+) -> None:
+    """A Batch API job on a fresh local stack (issue 21): through worker, job-runner and gateway
+    SIGKILLs, checking every custom_id is answered exactly once; and its throughput and the
+    interactive p50 next to it, against the same rows sent as interactive requests."""
+    names = [p.strip() for p in phases.split(",") if p.strip()]
+    if bad := sorted(set(names) - set(BATCH_PHASES)):
+        raise typer.BadParameter(f"unknown phases {bad}; choose from {list(BATCH_PHASES)}")
+    plan = {float(f): name for f, _, name in (k.partition(":") for k in kills.split(",") if k.strip())}
+    result = run_batch_job(rows, workdir, names, outstanding, min_tokens, max_tokens, seed, plan, probe_gap_s,
+                           probe_s, echo=typer.echo)
+    typer.echo(json.dumps(result, indent=2))
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    chaos = result.get("chaos")
+    if chaos and (chaos["missing"] or chaos["duplicated"] or chaos["status"] != "completed"):
+        raise typer.Exit(1)

@@ -215,6 +215,45 @@ class Settings(BaseSettings):
         default=2.0, gt=0.0, description="How often the predictor service reads new completions from the "
         "log DB to update the online bound.")
 
+    # --- issue 21: Batch API (files, batches, job runner) and API keys --------------------
+    api_keys: str | None = Field(
+        default=None, description="Comma-separated API keys for /v1 (more can be created through /admin/keys). "
+        "With none configured or created, /v1 is open; with any, a missing or wrong key gets 401.")
+    api_key_rpm: int = Field(default=0, ge=0, description="Requests per minute one API key may make "
+                             "(429 with Retry-After beyond); 0 = no limit. A key created through /admin may set its own.")
+    api_key_tpm: int = Field(default=0, ge=0, description="Tokens (prompt + completion) per minute one API key may "
+                             "use; once spent, its next requests get 429 until the minute turns. 0 = no limit.")
+    files_dir: Path | None = Field(default=None, description="Where uploaded and batch output files are kept; "
+                                   "unset: <COHORT_DATA_DIR>/files.")
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1, description="Largest file POST /v1/files takes (413 beyond).")
+    batch_max_rows: int = Field(default=50_000, ge=1, description="Most requests one batch input file may hold.")
+    offline_gateway_url: str | None = Field(
+        default=None, description="Where the job runner sends a job's rows (the gateway's submit path); "
+        "unset: http://<COHORT_HOST>:<COHORT_PORT>.")
+    offline_max_outstanding: int = Field(default=64, ge=1, description="Rows of batch jobs the runner keeps "
+                                         "in flight at once (all jobs together): the background work's share of the queue.")
+    offline_priority: int = Field(default=10, description="Request priority of a job's rows while its window is "
+                                  "young (lower is served earlier; interactive requests default to 0).")
+    offline_urgent_after: float = Field(default=0.5, ge=0.0, le=1.0, description="Fraction of the completion "
+                                        "window after which a job's rows rise linearly from COHORT_OFFLINE_PRIORITY "
+                                        "to 0, reached at 90 % of the window.")
+    offline_yield_outstanding: int = Field(default=8, ge=1, description="Rows of batch jobs the runner keeps in "
+                                           "flight while interactive requests arrive (within COHORT_OFFLINE_YIELD_S): "
+                                           "a batch cannot be interrupted, so small background batches keep the wait "
+                                           "of an interactive request short.")
+    offline_yield_s: float = Field(default=10.0, ge=0.0, description="How long after the last interactive request "
+                                   "the runner keeps yielding (COHORT_OFFLINE_YIELD_OUTSTANDING); 0: never yields.")
+    offline_max_attempts: int = Field(default=8, ge=1, description="Times a row is sent again after a transient "
+                                      "failure (429, 503, a lost worker; backing off exponentially up to 30 s) before its error is final. A gateway "
+                                      "that does not answer at all costs no attempt: the runner waits for it.")
+    offline_poll_s: float = Field(default=0.5, gt=0.0, description="How often the job runner looks for new, "
+                                  "cancelled and finished jobs.")
+
+    @property
+    def resolved_files_dir(self) -> Path:
+        """The file store's folder (COHORT_FILES_DIR, else under the data folder)."""
+        return self.files_dir or self.data_dir / "files"
+
     def policy_params(self) -> dict:
         """Everything a policy factory may take; each policy picks what it uses."""
         slo = {"w1": self.slo_w1, "w2": self.slo_w2, "l1": self.slo_l1, "l2": self.slo_l2,

@@ -32,8 +32,9 @@ GENERATION = {"/v1/generate", "/v1/completions", "/v1/chat/completions"}
 REASONS = {
     400: "Invalid request: a field out of range or unsupported (named in error.param), a prompt that is "
          "empty once tokenized, too long, or that cannot fit an instance's KV memory.",
-    401: "Missing or wrong admin token.",
+    401: "Missing or wrong admin token (/admin), or API key (/v1, once keys are configured or created).",
     404: "Unknown model (model_not_found) or unknown resource.",
+    409: "The batch cannot be cancelled in its status (completed, failed, expired).",
     413: "Request body larger than any valid request (COHORT_MAX_TEXT_CHARS).",
     429: "The queue is full (queue_full): refused, or shed for a more urgent request. Retry after Retry-After.",
     500: "The worker failed the batch that ran this request (batch_failed).",
@@ -48,10 +49,15 @@ def statuses(path: str, method: str) -> list[int]:
     if path.startswith("/admin"):  # behind the bearer token; a body can be invalid, a version unknown
         return [401] + ([400] if method == "post" else []) + ([404] if "{" in path else [])
     if path in GENERATION:
-        out = [400, 413, 429, 500, 503, 504, 507]
+        out = [400, 401, 413, 429, 500, 503, 504, 507]
         return out + [404] if path != "/v1/generate" else out
+    if path.startswith(("/v1/files", "/v1/batches")):  # issue 21: keys (401, 429), another key's object (404)
+        out = [401, 429] + ([404] if "{" in path or method == "post" else [])
+        out += [400] if "{" not in path else []
+        out += [413] if path == "/v1/files" and method == "post" else []
+        return out + ([409] if path.endswith("/cancel") else [])
     if path.startswith("/v1/models"):
-        return [404, 503] if "{" in path else [503]
+        return [401, 404, 503] if "{" in path else [401, 503]
     if path == "/health":
         return [503]
     return []

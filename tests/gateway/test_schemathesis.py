@@ -97,7 +97,11 @@ def test_openapi_declares_what_the_api_answers(served):
 # Every operation of the document, fuzzed as a test of its own (a failure names its route);
 # test_every_operation_is_fuzzed keeps this list equal to what the gateway serves.
 OPERATIONS = ["POST /v1/generate", "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
-              "GET /v1/models/{model_id}", "GET /health", "GET /metrics"]
+              "GET /v1/models/{model_id}", "GET /health", "GET /metrics",
+              # the Batch API (issue 21)
+              "POST /v1/files", "GET /v1/files", "GET /v1/files/{file_id}", "GET /v1/files/{file_id}/content",
+              "DELETE /v1/files/{file_id}", "POST /v1/batches", "GET /v1/batches", "GET /v1/batches/{batch_id}",
+              "POST /v1/batches/{batch_id}/cancel"]
 
 
 @pytest.fixture(scope="module")
