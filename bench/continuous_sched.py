@@ -9,7 +9,7 @@
   HRRN, VS…) still forms and orders batches, each planned with the policy's own KV rule under an
   admission budget (a share of Θ); a batch is an *admission group* the instance takes at a step
   boundary as soon as the KV peak of its rows plus the running rows, on planned lengths (q90 when
-  the predictor gives one), fits Θ (``batcher.elastic.rows_kv_peak``). Rows that run out of pages
+  the predictor gives one), fits Θ (``batcher.elastic.admission_kv_tokens``). Rows that run out of pages
   anyway (under-predicted) are evicted largest predicted remaining first
   (``batcher.elastic.eviction_order``) and re-enter the policy as continuations.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from batcher.elastic import eviction_order, rows_kv_peak
+from batcher.elastic import admission_kv_tokens, eviction_order
 from batcher.policies.base import Policy
 from bench.continuous import EngineLimits, SimInstance, SimRow
 from cohort.types import Batch, ProfiledRequest
@@ -138,11 +138,7 @@ class GroupScheduler:
         for q in (*joining, *group.requests):
             ctx.append(q.input_tokens)
             left.append(max(1, q.planned_tokens))
-        # each row's last page is partly empty: half a page on average (fills are spread evenly, so
-        # the sum over dozens of rows stays close to it); the worst case, a page less one token per
-        # row, reserved 18 % of a 4,096-token Θ at 50 rows and cost 6 % throughput (docs/benchmarks.md)
-        slack = (self.limits.page_tokens // 2) * len(ctx)
-        return rows_kv_peak(ctx, left) + slack <= inst.capacity_tokens
+        return admission_kv_tokens(ctx, left, self.limits.page_tokens) <= inst.capacity_tokens
 
     def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]:
         out: list[ProfiledRequest] = []

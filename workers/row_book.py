@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from batcher.elastic import eviction_order, rows_kv_peak
+from batcher.elastic import admission_kv_tokens, eviction_order
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -150,14 +150,13 @@ class RowBook:
         return plan
 
     def planned_peak(self, joining: list[tuple[int, int]] = ()) -> int:
-        """KV tokens the running rows (plus ``joining`` rows, (context, planned remaining)) need at
-        their peak if each leaves after its planned remaining tokens (``batcher.elastic.rows_kv_peak``),
-        plus up to one partly filled page per row."""
+        """KV tokens the running rows (plus ``joining`` rows, (context, planned remaining)) are
+        planned to need (``batcher.elastic.admission_kv_tokens``)."""
         ctx = [r.prompt_len + max(0, r.computed - r.prompt_len) for r in self.rows.values()]
         rem = [r.planned_remaining for r in self.rows.values()]
         ctx += [c for c, _ in joining]
         rem += [g for _, g in joining]
-        return rows_kv_peak(ctx, rem) + len(ctx) * (self.page_size - 1)
+        return admission_kv_tokens(ctx, rem, self.page_size)
 
     @property
     def capacity_tokens(self) -> int:

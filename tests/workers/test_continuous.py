@@ -108,7 +108,7 @@ def test_a_group_waits_until_its_plan_fits_beside_the_running_rows(engine):
     a = [req(0, PROMPTS[0], max_tokens=30, emulated_tokens=30), req(1, PROMPTS[1], max_tokens=30, emulated_tokens=30)]
     b = [req(3, PROMPTS[3], max_tokens=30, emulated_tokens=5, predicted=30)]
     outs, done, admitted = drive(run, {0: [("A", a), ("B", b)]}, engine)
-    assert admitted["A"] == 0 and 5 < admitted["B"] < 29
+    assert admitted["A"] == 0 and 0 < admitted["B"] < 29  # B waited, then joined while A ran
     assert sorted(done) == ["A", "B"] and len(finished(outs)) == 3
 
 
