@@ -317,10 +317,11 @@ class BatcherService:
         return rest
 
     def _has_room(self) -> bool:
-        """Whether a batch may go out now. Static and elastic: an instance is idle. Continuous: no
-        instance is still waiting to admit a batch (each keeps at most one waiting, so the next
-        group is there at the step boundary where its plan fits) and running batches stay below the
-        instances' thread slots; the worker decides when the group joins (``workers.continuous``)."""
+        """Whether a batch may go out now. Static and elastic: an instance is idle. Continuous: fewer
+        than ``continuous_lookahead`` batches per instance wait to be admitted (so a group is there
+        at each step boundary where its plan fits: a dispatch round trip takes several steps) and
+        running batches stay below ``continuous_max_groups`` per instance; the worker decides when
+        a group joins (``workers.continuous``)."""
         n = len(self.instances)
         if self.settings.execution != "continuous":
             return len(self.inflight) < n
@@ -329,7 +330,7 @@ class BatcherService:
         unknown = [bid for bid, fl in self.inflight.items() if not fl.admitted]
         for bid, ok in zip(unknown, bus.admitted(self.redis, unknown), strict=True):
             self.inflight[bid].admitted = ok
-        return sum(not fl.admitted for fl in self.inflight.values()) < n
+        return sum(not fl.admitted for fl in self.inflight.values()) < n * self.settings.continuous_lookahead
 
     def _dispatch(self, now: float) -> bool:
         sent = False

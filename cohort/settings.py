@@ -116,7 +116,11 @@ class Settings(BaseSettings):
     # --- continuous execution (issue 18) ---------------------------------------------------
     continuous_max_groups: int = Field(
         default=16, ge=1, description="continuous: batches one instance runs at once (the batcher sends no "
-        "more), and it keeps at most one more waiting per instance.")
+        "more).")
+    continuous_lookahead: int = Field(
+        default=4, ge=1, description="continuous: batches the batcher keeps waiting at each instance to be "
+        "admitted, so a group is there at every step boundary where room appears (a dispatch round trip "
+        "takes several steps).")
     continuous_group_frac: float = Field(
         default=0.05, gt=0.0, le=1.0, description="continuous: the share of Θ the policy plans one batch (an "
         "admission group) with; small groups join a running set that is far from empty at many step boundaries "

@@ -49,8 +49,9 @@ def events(r, request_id: str) -> list[StreamEvent]:
 
 
 def service(r, tmp_path, sent: list, **kw) -> BatcherService:
+    # the padded paths' rule (an instance takes a batch when idle) unless a test asks for continuous
     s = Settings(database_url=f"sqlite:///{tmp_path}/log.db", policy=kw.pop("policy", "magnus"),
-                 wma_threshold=1e9, **kw)
+                 wma_threshold=1e9, execution=kw.pop("execution", "elastic"), **kw)
     return BatcherService(s, r, AnalyticBatchTime(), send_task=sent.append)
 
 
@@ -293,10 +294,10 @@ def test_the_worst_waiting_priority_follows_dispatch(r, tmp_path):
     assert [q.id for q in sent[-1].requests] == ["b"] and r.get(KEYS.worst_priority) is None
 
 
-def test_continuous_keeps_one_batch_per_instance_waiting_to_be_admitted(r, tmp_path):
+def test_continuous_keeps_the_lookahead_of_batches_waiting_to_be_admitted(r, tmp_path):
     sent: list = []
-    svc = service(r, tmp_path, sent, execution="continuous", continuous_max_groups=3, fixed_batch_size=1,
-                  policy="vs")
+    svc = service(r, tmp_path, sent, execution="continuous", continuous_max_groups=3, continuous_lookahead=1,
+                  fixed_batch_size=1, policy="vs")
     register(r, "w1")
     for i in range(6):
         arrive(r, i, t=i)
