@@ -243,6 +243,7 @@ def live(
 
 def _execution_of(run_name: str) -> str:
     """The execution mode a live run name asks for (``POLICY@EXECUTION``), else the server's default."""
+    run_name = run_name.partition(":")[0]
     if "@" in run_name:
         ((_, execution, _),) = parse_run(run_name)
         return execution

@@ -11,18 +11,26 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from batcher.preemption import PREEMPTION_MODES
 from bench.simulator import parse_policy, parse_run
 from procstack.embedded_redis import EmbeddedRedis
 from procstack.stack import Stack, free_port
 
 
 def run_env(name: str) -> dict[str, str]:
-    """The server settings a live run name asks for: ``POLICY[@EXECUTION[/RECOVERY]]`` (the
-    simulator's naming); without ``@`` the server's defaults (elastic, preempt)."""
+    """The server settings a live run name asks for: ``POLICY[@EXECUTION[/RECOVERY]][:PREEMPTION]``
+    (the simulator's naming, plus how an evicted row gives back its KV: recompute | swap |
+    adaptive); without ``@`` the server's defaults."""
+    name, _, preemption = name.partition(":")
+    env: dict[str, str] = {}
+    if preemption:
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"{preemption!r}: preemption must be one of {PREEMPTION_MODES}")
+        env["COHORT_PREEMPTION"] = preemption
     base, oracle = parse_policy(name)
     if oracle:
         raise ValueError(f"{name!r}: live runs use the server's predictor; +oracle exists only in `bench sim`")
-    env = {"COHORT_POLICY": base}
+    env["COHORT_POLICY"] = base
     if "@" in name:
         ((_, execution, recovery),) = parse_run(name)
         env.update(COHORT_EXECUTION=execution, COHORT_OOM_RECOVERY=recovery)
