@@ -24,6 +24,7 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
+    func,
     select,
     update,
 )
@@ -168,3 +169,43 @@ def finished_batches(engine: Engine, since: float = 0.0, include_oom: bool = Fal
     with engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(q.order_by(batches.c.finished))]
 
+
+
+# --- retention (issue 23) ------------------------------------------------------------------------
+SETTLED = ("done", "failed", "cancelled", "timeout")
+
+
+def prune_log(engine: Engine, now: float, max_age_s: float, max_rows: int, prompt_age_s: float) -> dict[str, int]:
+    """Bound the log DB: delete settled request rows (and batch rows) older than ``max_age_s``,
+    then the oldest settled rows beyond ``max_rows`` per table, and blank the prompts of requests
+    settled more than ``prompt_age_s`` ago (their lengths, times and status stay: what the
+    estimator and the metrics need). Open (``queued``) rows are never touched. Returns counts."""
+    cutoff, prompt_cut = now - max_age_s, now - prompt_age_s
+    out = {}
+    with engine.begin() as conn:
+        settled = requests.c.status.in_(SETTLED)
+        out["requests_aged"] = conn.execute(
+            requests.delete().where(settled, requests.c.finished < cutoff)).rowcount or 0
+        out["batches_aged"] = conn.execute(
+            batches.delete().where(batches.c.finished.is_not(None), batches.c.finished < cutoff)).rowcount or 0
+        for name, table, cond in (("requests_over", requests, settled),
+                                  ("batches_over", batches, batches.c.finished.is_not(None))):
+            # the newest max_rows rows are kept; the finished time of the row just past them is the cut
+            edge = conn.execute(select(table.c.finished).where(cond).order_by(table.c.finished.desc())
+                                .offset(max_rows).limit(1)).scalar()
+            out[name] = 0 if edge is None else (
+                conn.execute(table.delete().where(cond, table.c.finished <= edge)).rowcount or 0)
+        out["prompts_dropped"] = conn.execute(
+            update(requests).where(settled, requests.c.finished < prompt_cut,
+                                   (requests.c.instruction.is_not(None)) | (requests.c.user_input.is_not(None)))
+            .values(instruction=None, user_input=None)).rowcount or 0
+    return {k: int(v) for k, v in out.items()}
+
+
+def log_counts(engine: Engine) -> dict[str, int]:
+    """Rows per table, and how many request rows still hold a prompt (what retention bounds)."""
+    with engine.connect() as conn:
+        return {"requests": int(conn.execute(select(func.count()).select_from(requests)).scalar() or 0),
+                "batches": int(conn.execute(select(func.count()).select_from(batches)).scalar() or 0),
+                "prompts": int(conn.execute(select(func.count()).select_from(requests).where(
+                    requests.c.instruction.is_not(None) | requests.c.user_input.is_not(None))).scalar() or 0)}

@@ -9,8 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from cohort.settings import get_settings
+from learning.cpu import learner_threads, thread_limits
+from learning.retention import retention_pass
 from predictor.learning import RetrainRunning, retrain_estimator, retrain_predictor
-from taskq.celery_app import RETRAIN_TASKS, celery_app
+from taskq.celery_app import RETENTION_TASK, RETRAIN_TASKS, celery_app
 
 log = logging.getLogger(__name__)
 
@@ -18,8 +20,10 @@ log = logging.getLogger(__name__)
 def _retrain(name: str, retrain: Callable[..., dict[str, Any]], force: bool) -> dict[str, Any]:
     """Run one retraining; one already running for the same target makes this one a no-op
     (skipped, never queued behind it: predictor.learning._lock)."""
+    settings = get_settings()
     try:
-        out = retrain(get_settings(), force=force)
+        with thread_limits(learner_threads(settings.learning_cpu_share)):
+            out = retrain(settings, force=force)
     except RetrainRunning as e:
         log.info("%s skipped: %s", name, e)
         return {"retrained": False, "skipped": str(e)}
@@ -37,3 +41,11 @@ def retrain_predictor_task(force: bool = False) -> dict[str, Any]:
 def retrain_estimator_task(force: bool = False) -> dict[str, Any]:
     """Add badly estimated batches from the log DB to the sample set, refit KNN, activate."""
     return _retrain("retrain_estimator", retrain_estimator, force)
+
+
+@celery_app.task(name=RETENTION_TASK, ignore_result=False, acks_late=True)
+def retention_task() -> dict[str, Any]:
+    """Apply every retention bound (log DB, prompts, versions, training stores, caches)."""
+    out = retention_pass(get_settings())
+    log.info("retention: %s", out)
+    return out

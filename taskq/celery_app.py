@@ -23,6 +23,7 @@ from cohort.types import Batch
 RUN_BATCH = "cohort.run_batch"
 LEARNING_QUEUE = "cohort.learning"
 RETRAIN_TASKS = {"predictor": "cohort.retrain_predictor", "estimator": "cohort.retrain_estimator"}
+RETENTION_TASK = "cohort.retention"  # issue 23: the periodic retention pass (learning.retention)
 
 
 def celery_config(s: Settings) -> dict[str, Any]:
@@ -48,7 +49,7 @@ def celery_config(s: Settings) -> dict[str, Any]:
         "task_default_queue": queue_for_pool(s.pool),
         "task_routes": {
             RUN_BATCH: {"queue": queue_for_pool(s.pool)},
-            **{name: {"queue": LEARNING_QUEUE} for name in RETRAIN_TASKS.values()},
+            **{name: {"queue": LEARNING_QUEUE} for name in (*RETRAIN_TASKS.values(), RETENTION_TASK)},
         },
         "beat_schedule": {
             # A periodic retrain not started within its period expires: it never piles up behind a
@@ -57,6 +58,8 @@ def celery_config(s: Settings) -> dict[str, Any]:
                                   "options": {"expires": s.predictor_retrain_every_s}},
             "retrain-estimator": {"task": RETRAIN_TASKS["estimator"], "schedule": s.estimator_retrain_every_s,
                                   "options": {"expires": s.estimator_retrain_every_s}},
+            "retention": {"task": RETENTION_TASK, "schedule": s.retention_every_s,
+                          "options": {"expires": s.retention_every_s}},
         },
     }
 
