@@ -30,11 +30,14 @@ from bench.live import check_loopback, run_live_sync
 from bench.live_stack import parse_env, spawned_stack
 from bench.roofline import Instance, fitted_time_model, instance
 from bench.simulator import DEFAULT_THRESHOLD, parse_policy, parse_run, simulate
+from bench.soak_cli import soak
 from bench.workload import ORACLE, WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
 from predictor.estimator import AnalyticBatchTime
 
 app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
+
+app.command()(soak)  # issue 23: `cohort bench soak` (bench/soak_cli.py)
 
 DEFAULT_POLICIES = "vs,glp,abp,magnus,magnus+oracle,s3,slo-dbs,odbs,slo-odbs"
 

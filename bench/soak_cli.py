@@ -1,0 +1,109 @@
+"""`cohort bench soak`: the command, its A/B of serving with learning off and on, and its plot
+(the soak itself is bench.soak)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import typer
+from tqdm import tqdm
+
+from bench.live_stack import parse_env
+from bench.soak import SoakConfig, run_soak
+
+
+def plot_soak(report: dict[str, Any], out: Path) -> Path:
+    """Four panels: p50/p99 per window, RSS per process, Redis memory, data folder size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    w = report["windows"]
+    x = [(v["start_s"] + report["config"]["window_s"] / 2) / 60 for v in w]
+    for key in ("p50_s", "p99_s"):
+        ax[0, 0].plot(x, [v[key] for v in w], marker="o", label=key)
+    ax[0, 0].set(title="latency per window", xlabel="minute", ylabel="s")
+    s = report["samples"]
+    t = [v["t"] / 60 for v in s]
+    for name in sorted({n for v in s for n in v["rss_mb"]}):
+        ax[0, 1].plot(t, [v["rss_mb"].get(name) for v in s], label=name)
+    ax[0, 1].set(title="RSS per process", xlabel="minute", ylabel="MiB")
+    ax[1, 0].plot(t, [v["redis_used_mb"] for v in s], label="used_memory")
+    ax[1, 0].set(title="Redis memory", xlabel="minute", ylabel="MiB")
+    ax[1, 1].plot(t, [v["data_dir_mb"] for v in s], label="data dir")
+    ax[1, 1].set(title="var/ size", xlabel="minute", ylabel="MiB")
+    for a in ax.flat:
+        a.legend(fontsize=7)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_report(report: dict[str, Any], json_out: Path | None) -> None:
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2, default=str))
+
+
+def learning_ab(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Serving throughput with learning off, then on (learning worker + beat + an admin retrain
+    of both models every ``retrain_every_s``: a learner kept busy), same seeded traffic, each on
+    a fresh stack. ``ratio`` = on / off of the answered requests per second after warm-up."""
+    runs = {}
+    for name, learning in (("off", False), ("on", True)):
+        c = SoakConfig(**{**asdict(cfg), "learning": learning,
+                          "retrain_at_s": cfg.retrain_at_s if learning else None,
+                          "retrain_every_s": cfg.retrain_every_s if learning else None})
+        runs[name] = run_soak(c, workdir / f"learning-{name}", progress)
+    off = runs["off"]["summary"]["throughput_rps_after_warmup"]
+    on = runs["on"]["summary"]["throughput_rps_after_warmup"]
+    return {"ratio": on / off if off else None, "throughput_rps": {"off": off, "on": on}, "runs": runs}
+
+
+def soak(
+    minutes: float = typer.Option(20.0, help="How long traffic is sent."),
+    rate: float = typer.Option(4.0, help="Requests per second (Poisson); ~60 % of the stack's capacity."),
+    max_tokens: int = typer.Option(32, help="Largest max_tokens a request asks for."),
+    warmup_s: float = typer.Option(60.0, help="Left out of the after-warm-up figures."),
+    window_s: float = typer.Option(60.0, help="p50/p99 per window of this many seconds."),
+    retrain_at_s: float = typer.Option(30.0, help="Admin retrain of both models at this second (<0: none)."),
+    retrain_every_s: float = typer.Option(None, help="Retrain again every this many seconds (a busy learner)."),
+    learning: bool = typer.Option(True, help="Run the learning worker and beat, as `make serve` does."),
+    ab: bool = typer.Option(False, help="Throughput with learning off, then on (busy learner): the ratio."),
+    server_env: list[str] = typer.Option(None, help="KEY=VALUE for the stack (repeat)."),
+    workdir: Path = typer.Option(Path("var/bench/soak"), help="Where the stack keeps its files and logs."),
+    json_out: Path = typer.Option(None, "--json"),
+    plot: Path = typer.Option(None, help="PNG of the curves (latency, RSS, Redis memory, var/ size)."),
+) -> None:
+    """Steady mixed OpenAI traffic against `make serve`'s stack (issue 23): 5xx, lost requests,
+    p50/p99 per window, RSS per process, Redis memory, var/ size, retention bounds."""
+    cfg = SoakConfig(minutes=minutes, rate=rate, max_tokens=max_tokens, warmup_s=warmup_s, window_s=window_s,
+                     retrain_at_s=retrain_at_s if retrain_at_s >= 0 else None, retrain_every_s=retrain_every_s,
+                     learning=learning, server_env=parse_env(server_env))
+    bar = tqdm(total=int(minutes * 60 / cfg.sample_s) * (2 if ab else 1), desc="soak samples", unit="sample")
+
+    def tick(line: str) -> None:
+        bar.update(1)
+        bar.set_postfix_str(line[:120])
+
+    if ab:
+        report = learning_ab(cfg, workdir, tick)
+        typer.echo(f"throughput learning off {report['throughput_rps']['off']:.3f} req/s, on "
+                   f"{report['throughput_rps']['on']:.3f} req/s: ratio {report['ratio']:.3f}")
+    else:
+        report = run_soak(cfg, workdir, tick)
+        typer.echo(json.dumps({"summary": report["summary"], "trends": report["trends"],
+                               "windows": report["windows"]}, indent=1))
+        if plot:
+            plot_soak(report, plot)
+    bar.close()
+    write_report(report, json_out)
