@@ -21,6 +21,7 @@ import os
 import random
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -80,7 +81,7 @@ BAD_BODIES = (b"{not json", b'{"messages": [], "max_tokens": 8}', b'{"messages":
 
 
 async def one_request(client: httpx.AsyncClient, kind: str, i: int, rng: random.Random, max_tokens: int,
-                      out: Outcome) -> None:
+                      out: Outcome, model: str) -> None:
     """Send one request of ``kind`` and fill ``out`` (status, latency, stream errors)."""
     words = " ".join(rng.choice(("sea", "waves", "code", "bread", "stars", "rain")) for _ in range(rng.randint(3, 40)))
     mt = rng.randint(4, max_tokens)
@@ -91,7 +92,7 @@ async def one_request(client: httpx.AsyncClient, kind: str, i: int, rng: random.
                               headers={"content-type": "application/json"})
         out.status = r.status_code
     elif kind in ("chat_stream", "leave"):
-        body = {"model": "x", "messages": msgs, "max_tokens": max(mt, 12) if kind == "leave" else mt, "stream": True}
+        body = {"model": model, "messages": msgs, "max_tokens": max(mt, 12) if kind == "leave" else mt, "stream": True}
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             out.status = r.status_code
             chunks = 0
@@ -105,10 +106,10 @@ async def one_request(client: httpx.AsyncClient, kind: str, i: int, rng: random.
                                                     "emulated_tokens": min(max_tokens, 2 + len(words) // 12)})
         out.status = r.status_code
     elif kind == "completion":
-        r = await client.post("/v1/completions", json={"model": "x", "prompt": f"#{i} {words}", "max_tokens": mt})
+        r = await client.post("/v1/completions", json={"model": model, "prompt": f"#{i} {words}", "max_tokens": mt})
         out.status = r.status_code
     else:
-        r = await client.post("/v1/chat/completions", json={"model": "x", "messages": msgs, "max_tokens": mt,
+        r = await client.post("/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": mt,
                                                             "n": 2 if kind == "chat_n2" else 1})
         out.status = r.status_code
     out.latency = time.perf_counter() - t0
@@ -187,6 +188,7 @@ def summarize(outcomes: list[Outcome], cfg: SoakConfig, wall_s: float) -> dict[s
         "lost": sum(1 for o in outcomes if o.status is None and o.kind != "leave"),
         "bad_not_4xx": sum(1 for o in outcomes if o.kind == "bad" and not (o.status and 400 <= o.status < 500)),
         "other_non_200": sum(1 for o in regular if o.status is not None and o.status != 200),
+        "status_counts": {str(k): v for k, v in sorted(Counter(o.status for o in outcomes).items(), key=str)},
         "throughput_rps_after_warmup": sum(1 for o in after if o.status == 200) / span, "wall_s": round(wall_s, 1)}
 
 
@@ -229,6 +231,7 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
     headers = {"Authorization": f"Bearer {token}"}
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(660.0, connect=30.0), limits=limits) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
         t0 = time.perf_counter()
         end = t0 + cfg.minutes * 60.0
         next_send, next_sample = t0, t0
@@ -248,7 +251,7 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
             while next_send <= now:
                 o = Outcome(pick_kind(rng, cfg.leave_frac, cfg.bad_frac), sent=next_send - t0)
                 outcomes.append(o)
-                tasks.append(asyncio.create_task(_guarded(client, o, i, random.Random(rng.random()), cfg.max_tokens)))
+                tasks.append(asyncio.create_task(_guarded(client, o, i, random.Random(rng.random()), cfg.max_tokens, model)))
                 i += 1
                 next_send += rng.expovariate(cfg.rate)
             await asyncio.sleep(min(0.05, max(0.0, next_send - time.perf_counter())))
@@ -267,9 +270,10 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
             "retrains": retrains, "samples": sampler.samples, "undrained": len(pending)}
 
 
-async def _guarded(client: httpx.AsyncClient, o: Outcome, i: int, rng: random.Random, max_tokens: int) -> None:
+async def _guarded(client: httpx.AsyncClient, o: Outcome, i: int, rng: random.Random, max_tokens: int,
+                   model: str) -> None:
     try:
-        await one_request(client, o.kind, i, rng, max_tokens, o)
+        await one_request(client, o.kind, i, rng, max_tokens, o, model)
     except (httpx.HTTPError, OSError):
         if o.kind == "leave" and o.status == 200:
             return  # the leaving client closed it itself
