@@ -6,7 +6,8 @@ soak an unbounded learner took 80–88 % of a core for twenty minutes and the LL
 cgroups:
 
 1. **threads**: torch, OpenMP and BLAS pools get ``max(1, floor(share × cores))`` threads (set in
-   the environment before they are loaded, and again with ``torch.set_num_threads`` and
+   the environment before they are loaded — joblib's ``n_jobs=-1`` too, through
+   LOKY_MAX_CPU_COUNT — and again with ``torch.set_num_threads`` and
    threadpoolctl around each retrain), so a fit never fans out over every core;
 2. **nice**: the worker raises its nice value (19 by default), so the kernel gives a contended
    core to serving first; on an idle machine the learner still runs at full speed;
@@ -34,7 +35,8 @@ from collections.abc import Iterator
 log = logging.getLogger(__name__)
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-               "VECLIB_MAXIMUM_THREADS", "TORCH_NUM_THREADS")
+               "VECLIB_MAXIMUM_THREADS", "TORCH_NUM_THREADS",
+               "LOKY_MAX_CPU_COUNT")  # joblib (the random forests' n_jobs=-1) counts this many cores
 PERIOD_S = 1.0
 TICK_S = 0.05
 
@@ -142,8 +144,8 @@ def apply_cpu_share(share: float, nice: int) -> dict[str, int | float | None]:
     """Everything above, for the learning worker's process, before it loads torch or starts threads."""
     threads = learner_threads(share)
     limit_thread_env(threads)
+    watcher = start_duty_cycle(share)  # forked first: the watcher keeps nice 0, so it is on time under load
     niceness = lower_priority(nice)
-    watcher = start_duty_cycle(share)
     log.info("learning worker: %d thread(s), nice %d, duty cycle %s (share %.2f of %d cores)", threads, niceness,
              f"pid {watcher}" if watcher else "off", share, cores())
     return {"threads": threads, "nice": niceness, "watcher_pid": watcher, "share": share, "cores": cores()}
