@@ -17,18 +17,21 @@ from bench.soak import SoakConfig, run_soak
 
 
 def plot_soak(report: dict[str, Any], out: Path) -> Path:
-    """Four panels: p50/p99 per window, RSS per process, Redis memory, data folder size."""
+    """Five panels: p50/p99 per window (admin retrains marked), CPU and RSS per process, Redis
+    memory, data folder size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    fig, ax = plt.subplots(2, 3, figsize=(16, 8))
     w = report["windows"]
     x = [(v["start_s"] + report["config"]["window_s"] / 2) / 60 for v in w]
     for key in ("p50_s", "p99_s"):
         ax[0, 0].plot(x, [v[key] for v in w], marker="o", label=key)
-    ax[0, 0].set(title="latency per window", xlabel="minute", ylabel="s")
+    for r in report.get("retrains", []):
+        ax[0, 0].axvline(r["t"] / 60, color="grey", ls=":", lw=1)
+    ax[0, 0].set(title="latency per window (dotted: admin retrain)", xlabel="minute", ylabel="s")
     s = report["samples"]
     t = [v["t"] / 60 for v in s]
     for name in sorted({n for v in s for n in v["rss_mb"]}):
@@ -38,6 +41,13 @@ def plot_soak(report: dict[str, Any], out: Path) -> Path:
     ax[1, 0].set(title="Redis memory", xlabel="minute", ylabel="MiB")
     ax[1, 1].plot(t, [v["data_dir_mb"] for v in s], label="data dir")
     ax[1, 1].set(title="var/ size", xlabel="minute", ylabel="MiB")
+    for name in sorted({n for v in s for n in v["cpu_pct"]}):
+        ax[0, 2].plot(t, [v["cpu_pct"].get(name) for v in s], label=name)
+    ax[0, 2].set(title="CPU per process (100 = one core)", xlabel="minute", ylabel="%")
+    ax[1, 2].plot(t, [v["log_rows"]["requests"] for v in s], label="request rows")
+    ax[1, 2].plot(t, [v["log_rows"]["prompts"] for v in s], label="rows with a prompt")
+    ax[1, 2].plot(t, [v["stream_keys"] for v in s], label="stream keys")
+    ax[1, 2].set(title="log DB rows, Redis streams", xlabel="minute", ylabel="count")
     for a in ax.flat:
         a.legend(fontsize=7)
         a.grid(alpha=0.3)
