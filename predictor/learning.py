@@ -216,6 +216,7 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
         fit_options.setdefault("max_steps", 300)
     reg = Registry(settings.data_dir, "predictor")
     with _lock(settings, "predictor"):
+        _save_state(settings, predictor_started=time.time())  # what a later-requested retrain coalesces into
         if seed_limit_per_file is None:  # default: COHORT_LEARNING_SEED_ROWS_PER_TASK
             seed_limit_per_file = settings.learning_seed_rows_per_task
         seeded = seed_predictor_store(settings, seed_limit_per_file)
@@ -312,6 +313,7 @@ def retrain_estimator(settings: Settings, force: bool = False, n_neighbors: int 
 
     reg = Registry(settings.data_dir, "estimator")
     with _lock(settings, "estimator"):
+        _save_state(settings, estimator_started=time.time())
         store = estimator_store(settings)
         seeded = 0
         if not store.is_file():

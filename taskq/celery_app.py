@@ -11,6 +11,7 @@ environment when Celery first looks at its configuration, not when this module i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -107,8 +108,11 @@ def batch_sender(settings: Settings) -> Callable[[Batch], None]:
 
 
 def enqueue_retrain(target: str) -> str:
-    """Retrain the predictor or the estimator now, on the learning worker: the task id."""
-    return celery_app.send_task(RETRAIN_TASKS[target], kwargs={"force": True}, queue=LEARNING_QUEUE).id
+    """Retrain the predictor or the estimator now, on the learning worker: the task id. The
+    request time travels with it: a retrain of the same target that starts after it covers it,
+    so this one is then coalesced into that one instead of fitting again (learning.tasks)."""
+    return celery_app.send_task(RETRAIN_TASKS[target], kwargs={"force": True, "requested_at": time.time()},
+                                queue=LEARNING_QUEUE).id
 
 
 def task_status(task_id: str) -> dict[str, Any]:
