@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -96,6 +97,10 @@ def soak(
 ) -> None:
     """Steady mixed OpenAI traffic against `make serve`'s stack (issue 23): 5xx, lost requests,
     p50/p99 per window, RSS per process, Redis memory, var/ size, retention bounds."""
+    def _stop(*_: object) -> None:  # SIGTERM: stop the stack (finally blocks), as Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
     cfg = SoakConfig(minutes=minutes, rate=rate, max_tokens=max_tokens, warmup_s=warmup_s, window_s=window_s,
                      retrain_at_s=retrain_at_s if retrain_at_s >= 0 else None, retrain_every_s=retrain_every_s,
                      learning=learning, server_env=parse_env(server_env))
