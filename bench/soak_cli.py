@@ -65,19 +65,25 @@ def write_report(report: dict[str, Any], json_out: Path | None) -> None:
         json_out.write_text(json.dumps(report, indent=2, default=str))
 
 
-def learning_ab(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def learning_ab(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] | None = None,
+                repeats: int = 1) -> dict[str, Any]:
     """Serving throughput with learning off, then on (learning worker + beat + an admin retrain
     of both models every ``retrain_every_s``: a learner kept busy), same seeded traffic, each on
-    a fresh stack. ``ratio`` = on / off of the answered requests per second after warm-up."""
-    runs = {}
-    for name, learning in (("off", False), ("on", True)):
-        c = SoakConfig(**{**asdict(cfg), "learning": learning,
-                          "retrain_at_s": cfg.retrain_at_s if learning else None,
-                          "retrain_every_s": cfg.retrain_every_s if learning else None})
-        runs[name] = run_soak(c, workdir / f"learning-{name}", progress)
-    off = runs["off"]["summary"]["throughput_rps_after_warmup"]
-    on = runs["on"]["summary"]["throughput_rps_after_warmup"]
-    return {"ratio": on / off if off else None, "throughput_rps": {"off": off, "on": on}, "runs": runs}
+    a fresh stack; ``repeats`` pairs interleaved (off, on, off, on, …) so that a shared machine's
+    changing load falls on both sides. ``ratio`` = on / off of the summed answers per second
+    between warm-up and the end of sending (the service rate, overloaded or not)."""
+    runs: dict[str, Any] = {}
+    for k in range(repeats):
+        for name, learning in (("off", False), ("on", True)):
+            c = SoakConfig(**{**asdict(cfg), "learning": learning,
+                              "retrain_at_s": cfg.retrain_at_s if learning else None,
+                              "retrain_every_s": cfg.retrain_every_s if learning else None})
+            runs[f"{name}{k}"] = run_soak(c, workdir / f"learning-{name}{k}", progress)
+    rps = {key: r["summary"]["throughput_rps_after_warmup"] for key, r in runs.items()}
+    off = sum(v for key, v in rps.items() if key.startswith("off"))
+    on = sum(v for key, v in rps.items() if key.startswith("on"))
+    pairs = [rps[f"on{k}"] / rps[f"off{k}"] if rps[f"off{k}"] else None for k in range(repeats)]
+    return {"ratio": on / off if off else None, "pair_ratios": pairs, "throughput_rps": rps, "runs": runs}
 
 
 def soak(
@@ -90,6 +96,8 @@ def soak(
     retrain_every_s: float = typer.Option(None, help="Retrain again every this many seconds (a busy learner)."),
     learning: bool = typer.Option(True, help="Run the learning worker and beat, as `make serve` does."),
     ab: bool = typer.Option(False, help="Throughput with learning off, then on (busy learner): the ratio."),
+    repeats: int = typer.Option(1, help="--ab: interleaved off/on pairs."),
+    drain_s: float = typer.Option(120.0, help="After sending stops, how long answers may take (then: lost)."),
     server_env: list[str] = typer.Option(None, help="KEY=VALUE for the stack (repeat)."),
     workdir: Path = typer.Option(Path("var/bench/soak"), help="Where the stack keeps its files and logs."),
     json_out: Path = typer.Option(None, "--json"),
@@ -103,17 +111,17 @@ def soak(
     signal.signal(signal.SIGTERM, _stop)
     cfg = SoakConfig(minutes=minutes, rate=rate, max_tokens=max_tokens, warmup_s=warmup_s, window_s=window_s,
                      retrain_at_s=retrain_at_s if retrain_at_s >= 0 else None, retrain_every_s=retrain_every_s,
-                     learning=learning, server_env=parse_env(server_env))
-    bar = tqdm(total=int(minutes * 60 / cfg.sample_s) * (2 if ab else 1), desc="soak samples", unit="sample")
+                     learning=learning, server_env=parse_env(server_env), drain_s=drain_s)
+    bar = tqdm(total=int(minutes * 60 / cfg.sample_s) * (2 * repeats if ab else 1), desc="soak samples", unit="sample")
 
     def tick(line: str) -> None:
         bar.update(1)
         bar.set_postfix_str(line[:120])
 
     if ab:
-        report = learning_ab(cfg, workdir, tick)
-        typer.echo(f"throughput learning off {report['throughput_rps']['off']:.3f} req/s, on "
-                   f"{report['throughput_rps']['on']:.3f} req/s: ratio {report['ratio']:.3f}")
+        report = learning_ab(cfg, workdir, tick, repeats)
+        typer.echo(f"throughput (req/s) {report['throughput_rps']}: on/off ratio {report['ratio']:.3f}, "
+                   f"per pair {report['pair_ratios']}")
     else:
         report = run_soak(cfg, workdir, tick)
         typer.echo(json.dumps({"summary": report["summary"], "trends": report["trends"],
