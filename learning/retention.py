@@ -79,9 +79,12 @@ def retention_pass(settings: Settings, now: float | None = None) -> dict[str, An
     engine = get_db_engine(settings.database_url)
     out: dict[str, Any] = {"log": prune_log(engine, now, settings.retention_log_max_age_s,
                                             settings.retention_log_max_rows, settings.retention_prompt_age_s)}
-    if engine.dialect.name == "sqlite":  # give the write-ahead log's pages back to the main file
+    if engine.dialect.name == "sqlite":
+        # copy the write-ahead log back into the main file so its pages are reused. PASSIVE: it
+        # never blocks the gateway's and workers' writes — this process runs at nice 19 and may be
+        # stopped by its duty cycle, so it must hold no lock they could wait on.
         with engine.connect() as conn:
-            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
     out["log_rows"] = log_counts(engine)
     out["versions_deleted"] = {t: len(prune_versions(Registry(settings.data_dir, t), settings.retention_keep_versions))
                                for t in TARGETS}
