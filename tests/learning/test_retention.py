@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
+from cohort import logdb
 from cohort.logdb import batches, get_db_engine, log_counts, record_batch, record_requests
 from cohort.settings import Settings
 from learning.retention import prune_cache, prune_versions, retention_pass
@@ -28,7 +31,9 @@ def _fill_log(s: Settings, now: float, n: int) -> None:
         record_batch(engine, {"id": f"b{i}", "created": now - 10_000 + i, "finished": now - 10_000 + i, "size": 1})
 
 
-def test_log_rows_are_bounded_prompts_dropped_measurements_kept_open_rows_untouched(tmp_path):
+@pytest.mark.parametrize("chunk", [2000, 7])  # one transaction, or many short ones
+def test_log_rows_are_bounded_prompts_dropped_measurements_kept_open_rows_untouched(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(logdb, "PRUNE_CHUNK", chunk)
     s = _settings(tmp_path, retention_log_max_rows=100, retention_prompt_age_s=10_000 - 150,
                   retention_log_max_age_s=10_000 - 280)
     now = time.time()
