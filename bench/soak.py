@@ -175,6 +175,23 @@ def windows(outcomes: list[Outcome], window_s: float) -> list[dict[str, Any]]:
     return out
 
 
+def first_last(outcomes: list[Outcome], cfg: SoakConfig, span_s: float = 600.0) -> dict[str, Any]:
+    """p50/p99 of the first ``span_s`` after warm-up against the last ``span_s`` of sending (the
+    issue's target: last ≤ 1.2 × first); shorter runs split what is after warm-up in halves."""
+    end = cfg.minutes * 60.0
+    span = min(span_s, (end - cfg.warmup_s) / 2)
+
+    def pct(lo: float, hi: float) -> dict[str, float | None]:
+        lat = [o.latency for o in outcomes if o.kind not in ("leave", "bad") and o.status == 200
+               and o.latency is not None and lo <= o.sent < hi]
+        return {"n": len(lat), "p50_s": float(np.percentile(lat, 50)) if lat else None,
+                "p99_s": float(np.percentile(lat, 99)) if lat else None}
+
+    first, last = pct(cfg.warmup_s, cfg.warmup_s + span), pct(end - span, end)
+    ratio = {k: last[k] / first[k] if first[k] and last[k] is not None else None for k in ("p50_s", "p99_s")}
+    return {"span_s": span, "first": first, "last": last, "last_over_first": ratio}
+
+
 def summarize(outcomes: list[Outcome], cfg: SoakConfig, wall_s: float) -> dict[str, Any]:
     """Totals a soak must hold: no 5xx, nothing lost, bad bodies 4xx, throughput after warm-up."""
     regular = [o for o in outcomes if o.kind not in ("leave", "bad")]
@@ -271,6 +288,7 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
                 r["state"] = st.get("state")
                 r["retrained"] = (st.get("result") or {}).get("retrained")
     return {"summary": summarize(outcomes, cfg, sent_wall), "windows": windows(outcomes, cfg.window_s),
+            "latency_first_last": first_last(outcomes, cfg),
             "retrains": retrains, "samples": sampler.samples, "undrained": len(pending)}
 
 

@@ -125,6 +125,7 @@ def soak(
     else:
         report = run_soak(cfg, workdir, tick)
         typer.echo(json.dumps({"summary": report["summary"], "trends": report["trends"],
+                               "latency_first_last": report["latency_first_last"],
                                "windows": report["windows"]}, indent=1))
         if plot:
             plot_soak(report, plot)
