@@ -35,12 +35,15 @@ from bench.live_stack import parse_env, spawned_stack
 from bench.report import base_key, ratio_table, write_result
 from bench.roofline import Instance, fitted_time_model, instance
 from bench.simulator import DEFAULT_THRESHOLD, parse_policy, parse_run, simulate
+from bench.soak_cli import soak
 from bench.workload import ORACLE, WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
 from cohort.settings import Settings
 from predictor.estimator import AnalyticBatchTime
 
 app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
+
+app.command()(soak)  # issue 23: `cohort bench soak` (bench/soak_cli.py)
 
 DEFAULT_POLICIES = "vs,glp,abp,magnus,magnus+oracle,s3,slo-dbs,odbs,slo-odbs"
 

@@ -26,6 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from cohort.protocol import StreamEvent, StreamKind
+from cohort.settings import get_settings
 
 PREFIX = "cohort"
 INSTANCES = f"{PREFIX}:instances"      # hash instance name -> InstanceInfo JSON (each names its pool)
@@ -78,7 +79,6 @@ class PoolKeys:
 def pool_keys(pool: str) -> PoolKeys:
     return PoolKeys(pool)
 
-STREAM_TTL_S = 3600
 CANCEL_TTL_S = 3600
 CLAIM_TTL_S = 7 * 24 * 3600            # batch claim / done markers: far longer than any redelivery
 STREAM_FIELD = "e"                     # each stream entry carries one StreamEvent JSON in this field
@@ -206,12 +206,25 @@ def queue_for_pool(pool: str) -> str:
 CANCELLED = "cancelled"  # a batch claim value: the batch was superseded, a redelivery is a no-op
 
 
+def stream_ttl_s(final: bool) -> int:
+    """How long a stream lives after this write (issue 23: streams were kept an hour, +248 MB/h
+    at 10 req/s). After the final event: COHORT_STREAM_END_TTL_S, long enough for the gateway to
+    read it (it reads within COHORT_DISCONNECT_CHECK_S) and for the batcher to see the row is
+    answered if its batch is lost soon after. Open: COHORT_REQUEST_TIMEOUT_S + that, renewed on
+    every write, so only a stream nobody writes to or waits for any more expires. Redis memory
+    is then ~ rate x stream bytes x end TTL (docs/retention.md)."""
+    s = get_settings()
+    end = int(s.stream_end_ttl_s)
+    return end if final else int(s.request_timeout_s) + end
+
+
 def publish(pipe, request_id: str, event: StreamEvent) -> None:
     """Queue one event on a request's stream in ``pipe`` (a pipeline: the worker sends every
-    row's events of a decode step in one round trip). Expiring, so abandoned streams go away."""
+    row's events of a decode step in one round trip). Expiring (``stream_ttl_s``), so answered
+    and abandoned streams go away."""
     key = stream_key(request_id)
     pipe.xadd(key, {STREAM_FIELD: event.to_json()})
-    pipe.expire(key, STREAM_TTL_S)
+    pipe.expire(key, stream_ttl_s(event.final))
 
 
 def publish_now(redis, request_id: str, event: StreamEvent) -> None:

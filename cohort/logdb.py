@@ -24,6 +24,7 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
+    func,
     select,
     update,
 )
@@ -179,3 +180,55 @@ def finished_batches(engine: Engine, since: float = 0.0, include_oom: bool = Fal
     with engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(q.order_by(batches.c.finished))]
 
+
+
+# --- retention (issue 23) ------------------------------------------------------------------------
+SETTLED = ("done", "failed", "cancelled", "timeout")
+
+
+PRUNE_CHUNK = 2000  # rows per transaction: the write lock is held for milliseconds at a time
+
+
+def _chunked(engine: Engine, table: Table, cond, values: dict[str, Any] | None = None) -> int:
+    """Delete (or, with ``values``, update) the rows matching ``cond`` in transactions of
+    ``PRUNE_CHUNK`` rows, so the writers of the request path never wait long on SQLite's one
+    write lock (the caller may be a low-priority process that the CPU cap stops mid-second)."""
+    total = 0
+    while True:
+        ids = select(table.c.id).where(cond).limit(PRUNE_CHUNK).scalar_subquery()
+        q = update(table).values(**values) if values else table.delete()
+        with engine.begin() as conn:
+            n = conn.execute(q.where(table.c.id.in_(ids))).rowcount or 0
+        total += n
+        if n < PRUNE_CHUNK:
+            return total
+
+
+def prune_log(engine: Engine, now: float, max_age_s: float, max_rows: int, prompt_age_s: float) -> dict[str, int]:
+    """Bound the log DB: delete settled request rows (and batch rows) older than ``max_age_s``,
+    then the oldest settled rows beyond ``max_rows`` per table, and blank the prompts of requests
+    settled more than ``prompt_age_s`` ago (their lengths, times and status stay: what the
+    estimator and the metrics need). Open (``queued``) rows are never touched. Returns counts."""
+    cutoff, prompt_cut = now - max_age_s, now - prompt_age_s
+    settled = requests.c.status.in_(SETTLED)
+    ran = batches.c.finished.is_not(None)
+    out = {"requests_aged": _chunked(engine, requests, settled & (requests.c.finished < cutoff)),
+           "batches_aged": _chunked(engine, batches, ran & (batches.c.finished < cutoff))}
+    for name, table, cond in (("requests_over", requests, settled), ("batches_over", batches, ran)):
+        # the newest max_rows rows are kept; the finished time of the row just past them is the cut
+        with engine.connect() as conn:
+            edge = conn.execute(select(table.c.finished).where(cond).order_by(table.c.finished.desc())
+                                .offset(max_rows).limit(1)).scalar()
+        out[name] = 0 if edge is None else _chunked(engine, table, cond & (table.c.finished <= edge))
+    has_prompt = requests.c.instruction.is_not(None) | requests.c.user_input.is_not(None)
+    out["prompts_dropped"] = _chunked(engine, requests, settled & (requests.c.finished < prompt_cut) & has_prompt,
+                                      {"instruction": None, "user_input": None})
+    return out
+
+def log_counts(engine: Engine) -> dict[str, int]:
+    """Rows per table, and how many request rows still hold a prompt (what retention bounds)."""
+    with engine.connect() as conn:
+        return {"requests": int(conn.execute(select(func.count()).select_from(requests)).scalar() or 0),
+                "batches": int(conn.execute(select(func.count()).select_from(batches)).scalar() or 0),
+                "prompts": int(conn.execute(select(func.count()).select_from(requests).where(
+                    requests.c.instruction.is_not(None) | requests.c.user_input.is_not(None))).scalar() or 0)}

@@ -258,6 +258,42 @@ class Settings(BaseSettings):
         """The file store's folder (COHORT_FILES_DIR, else under the data folder)."""
         return self.files_dir or self.data_dir / "files"
 
+    # --- issue 23: steady for hours (bounded learning, retention) -------------------------
+    learning_store_recent_rows: int = Field(
+        default=2000, ge=1, description="Training store (predictor and estimator): the newest rows kept as they "
+        "are (the recent window); older rows fall into the reservoir.")
+    learning_store_reservoir_rows: int = Field(
+        default=2000, ge=0, description="Training store: rows kept from everything older than the recent window, "
+        "a uniform sample (reservoir sampling), so old behaviour is remembered without the store growing.")
+    learning_cpu_share: float = Field(
+        default=0.25, gt=0.0, le=1.0, description="The share of the machine's cores the learning worker may use: "
+        "its torch/OMP/BLAS threads (share x cores, at least 1) and a duty cycle (a watcher stops and continues "
+        "it so its CPU time stays under share x cores over each second). 1.0: no duty cycle.")
+    learning_nice: int = Field(default=19, ge=0, le=19, description="os.nice increment of the learning worker "
+                               "(19: lowest priority; serving processes win every contended core).")
+    retention_every_s: float = Field(default=300.0, gt=0.0, description="How often beat runs the retention pass.")
+    retention_log_max_age_s: float = Field(
+        default=7 * 24 * 3600.0, gt=0.0, description="Log-DB rows (requests, batches) settled longer ago are deleted.")
+    retention_log_max_rows: int = Field(
+        default=200_000, ge=100, description="Most request rows (and as many batch rows) the log DB keeps; the oldest "
+        "settled rows go first.")
+    retention_prompt_age_s: float = Field(
+        default=3600.0, ge=0.0, description="Prompts (instruction, user_input) of requests settled longer ago are "
+        "blanked; their measurements (lengths, times, status) stay. Keep it above the retrain periods.")
+    retention_keep_versions: int = Field(
+        default=5, ge=1, description="Model versions kept per target (predictor, estimator): the newest N and the "
+        "active one; older ones are deleted (rollback reaches the kept ones).")
+    retention_cache_mb: int = Field(
+        default=256, ge=1, description="Embedding-cache shards (<data_dir>/cache) kept up to this many MB; the "
+        "oldest shards go first (a vector dropped is recomputed when needed).")
+    stream_end_ttl_s: float = Field(
+        default=60.0, ge=1.0, description="A request's Redis stream lives this long after its final event (the "
+        "gateway reads it within COHORT_DISCONNECT_CHECK_S); an open stream expires when nothing is written to it "
+        "for COHORT_REQUEST_TIMEOUT_S + this. Memory ~ rate x stream bytes x this (docs/retention.md).")
+    redis_maxmemory_mb: int = Field(
+        default=512, ge=0, description="Embedded Redis only: maxmemory (0: none), with policy volatile-lru: only "
+        "keys with a TTL (finished streams, cancel marks, results) may be evicted, never a queue (docs/retention.md).")
+
     def policy_params(self) -> dict:
         """Everything a policy factory may take; each policy picks what it uses."""
         slo = {"w1": self.slo_w1, "w2": self.slo_w2, "l1": self.slo_l1, "l2": self.slo_l2,

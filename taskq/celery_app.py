@@ -11,6 +11,7 @@ environment when Celery first looks at its configuration, not when this module i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ from cohort.types import Batch
 RUN_BATCH = "cohort.run_batch"
 LEARNING_QUEUE = "cohort.learning"
 RETRAIN_TASKS = {"predictor": "cohort.retrain_predictor", "estimator": "cohort.retrain_estimator"}
+RETENTION_TASK = "cohort.retention"  # issue 23: the periodic retention pass (learning.retention)
 
 
 def celery_config(s: Settings) -> dict[str, Any]:
@@ -48,7 +50,7 @@ def celery_config(s: Settings) -> dict[str, Any]:
         "task_default_queue": queue_for_pool(s.pool),
         "task_routes": {
             RUN_BATCH: {"queue": queue_for_pool(s.pool)},
-            **{name: {"queue": LEARNING_QUEUE} for name in RETRAIN_TASKS.values()},
+            **{name: {"queue": LEARNING_QUEUE} for name in (*RETRAIN_TASKS.values(), RETENTION_TASK)},
         },
         "beat_schedule": {
             # A periodic retrain not started within its period expires: it never piles up behind a
@@ -57,6 +59,8 @@ def celery_config(s: Settings) -> dict[str, Any]:
                                   "options": {"expires": s.predictor_retrain_every_s}},
             "retrain-estimator": {"task": RETRAIN_TASKS["estimator"], "schedule": s.estimator_retrain_every_s,
                                   "options": {"expires": s.estimator_retrain_every_s}},
+            "retention": {"task": RETENTION_TASK, "schedule": s.retention_every_s,
+                          "options": {"expires": s.retention_every_s}},
         },
     }
 
@@ -104,8 +108,11 @@ def batch_sender(settings: Settings) -> Callable[[Batch], None]:
 
 
 def enqueue_retrain(target: str) -> str:
-    """Retrain the predictor or the estimator now, on the learning worker: the task id."""
-    return celery_app.send_task(RETRAIN_TASKS[target], kwargs={"force": True}, queue=LEARNING_QUEUE).id
+    """Retrain the predictor or the estimator now, on the learning worker: the task id. The
+    request time travels with it: a retrain of the same target that starts after it covers it,
+    so this one is then coalesced into that one instead of fitting again (learning.tasks)."""
+    return celery_app.send_task(RETRAIN_TASKS[target], kwargs={"force": True, "requested_at": time.time()},
+                                queue=LEARNING_QUEUE).id
 
 
 def task_status(task_id: str) -> dict[str, Any]:

@@ -75,3 +75,25 @@ def test_a_restart_keeps_the_data_and_the_password(tmp_path: Path) -> None:
         assert bus.connect(again.url).get("kept") in (b"1", "1")
     finally:
         again.close()
+
+
+def test_memory_is_bounded_and_only_keys_with_a_ttl_are_evicted(tmp_path: Path) -> None:
+    """maxmemory with volatile-lru: filling it evicts expiring keys (finished streams), never a
+    queue (no TTL); when only TTL-less keys are left, writes fail loudly instead of dropping one."""
+    server = EmbeddedRedis(tmp_path / "redis", maxmemory_mb=3)
+    try:
+        r = redis.Redis.from_url(server.url)
+        assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
+        assert int(r.config_get("maxmemory")["maxmemory"]) == 3 * 2**20
+        queue = bus.pool_keys("default").incoming
+        r.lpush(queue, *[f"request-{i}" for i in range(200)])
+        blob = "x" * 10_000
+        for i in range(600):  # 6 MB of expiring "streams" into 3 MB
+            r.set(f"cohort:stream:s{i}", blob, ex=600)
+        assert r.llen(queue) == 200  # the queue is whole
+        assert sum(1 for _ in r.scan_iter("cohort:stream:*")) < 600  # streams were evicted
+        with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
+            for _ in range(1000):  # TTL-less data beyond maxmemory: refused, not silently dropped
+                r.lpush(queue, blob)
+    finally:
+        server.close()

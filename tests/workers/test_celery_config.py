@@ -24,8 +24,9 @@ def test_json_only_late_acks_prefetch_one_and_visibility_timeout(monkeypatch):
     assert conf.visibility_timeout == 7200
     assert conf.task_routes["cohort.run_batch"]["queue"] == queue_for_pool("default")
     assert conf.task_routes["cohort.retrain_predictor"]["queue"] == "cohort.learning"
+    assert conf.task_routes["cohort.retention"]["queue"] == "cohort.learning"
     assert {e["task"] for e in conf.beat_schedule.values()} == {"cohort.retrain_predictor",
-                                                               "cohort.retrain_estimator"}
+                                                               "cohort.retrain_estimator", "cohort.retention"}
 
 
 def test_settings_are_read_when_first_needed_or_taken_as_given(monkeypatch):

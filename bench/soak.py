@@ -1,0 +1,346 @@
+"""`cohort bench soak`: `make serve`'s stack under steady mixed OpenAI traffic for M minutes.
+
+Why: issue 23's 24-minute soak answered everything, yet one admin retrain let continuous
+learning take a core for the rest of the run (median latency 1–3 s → 40–50 s) while var/ and
+Redis grew without bound. A soak shows what a short benchmark cannot: drift. It starts the stack
+as `cohort serve` does (embedded Redis with its maxmemory policy, worker, batcher, gateway,
+learning worker, beat; SQLite log DB; its own folder), sends an open-loop Poisson stream of
+requests at ``rate`` — chat completions (plain, streamed, n=2), completions, generate with
+emulated lengths (what the predictor learns from), ``leave_frac`` clients that leave mid-stream
+and ``bad_frac`` bad bodies — asks for an admin retrain of both models early on, and samples
+every ``sample_s``: RSS and CPU per process, Redis memory, the data folder's size, log-DB rows,
+stream keys. It reports 5xx, lost requests (no HTTP answer) and p50/p99 per window, and draws
+the curves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+import redis
+
+from cohort.logdb import get_db_engine, log_counts
+from procstack.embedded_redis import EmbeddedRedis
+from procstack.stack import Stack, free_port
+
+KINDS = ("chat", "chat_stream", "chat_n2", "completion", "generate", "leave", "bad")
+
+
+@dataclass
+class SoakConfig:
+    minutes: float = 20.0
+    rate: float = 4.0
+    warmup_s: float = 60.0            # first part left out of the "after warm-up" figures
+    window_s: float = 60.0            # p50/p99 per window of this length (by send time)
+    sample_s: float = 10.0            # resource samples
+    leave_frac: float = 0.05
+    bad_frac: float = 0.02
+    max_tokens: int = 32
+    retrain_at_s: float | None = 30.0  # admin retrain of both models (None: none)
+    retrain_every_s: float | None = None  # keep retraining (a learner under stress), for the on/off bench
+    learning: bool = True              # learning worker + beat, as `make serve`
+    seed: int = 0
+    drain_s: float = 120.0             # after the last request is sent, how long answers may take
+    server_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    kind: str
+    sent: float
+    latency: float | None = None
+    status: int | None = None          # HTTP status; None: no answer at all (lost)
+    stream_error: bool = False         # an error event inside a 200 stream
+
+
+def pick_kind(rng: random.Random, leave_frac: float, bad_frac: float) -> str:
+    """The mix: bad and leaving clients at their fractions, the rest spread over the API."""
+    u = rng.random()
+    if u < bad_frac:
+        return "bad"
+    if u < bad_frac + leave_frac:
+        return "leave"
+    return rng.choices(("chat", "chat_stream", "chat_n2", "completion", "generate"), (30, 25, 5, 10, 30))[0]
+
+
+BAD_BODIES = (b"{not json", b'{"messages": [], "max_tokens": 8}', b'{"messages": [{"role": "user", "content": "x"}], '
+              b'"max_tokens": -3}', b'{"prompt": 7, "max_tokens": "many"}', b"[]")
+
+
+async def one_request(client: httpx.AsyncClient, kind: str, i: int, rng: random.Random, max_tokens: int,
+                      out: Outcome, model: str) -> None:
+    """Send one request of ``kind`` and fill ``out`` (status, latency, stream errors)."""
+    words = " ".join(rng.choice(("sea", "waves", "code", "bread", "stars", "rain")) for _ in range(rng.randint(3, 40)))
+    mt = rng.randint(4, max_tokens)
+    msgs = [{"role": "user", "content": f"#{i}: tell me about {words}"}]
+    t0 = time.perf_counter()
+    if kind == "bad":
+        r = await client.post(rng.choice(("/v1/chat/completions", "/v1/completions")), content=rng.choice(BAD_BODIES),
+                              headers={"content-type": "application/json"})
+        out.status = r.status_code
+    elif kind in ("chat_stream", "leave"):
+        body = {"model": model, "messages": msgs, "max_tokens": max(mt, 12) if kind == "leave" else mt, "stream": True}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            out.status = r.status_code
+            chunks = 0
+            async for line in r.aiter_lines():
+                out.stream_error |= line.startswith("data: ") and '"error"' in line[:20]
+                chunks += line.startswith("data: ")
+                if kind == "leave" and chunks >= 3:
+                    break  # the client goes away mid-stream: the connection closes here
+    elif kind == "generate":
+        r = await client.post("/v1/generate", json={"instruction": "Describe.", "input": words, "max_tokens": max_tokens,
+                                                    "emulated_tokens": min(max_tokens, 2 + len(words) // 12)})
+        out.status = r.status_code
+    elif kind == "completion":
+        r = await client.post("/v1/completions", json={"model": model, "prompt": f"#{i} {words}", "max_tokens": mt})
+        out.status = r.status_code
+    else:
+        r = await client.post("/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": mt,
+                                                            "n": 2 if kind == "chat_n2" else 1})
+        out.status = r.status_code
+    out.latency = time.perf_counter() - t0
+
+
+class Sampler:
+    """Resource samples of a running stack: RSS/CPU per process, Redis memory, disk, log rows."""
+
+    def __init__(self, stack: Stack, redis_url: str, data_dir: Path, db_url: str) -> None:
+        self.stack, self.data_dir, self.db_url = stack, data_dir, db_url
+        self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.procs: dict[str, psutil.Process] = {}
+        self.samples: list[dict[str, Any]] = []
+
+    def _proc(self, name: str, pid: int) -> psutil.Process:
+        p = self.procs.get(name)
+        if p is None or p.pid != pid:
+            p = self.procs[name] = psutil.Process(pid)
+            p.cpu_percent(None)  # the first reading is 0: it starts the interval
+        return p
+
+    def sample(self, t: float) -> dict[str, Any]:
+        rss, cpu = {}, {}
+        for name, popen in self.stack.procs.items():
+            try:
+                p = self._proc(name, popen.pid)
+                family = [p, *p.children(recursive=True)]
+                rss[name] = sum(q.memory_info().rss for q in family) / 2**20
+                cpu[name] = sum(q.cpu_percent(None) for q in family)
+            except psutil.Error:
+                continue
+        info = self.redis.info("memory")
+        streams = sum(1 for _ in self.redis.scan_iter("cohort:stream:*", count=1000))
+        s = {"t": round(t, 1), "rss_mb": rss, "cpu_pct": cpu, "redis_used_mb": info["used_memory"] / 2**20,
+             "stream_keys": streams, "data_dir_mb": du_mb(self.data_dir), "log_rows": log_counts(get_db_engine(self.db_url))}
+        self.samples.append(s)
+        return s
+
+
+def du_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 2**20
+
+
+def slope_pct_per_h(ts: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of ``ys`` over ``ts`` (s), as % of the mean per hour."""
+    if len(ts) < 3 or not np.mean(ys):
+        return None
+    k = np.polyfit(np.asarray(ts), np.asarray(ys), 1)[0]
+    return float(100.0 * k * 3600.0 / np.mean(ys))
+
+
+def windows(outcomes: list[Outcome], window_s: float) -> list[dict[str, Any]]:
+    """Per window of send time: answered, 5xx, p50/p99 latency of the answered (non-leaving, non-bad) ones."""
+    n = int(math.ceil(max((o.sent for o in outcomes), default=0.0) / window_s)) or 1
+    out = []
+    for w in range(n):
+        inw = [o for o in outcomes if w * window_s <= o.sent < (w + 1) * window_s]
+        lat = [o.latency for o in inw if o.kind not in ("leave", "bad") and o.status == 200 and o.latency is not None]
+        out.append({"start_s": w * window_s, "sent": len(inw), "answered": len(lat),
+                    "5xx": sum(1 for o in inw if o.status is not None and o.status >= 500),
+                    "p50_s": float(np.percentile(lat, 50)) if lat else None,
+                    "p99_s": float(np.percentile(lat, 99)) if lat else None})
+    return out
+
+
+def first_last(outcomes: list[Outcome], cfg: SoakConfig, span_s: float = 600.0) -> dict[str, Any]:
+    """p50/p99 of the first ``span_s`` after warm-up against the last ``span_s`` of sending (the
+    issue's target: last ≤ 1.2 × first); shorter runs split what is after warm-up in halves."""
+    end = cfg.minutes * 60.0
+    span = min(span_s, (end - cfg.warmup_s) / 2)
+
+    def pct(lo: float, hi: float) -> dict[str, float | None]:
+        lat = [o.latency for o in outcomes if o.kind not in ("leave", "bad") and o.status == 200
+               and o.latency is not None and lo <= o.sent < hi]
+        return {"n": len(lat), "p50_s": float(np.percentile(lat, 50)) if lat else None,
+                "p99_s": float(np.percentile(lat, 99)) if lat else None}
+
+    first, last = pct(cfg.warmup_s, cfg.warmup_s + span), pct(end - span, end)
+    ratio = {k: last[k] / first[k] if first[k] and last[k] is not None else None for k in ("p50_s", "p99_s")}
+    return {"span_s": span, "first": first, "last": last, "last_over_first": ratio}
+
+
+def summarize(outcomes: list[Outcome], cfg: SoakConfig, wall_s: float) -> dict[str, Any]:
+    """Totals a soak must hold: no 5xx, nothing lost, bad bodies 4xx, throughput after warm-up."""
+    regular = [o for o in outcomes if o.kind not in ("leave", "bad")]
+    # throughput = answers completed between warm-up and the end of sending: the service rate
+    # even when the stack is overloaded (then what was sent late finishes after the window)
+    end = cfg.minutes * 60.0
+    after = [o for o in regular if o.latency is not None and cfg.warmup_s <= o.sent + o.latency < end]
+    span = max(1e-9, end - cfg.warmup_s)
+    return {
+        "sent": len(outcomes), "by_kind": {k: sum(1 for o in outcomes if o.kind == k) for k in KINDS},
+        "answered_200": sum(1 for o in regular if o.status == 200 and not o.stream_error),
+        "server_errors_5xx": sum(1 for o in outcomes if o.status is not None and o.status >= 500),
+        "stream_errors": sum(1 for o in outcomes if o.stream_error),
+        "lost": sum(1 for o in outcomes if o.status is None and o.kind != "leave"),
+        "bad_not_4xx": sum(1 for o in outcomes if o.kind == "bad" and not (o.status and 400 <= o.status < 500)),
+        "other_non_200": sum(1 for o in regular if o.status is not None and o.status != 200),
+        "status_counts": {str(k): v for k, v in sorted(Counter(o.status for o in outcomes).items(), key=str)},
+        "throughput_rps_after_warmup": sum(1 for o in after if o.status == 200 and not o.stream_error) / span,
+        "wall_s": round(wall_s, 1)}
+
+
+def start_stack(cfg: SoakConfig, folder: Path, token: str, redis_maxmemory_mb: int = 512):
+    """`cohort serve`'s processes in ``folder`` (embedded Redis, SQLite, learning + beat)."""
+    redis_srv = EmbeddedRedis(folder / "redis", maxmemory_mb=redis_maxmemory_mb)
+    port = free_port()
+    data_dir = folder / "var"
+    db_url = f"sqlite:///{data_dir / 'cohort.db'}"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "COHORT_EMULATE_LENGTHS": "true",
+           "COHORT_ADMIN_TOKEN": token, **cfg.server_env, "COHORT_REDIS_URL": redis_srv.url,
+           "COHORT_DATA_DIR": str(data_dir), "COHORT_DATABASE_URL": db_url}
+    stack = Stack(env, f"http://127.0.0.1:{port}", log_dir=folder / "logs")
+    try:
+        stack.start_core("127.0.0.1", port, learning=cfg.learning)
+        if cfg.learning:
+            stack.spawn("beat", "worker", "beat", "--schedule-file", str(data_dir / "celerybeat-schedule"))
+        stack.wait_healthy(600)
+    except BaseException:
+        stack.stop()
+        redis_srv.close()
+        raise
+    return stack, redis_srv, data_dir, db_url
+
+
+async def _retrain(client: httpx.AsyncClient, headers: dict[str, str], log: list[dict[str, Any]], t: float) -> None:
+    for target in ("predictor", "estimator"):
+        r = await client.post("/admin/retrain", json={"target": target}, headers=headers)
+        log.append({"t": round(t, 1), "target": target, "status": r.status_code,
+                    "task_id": r.json().get("task_id") if r.status_code == 202 else None})
+
+
+async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
+                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Send the traffic, retrain, sample; return the report (without the stack's final state)."""
+    rng = random.Random(cfg.seed)
+    outcomes: list[Outcome] = []
+    tasks: list[asyncio.Task] = []
+    retrains: list[dict[str, Any]] = []
+    headers = {"Authorization": f"Bearer {token}"}
+    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(660.0, connect=30.0), limits=limits) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        t0 = time.perf_counter()
+        end = t0 + cfg.minutes * 60.0
+        next_send, next_sample = t0, t0
+        next_retrain = t0 + cfg.retrain_at_s if cfg.retrain_at_s is not None else math.inf
+        i = 0
+        while (now := time.perf_counter()) < end:
+            if now >= next_sample:
+                s = await asyncio.to_thread(sampler.sample, now - t0)
+                next_sample += cfg.sample_s
+                if progress:
+                    w = windows(outcomes, cfg.window_s)[-1] if outcomes else {}
+                    progress(f"t={s['t']:.0f}s sent={len(outcomes)} p50={w.get('p50_s')} redis={s['redis_used_mb']:.1f}MB "
+                             f"var={s['data_dir_mb']:.1f}MB cpu={ {k: round(v) for k, v in s['cpu_pct'].items()} }")
+            if now >= next_retrain:
+                await _retrain(client, headers, retrains, now - t0)
+                next_retrain = now + cfg.retrain_every_s if cfg.retrain_every_s else math.inf
+            while next_send <= now:
+                o = Outcome(pick_kind(rng, cfg.leave_frac, cfg.bad_frac), sent=next_send - t0)
+                outcomes.append(o)
+                tasks.append(asyncio.create_task(_guarded(client, o, i, random.Random(rng.random()), cfg.max_tokens, model)))
+                i += 1
+                next_send += rng.expovariate(cfg.rate)
+            await asyncio.sleep(min(0.05, max(0.0, next_send - time.perf_counter())))
+        sent_wall = time.perf_counter() - t0
+        _, pending = await asyncio.wait(tasks, timeout=cfg.drain_s) if tasks else (set(), set())
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        sampler.sample(time.perf_counter() - t0)
+        for r in retrains:  # how each admin retrain ended
+            if r["task_id"]:
+                st = (await client.get(f"/admin/tasks/{r['task_id']}", headers=headers)).json()
+                r["state"] = st.get("state")
+                r["retrained"] = (st.get("result") or {}).get("retrained")
+    return {"summary": summarize(outcomes, cfg, sent_wall), "windows": windows(outcomes, cfg.window_s),
+            "latency_first_last": first_last(outcomes, cfg),
+            "retrains": retrains, "samples": sampler.samples, "undrained": len(pending)}
+
+
+async def _guarded(client: httpx.AsyncClient, o: Outcome, i: int, rng: random.Random, max_tokens: int,
+                   model: str) -> None:
+    try:
+        await one_request(client, o.kind, i, rng, max_tokens, o, model)
+    except (httpx.HTTPError, OSError):
+        if o.kind == "leave" and o.status == 200:
+            return  # the leaving client closed it itself
+        o.status = None  # no HTTP answer: lost
+
+
+def resource_trends(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
+    """Slopes after warm-up (%/h): RSS per process, Redis memory."""
+    after = [s for s in samples if s["t"] >= warmup_s]
+    ts = [s["t"] for s in after]
+    names = sorted({n for s in after for n in s["rss_mb"]})
+    return {"rss_slope_pct_per_h": {n: slope_pct_per_h([s["t"] for s in after if n in s["rss_mb"]],
+                                                        [s["rss_mb"][n] for s in after if n in s["rss_mb"]]) for n in names},
+            "redis_slope_pct_per_h": slope_pct_per_h(ts, [s["redis_used_mb"] for s in after]),
+            "data_dir_mb": {"first": after[0]["data_dir_mb"] if after else None,
+                            "last": after[-1]["data_dir_mb"] if after else None}}
+
+
+def run_soak(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Start the stack, drive it, stop it; the report also holds the stack's final state."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(16)
+    stack, redis_srv, data_dir, db_url = start_stack(cfg, workdir, token)
+    try:
+        sampler = Sampler(stack, redis_srv.url, data_dir, db_url)
+        report = asyncio.run(drive(cfg, stack.url, sampler, token, progress))
+        report["dead_processes"] = stack.dead()
+        report["open_records"] = _open_records(db_url)
+        report["versions"] = {t: sorted(p.name for p in (data_dir / "models" / t).glob("v*"))
+                              for t in ("predictor", "estimator")}
+        r = redis.Redis.from_url(redis_srv.url)
+        report["redis"] = {"maxmemory_policy": r.config_get("maxmemory-policy")["maxmemory-policy"],
+                           "maxmemory_mb": int(r.config_get("maxmemory")["maxmemory"]) / 2**20}
+    finally:
+        stack.stop()
+        redis_srv.close()
+    report["trends"] = resource_trends(report["samples"], cfg.warmup_s)
+    report["config"] = asdict(cfg)
+    return report
+
+
+def _open_records(db_url: str) -> int:
+    from sqlalchemy import func, select
+
+    from cohort.logdb import requests
+
+    with get_db_engine(db_url).connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(requests).where(requests.c.status == "queued")).scalar())

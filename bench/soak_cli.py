@@ -1,0 +1,133 @@
+"""`cohort bench soak`: the command, its A/B of serving with learning off and on, and its plot
+(the soak itself is bench.soak)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import typer
+from tqdm import tqdm
+
+from bench.live_stack import parse_env
+from bench.soak import SoakConfig, run_soak
+
+
+def plot_soak(report: dict[str, Any], out: Path) -> Path:
+    """Five panels: p50/p99 per window (admin retrains marked), CPU and RSS per process, Redis
+    memory, data folder size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 3, figsize=(16, 8))
+    w = report["windows"]
+    x = [(v["start_s"] + report["config"]["window_s"] / 2) / 60 for v in w]
+    for key in ("p50_s", "p99_s"):
+        ax[0, 0].plot(x, [v[key] for v in w], marker="o", label=key)
+    for r in report.get("retrains", []):
+        ax[0, 0].axvline(r["t"] / 60, color="grey", ls=":", lw=1)
+    ax[0, 0].set(title="latency per window (dotted: admin retrain)", xlabel="minute", ylabel="s")
+    s = report["samples"]
+    t = [v["t"] / 60 for v in s]
+    for name in sorted({n for v in s for n in v["rss_mb"]}):
+        ax[0, 1].plot(t, [v["rss_mb"].get(name) for v in s], label=name)
+    ax[0, 1].set(title="RSS per process", xlabel="minute", ylabel="MiB")
+    ax[1, 0].plot(t, [v["redis_used_mb"] for v in s], label="used_memory")
+    ax[1, 0].set(title="Redis memory", xlabel="minute", ylabel="MiB")
+    ax[1, 1].plot(t, [v["data_dir_mb"] for v in s], label="data dir")
+    ax[1, 1].set(title="var/ size", xlabel="minute", ylabel="MiB")
+    for name in sorted({n for v in s for n in v["cpu_pct"]}):
+        ax[0, 2].plot(t, [v["cpu_pct"].get(name) for v in s], label=name)
+    ax[0, 2].set(title="CPU per process (100 = one core)", xlabel="minute", ylabel="%")
+    ax[1, 2].plot(t, [v["log_rows"]["requests"] for v in s], label="request rows")
+    ax[1, 2].plot(t, [v["log_rows"]["prompts"] for v in s], label="rows with a prompt")
+    ax[1, 2].plot(t, [v["stream_keys"] for v in s], label="stream keys")
+    ax[1, 2].set(title="log DB rows, Redis streams", xlabel="minute", ylabel="count")
+    for a in ax.flat:
+        a.legend(fontsize=7)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_report(report: dict[str, Any], json_out: Path | None) -> None:
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2, default=str))
+
+
+def learning_ab(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] | None = None,
+                repeats: int = 1) -> dict[str, Any]:
+    """Serving throughput with learning off, then on (learning worker + beat + an admin retrain
+    of both models every ``retrain_every_s``: a learner kept busy), same seeded traffic, each on
+    a fresh stack; ``repeats`` pairs interleaved (off, on, off, on, …) so that a shared machine's
+    changing load falls on both sides. ``ratio`` = on / off of the summed answers per second
+    between warm-up and the end of sending (the service rate, overloaded or not)."""
+    runs: dict[str, Any] = {}
+    for k in range(repeats):
+        for name, learning in (("off", False), ("on", True)):
+            c = SoakConfig(**{**asdict(cfg), "learning": learning,
+                              "retrain_at_s": cfg.retrain_at_s if learning else None,
+                              "retrain_every_s": cfg.retrain_every_s if learning else None})
+            runs[f"{name}{k}"] = run_soak(c, workdir / f"learning-{name}{k}", progress)
+    rps = {key: r["summary"]["throughput_rps_after_warmup"] for key, r in runs.items()}
+    off = sum(v for key, v in rps.items() if key.startswith("off"))
+    on = sum(v for key, v in rps.items() if key.startswith("on"))
+    pairs = [rps[f"on{k}"] / rps[f"off{k}"] if rps[f"off{k}"] else None for k in range(repeats)]
+    return {"ratio": on / off if off else None, "pair_ratios": pairs, "throughput_rps": rps, "runs": runs}
+
+
+def soak(
+    minutes: float = typer.Option(20.0, help="How long traffic is sent."),
+    rate: float = typer.Option(4.0, help="Requests per second (Poisson); ~60 % of the stack's capacity."),
+    max_tokens: int = typer.Option(32, help="Largest max_tokens a request asks for."),
+    warmup_s: float = typer.Option(60.0, help="Left out of the after-warm-up figures."),
+    window_s: float = typer.Option(60.0, help="p50/p99 per window of this many seconds."),
+    retrain_at_s: float = typer.Option(30.0, help="Admin retrain of both models at this second (<0: none)."),
+    retrain_every_s: float = typer.Option(None, help="Retrain again every this many seconds (a busy learner)."),
+    learning: bool = typer.Option(True, help="Run the learning worker and beat, as `make serve` does."),
+    ab: bool = typer.Option(False, help="Throughput with learning off, then on (busy learner): the ratio."),
+    repeats: int = typer.Option(1, help="--ab: interleaved off/on pairs."),
+    drain_s: float = typer.Option(120.0, help="After sending stops, how long answers may take (then: lost)."),
+    server_env: list[str] = typer.Option(None, help="KEY=VALUE for the stack (repeat)."),
+    workdir: Path = typer.Option(Path("var/bench/soak"), help="Where the stack keeps its files and logs."),
+    json_out: Path = typer.Option(None, "--json"),
+    plot: Path = typer.Option(None, help="PNG of the curves (latency, RSS, Redis memory, var/ size)."),
+) -> None:
+    """Steady mixed OpenAI traffic against `make serve`'s stack (issue 23): 5xx, lost requests,
+    p50/p99 per window, RSS per process, Redis memory, var/ size, retention bounds."""
+    def _stop(*_: object) -> None:  # SIGTERM: stop the stack (finally blocks), as Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    cfg = SoakConfig(minutes=minutes, rate=rate, max_tokens=max_tokens, warmup_s=warmup_s, window_s=window_s,
+                     retrain_at_s=retrain_at_s if retrain_at_s >= 0 else None, retrain_every_s=retrain_every_s,
+                     learning=learning, server_env=parse_env(server_env), drain_s=drain_s)
+    bar = tqdm(total=int(minutes * 60 / cfg.sample_s) * (2 * repeats if ab else 1), desc="soak samples", unit="sample")
+
+    def tick(line: str) -> None:
+        bar.update(1)
+        bar.set_postfix_str(line[:120])
+
+    if ab:
+        report = learning_ab(cfg, workdir, tick, repeats)
+        typer.echo(f"throughput (req/s) {report['throughput_rps']}: on/off ratio {report['ratio']:.3f}, "
+                   f"per pair {report['pair_ratios']}")
+    else:
+        report = run_soak(cfg, workdir, tick)
+        typer.echo(json.dumps({"summary": report["summary"], "trends": report["trends"],
+                               "latency_first_last": report["latency_first_last"],
+                               "windows": report["windows"]}, indent=1))
+        if plot:
+            plot_soak(report, plot)
+    bar.close()
+    write_report(report, json_out)
