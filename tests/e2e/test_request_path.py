@@ -14,8 +14,11 @@ import pytest
 from batcher.wma import total_wma
 
 pytestmark = pytest.mark.e2e
-# Φ between the WMA of a long-only batch (~6.3k token reads) and a short+long one (~10k).
-STACK_ENV = {"COHORT_POLICY": "magnus", "COHORT_WMA_THRESHOLD": "8000"}
+# Φ between the WMA of a long-only batch (~6.3k token reads) and a short+long one (~10k). The batches'
+# padding is the test's subject, so it runs the padded elastic path: under continuous execution a
+# batch is sent as soon as the last one joins the running rows (every step or so), forms in arrival
+# order and pads nothing (its e2e tests: test_continuous.py; the rest of the suite runs it by default).
+STACK_ENV = {"COHORT_POLICY": "magnus", "COHORT_WMA_THRESHOLD": "8000", "COHORT_EXECUTION": "elastic"}
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugglers".split()
 
