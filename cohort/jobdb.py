@@ -117,14 +117,19 @@ def add_file(engine: Engine, row: dict[str, Any]) -> None:
         conn.execute(files.insert().values(**row))
 
 
-def get_file(engine: Engine, file_id: str, owner: str | None) -> dict[str, Any] | None:
-    """The file's record, or None when there is none or it is another key's (``owner`` None: any)."""
-    q = select(files).where(files.c.id == file_id)
+def _owned_row(engine: Engine, table: Table, row_id: str, owner: str | None) -> dict[str, Any] | None:
+    """A record by id, or None when there is none or it is another key's (``owner`` None: any)."""
+    q = select(table).where(table.c.id == row_id)
     if owner is not None:
-        q = q.where(files.c.owner == owner)
+        q = q.where(table.c.owner == owner)
     with engine.connect() as conn:
         r = conn.execute(q).first()
     return dict(r._mapping) if r else None
+
+
+def get_file(engine: Engine, file_id: str, owner: str | None) -> dict[str, Any] | None:
+    """The file's record, or None when there is none or it is another key's (``owner`` None: any)."""
+    return _owned_row(engine, files, file_id, owner)
 
 
 def list_files(engine: Engine, owner: str, purpose: str | None = None, after: str | None = None,
@@ -154,12 +159,7 @@ def create_batch(engine: Engine, row: dict[str, Any]) -> None:
 
 
 def get_batch(engine: Engine, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
-    q = select(batch_jobs).where(batch_jobs.c.id == batch_id)
-    if owner is not None:
-        q = q.where(batch_jobs.c.owner == owner)
-    with engine.connect() as conn:
-        r = conn.execute(q).first()
-    return dict(r._mapping) if r else None
+    return _owned_row(engine, batch_jobs, batch_id, owner)
 
 
 def list_batches(engine: Engine, owner: str, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
