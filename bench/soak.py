@@ -142,11 +142,20 @@ class Sampler:
             except psutil.Error:
                 continue
         info = self.redis.info("memory")
-        streams = sum(1 for _ in self.redis.scan_iter("cohort:stream:*", count=1000))
+        prefixes = key_prefix_counts(self.redis)
         s = {"t": round(t, 1), "rss_mb": rss, "cpu_pct": cpu, "redis_used_mb": info["used_memory"] / 2**20,
-             "stream_keys": streams, "data_dir_mb": du_mb(self.data_dir), "log_rows": log_counts(get_db_engine(self.db_url))}
+             "redis_dataset_mb": info.get("used_memory_dataset", 0) / 2**20, "redis_keys": prefixes,
+             "stream_keys": prefixes.get("cohort:stream", 0), "data_dir_mb": du_mb(self.data_dir), "log_rows": log_counts(get_db_engine(self.db_url))}
         self.samples.append(s)
         return s
+
+
+def key_prefix_counts(r: redis.Redis) -> dict[str, int]:
+    """Keys by their first two ``:`` segments: what grows when Redis memory grows."""
+    counts: Counter[str] = Counter()
+    for key in r.scan_iter(count=1000):
+        counts[":".join(str(key).split(":")[:2])] += 1
+    return dict(counts)
 
 
 def du_mb(path: Path) -> float:
