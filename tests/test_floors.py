@@ -101,3 +101,14 @@ def test_one_name_per_concept_across_packages() -> None:
             where.setdefault(name, set()).add(f.relative_to(ROOT).parts[0])
     shared = {name: sorted(pkgs) for name, pkgs in where.items() if len(pkgs) > 1}
     assert not shared, f"names defined in more than one package: {shared}"
+
+
+def test_every_product_package_is_installed() -> None:
+    """`make serve` runs the installed `cohort` script, whose path does not hold the repository:
+    a package missing from pyproject's list imports only from the repository root (the `offline`
+    package once did, and `cohort` failed to start)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    listed = {p.rstrip("*") for p in patterns}
+    assert set(PACKAGES) - listed == set()
