@@ -282,7 +282,8 @@ class BatcherService:
                     lost.append((bid, "(unclaimed)"))
         for bid, owner in lost:
             fl = self.inflight.pop(bid)
-            self.redis.set(bus.claim_key(bid), bus.CANCELLED, ex=bus.CLAIM_TTL_S)  # a redelivery is a no-op
+            self.redis.set(bus.claim_key(bid), bus.CANCELLED,  # a redelivery is a no-op
+                           ex=bus.marker_ttl_s(self.settings.visibility_timeout_s))
             self.redis.hincrby(bus.STATS, "requeues", 1)
             b = fl.batch
             if b.attempt + 1 > self.settings.max_requeues:

@@ -37,7 +37,7 @@ def _claim(rt: runtime.Runtime, batch_id: str) -> bool:
     r = rt.redis
     if r.exists(bus.done_key(batch_id)):
         return False
-    if r.set(bus.claim_key(batch_id), rt.name, nx=True, ex=bus.CLAIM_TTL_S):
+    if r.set(bus.claim_key(batch_id), rt.name, nx=True, ex=bus.marker_ttl_s(rt.settings.visibility_timeout_s)):
         return True
     return r.get(bus.claim_key(batch_id)) == rt.name
 
@@ -64,7 +64,9 @@ def _execute(r: redis.Redis, fill: Callable[[Any], None], what: str, limit_s: fl
 
 def _complete(rt: runtime.Runtime, event: CompletionEvent) -> None:
     def fill(pipe) -> None:
-        pipe.set(bus.done_key(event.batch_id), event.outcome.value, ex=bus.CLAIM_TTL_S)
+        # the done marker alone answers a redelivery (``_claim`` and the batcher read it first)
+        pipe.set(bus.done_key(event.batch_id), event.outcome.value, ex=bus.marker_ttl_s(rt.settings.visibility_timeout_s))
+        pipe.delete(bus.claim_key(event.batch_id), bus.admitted_key(event.batch_id))
         pipe.lpush(bus.pool_keys(rt.settings.pool).completions, event.to_json())
 
     _execute(rt.redis, fill, "the batch's completion")
@@ -154,7 +156,8 @@ class _Reporter:
 
 def _mark_admitted(rt: runtime.Runtime, batch_id: str) -> None:
     """The batch's rows run now: the batcher may send this instance its next one."""
-    _execute(rt.redis, lambda pipe: pipe.set(bus.admitted_key(batch_id), rt.name, ex=bus.CLAIM_TTL_S), "admission")
+    ttl = bus.marker_ttl_s(rt.settings.visibility_timeout_s)
+    _execute(rt.redis, lambda pipe: pipe.set(bus.admitted_key(batch_id), rt.name, ex=ttl), "admission")
 
 
 def _padded_steps(rt: runtime.Runtime, b: Batch, run: DecodeRun) -> Iterator[StepOutput]:

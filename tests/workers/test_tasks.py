@@ -40,3 +40,23 @@ def test_a_long_outage_still_ends_in_an_error():
     r = FlakyRedis(fail=10**6)
     with pytest.raises(redis.ConnectionError):
         _execute(r, lambda p: p.exists("x"), "test", limit_s=0.2, first_backoff_s=0.01)
+
+
+def test_a_finished_batch_keeps_only_its_done_marker_for_two_visibility_timeouts():
+    """Redis stays flat under steady load: a batch's claim and admitted markers go when it ends,
+    and its done marker (what stops a redelivery) lives 2× the visibility timeout, not days."""
+    from types import SimpleNamespace
+
+    from cohort.protocol import BatchOutcome, CompletionEvent
+    from cohort.settings import Settings
+    from workers.tasks import _claim, _complete, _mark_admitted
+
+    r = fakeredis.FakeRedis(decode_responses=True)
+    rt = SimpleNamespace(redis=r, name="w1", settings=Settings(visibility_timeout_s=600))
+    assert _claim(rt, "b1")
+    _mark_admitted(rt, "b1")
+    assert 0 < r.ttl(bus.claim_key("b1")) <= 1200 and 0 < r.ttl(bus.admitted_key("b1")) <= 1200
+    _complete(rt, CompletionEvent(batch_id="b1", outcome=BatchOutcome.DONE))
+    assert not r.exists(bus.claim_key("b1")) and not r.exists(bus.admitted_key("b1"))
+    assert 1190 < r.ttl(bus.done_key("b1")) <= 1200
+    assert not _claim(rt, "b1")  # a redelivery of the finished batch's task is a no-op
