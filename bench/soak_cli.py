@@ -83,7 +83,16 @@ def learning_ab(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] 
     off = sum(v for key, v in rps.items() if key.startswith("off"))
     on = sum(v for key, v in rps.items() if key.startswith("on"))
     pairs = [rps[f"on{k}"] / rps[f"off{k}"] if rps[f"off{k}"] else None for k in range(repeats)]
-    return {"ratio": on / off if off else None, "pair_ratios": pairs, "throughput_rps": rps, "runs": runs}
+    return {"ratio": on / off if off else None, "pair_ratios": pairs, "throughput_rps": rps,
+            "cpu_pct_mean": {key: mean_cpu(r["samples"]) for key, r in runs.items()}, "runs": runs}
+
+
+def mean_cpu(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Each process's mean CPU (% of one core) over a run: on a shared host, whether an "on" run
+    lost throughput to its learner (the learner's own share) or to other tenants (the serving
+    processes got less while the learner stayed idle)."""
+    names = sorted({n for s in samples for n in s["cpu_pct"]})
+    return {n: round(sum(s["cpu_pct"].get(n, 0.0) for s in samples) / max(len(samples), 1), 1) for n in names}
 
 
 def soak(
@@ -121,7 +130,7 @@ def soak(
     if ab:
         report = learning_ab(cfg, workdir, tick, repeats)
         typer.echo(f"throughput (req/s) {report['throughput_rps']}: on/off ratio {report['ratio']:.3f}, "
-                   f"per pair {report['pair_ratios']}")
+                   f"per pair {report['pair_ratios']}; mean CPU % per process {report['cpu_pct_mean']}")
     else:
         report = run_soak(cfg, workdir, tick)
         typer.echo(json.dumps({"summary": report["summary"], "trends": report["trends"],
