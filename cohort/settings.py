@@ -252,6 +252,12 @@ class Settings(BaseSettings):
                                       "that does not answer at all costs no attempt: the runner waits for it.")
     offline_poll_s: float = Field(default=0.5, gt=0.0, description="How often the job runner looks for new, "
                                   "cancelled and finished jobs.")
+    # --- helper jobs: background rows give way inside the continuous engine (issue 21) ---
+    background_min_duty: float = Field(
+        default=0.02, ge=0.0, le=1.0, description="continuous: the share of steps rows of a less urgent priority "
+        "still run while more urgent rows are there, at a gap of COHORT_OFFLINE_PRIORITY or more (rising linearly "
+        "to every step as the gap closes; batcher.row_priority). The rest of the time they stay resident, KV kept, "
+        "and skip the step: on a CPU every row in a step slows it.")
 
     @property
     def resolved_files_dir(self) -> Path:

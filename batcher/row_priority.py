@@ -1,0 +1,73 @@
+"""Background rows give way to urgent ones inside the continuous engine (issue 21).
+
+Why: a batch job's rows (``offline.runner``, priority ``COHORT_OFFLINE_PRIORITY``) and interactive
+requests (priority 0) share an instance's running set. On a CPU a decode step's time grows with
+every row in it, so background rows beside an interactive one slow each of its steps (2.5× its
+p50 latency, docs/batch.md) however strictly the batcher orders the queue. So at each step:
+
+- the most urgent priority present (the lowest number among the rows running, waiting to resume
+  or waiting to be admitted) runs every step;
+- a less urgent level *yields*: it runs in a share ``duty`` of the steps — ``min_duty`` at a gap
+  of ``span`` or more (``COHORT_OFFLINE_PRIORITY``: a young job's rows beside interactive ones),
+  rising linearly to every step as the gap closes. The job runner raises a job's rows towards
+  priority 0 as its completion window nears (``offline.runner.row_priority``), so the ramp that
+  reorders the queue also gives the job more steps here, and a job under steady interactive
+  load still progresses;
+- a yielding level's steps are spread evenly by a credit per level (deterministic; every row of
+  a level runs in the same steps, so the slow steps are few rather than every step a bit slower).
+
+A yielding row stays resident (its KV pages kept) and skips the step; a yielding group is not
+admitted in a step its level does not run; when an urgent row needs a page the victim comes from
+the least urgent level (``least_urgent``). With one level present nothing changes: a job alone
+runs at full speed. Plain Python, no torch: the simulator can apply the same rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepShares:
+    """Which priority levels run at each step; call ``running`` once per step."""
+
+    span: int = 10          # the priority gap at which a yielding level's share reaches min_duty
+    min_duty: float = 0.02  # the share of steps the least urgent levels still run
+    credit: dict[int, float] = field(default_factory=dict)  # per yielding level: its share accrued
+
+    def duty(self, gap: int) -> float:
+        """The share of steps a level ``gap`` priorities less urgent than the most urgent one runs."""
+        if gap <= 0:
+            return 1.0
+        if self.span <= 0 or gap >= self.span:
+            return self.min_duty
+        return 1.0 - (1.0 - self.min_duty) * gap / self.span
+
+    def running(self, levels: Iterable[int]) -> set[int]:
+        """The levels whose rows run this step, given every level present (rows running, waiting
+        or resuming). A level that left forgets its credit; one that returns starts afresh."""
+        present = set(levels)
+        if not present:
+            self.credit.clear()
+            return set()
+        top = min(present)
+        run = {top}
+        credit = {}
+        for p in sorted(present - {top}):
+            c = self.credit.get(p, 0.0) + self.duty(p - top)
+            if c >= 1.0 - 1e-9:
+                run.add(p)
+                c -= 1.0
+            credit[p] = c
+        self.credit = credit
+        return run
+
+
+def least_urgent(priorities: dict[str, int]) -> list[str]:
+    """The row ids of the least urgent level (the highest priority number): where an eviction for
+    an urgent row's page takes its victim, so background rows go before interactive ones."""
+    if not priorities:
+        return []
+    worst = max(priorities.values())
+    return [rid for rid, p in priorities.items() if p == worst]
