@@ -7,12 +7,16 @@ p50 latency, docs/batch.md) however strictly the batcher orders the queue. So at
 
 - the most urgent priority present (the lowest number among the rows running, waiting to resume
   or waiting to be admitted) runs every step;
-- a less urgent level *yields*: it runs in a share ``duty`` of the steps — ``min_duty`` at a gap
-  of ``span`` or more (``COHORT_OFFLINE_PRIORITY``: a young job's rows beside interactive ones),
-  rising linearly to every step as the gap closes. The job runner raises a job's rows towards
-  priority 0 as its completion window nears (``offline.runner.row_priority``), so the ramp that
-  reorders the queue also gives the job more steps here, and a job under steady interactive
-  load still progresses;
+- a less urgent level *yields*: it runs in a share of the steps. At a gap of ``span`` or more
+  (``COHORT_OFFLINE_PRIORITY``: a young job's rows beside interactive ones) that share is what
+  keeps the urgent rows' mean step time within ``slowdown`` of their time alone, measured here
+  (``observe``: step times with and without yielding rows): if a step with them costs ``t_mixed``
+  and one without ``t_alone``, the share is ``slowdown * t_alone / (t_mixed - t_alone)``, at least
+  ``min_duty`` — small on a CPU, where each row lengthens a step, near every step on a GPU, where
+  a few more rows cost almost nothing. As the gap closes the share rises linearly to every step:
+  the job runner raises a job's rows towards priority 0 as its completion window nears
+  (``offline.runner.row_priority``), so the ramp that reorders the queue also gives the job more
+  steps here, and a job under steady interactive load still progresses;
 - a yielding level's steps are spread evenly by a credit per level (deterministic; every row of
   a level runs in the same steps, so the slow steps are few rather than every step a bit slower).
 
@@ -27,22 +31,39 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+EMA = 0.1  # weight of the newest step in the measured step times
+
 
 @dataclass
 class StepShares:
-    """Which priority levels run at each step; call ``running`` once per step."""
+    """Which priority levels run at each step; call ``running`` once per step, then ``observe``."""
 
-    span: int = 10          # the priority gap at which a yielding level's share reaches min_duty
-    min_duty: float = 0.02  # the share of steps the least urgent levels still run
+    span: int = 10           # the priority gap at which a yielding level's share is the base share
+    slowdown: float = 0.1    # how much yielding rows may lengthen the urgent rows' mean step time
+    min_duty: float = 0.0    # the base share's floor
     credit: dict[int, float] = field(default_factory=dict)  # per yielding level: its share accrued
+    t_alone: float | None = None  # mean step seconds, the most urgent level alone while others wait
+    t_mixed: float | None = None  # mean step seconds, yielding levels running beside it
+    _top: int | None = None
+
+    def base(self) -> float:
+        """The share of steps the least urgent levels run (see the module docstring)."""
+        if self.t_alone is None or self.t_mixed is None:
+            share = self.slowdown  # not measured yet: a first guess, measured within a few steps
+        elif self.t_mixed <= self.t_alone * (1.0 + self.slowdown):
+            share = 1.0
+        else:
+            share = self.slowdown * self.t_alone / (self.t_mixed - self.t_alone)
+        return min(1.0, max(self.min_duty, share))
 
     def duty(self, gap: int) -> float:
         """The share of steps a level ``gap`` priorities less urgent than the most urgent one runs."""
         if gap <= 0:
             return 1.0
+        base = self.base()
         if self.span <= 0 or gap >= self.span:
-            return self.min_duty
-        return 1.0 - (1.0 - self.min_duty) * gap / self.span
+            return base
+        return 1.0 - (1.0 - base) * gap / self.span
 
     def running(self, levels: Iterable[int]) -> set[int]:
         """The levels whose rows run this step, given every level present (rows running, waiting
@@ -50,8 +71,9 @@ class StepShares:
         present = set(levels)
         if not present:
             self.credit.clear()
+            self._top = None
             return set()
-        top = min(present)
+        top = self._top = min(present)
         run = {top}
         credit = {}
         for p in sorted(present - {top}):
@@ -62,6 +84,17 @@ class StepShares:
             credit[p] = c
         self.credit = credit
         return run
+
+    def observe(self, seconds: float, ran: set[int]) -> None:
+        """A step took ``seconds`` running rows of the levels ``ran``: it updates ``t_alone`` (only
+        the most urgent level ran while others yielded) or ``t_mixed`` (others ran beside it).
+        Steps without the most urgent level, or with one level present, say nothing."""
+        if self._top is None or self._top not in ran or not self.credit:
+            return
+        if ran == {self._top}:
+            self.t_alone = seconds if self.t_alone is None else (1 - EMA) * self.t_alone + EMA * seconds
+        else:
+            self.t_mixed = seconds if self.t_mixed is None else (1 - EMA) * self.t_mixed + EMA * seconds
 
 
 def least_urgent(priorities: dict[str, int]) -> list[str]:

@@ -160,7 +160,9 @@ class ContinuousRun:
                 self._evicted(rid, out, *plan.victims[rid])
             hooked = {rid for rid in self._prompt_logits}
             try:
+                t0 = time.perf_counter()
                 logits = self.executor.run(plan, self.ids, self._hook, hooked) if plan.prefill or plan.decode else {}
+                self.shares.observe(time.perf_counter() - t0, {self._prio(r) for r in [*plan.decode, *(p[0] for p in plan.prefill)]})
                 break
             except torch.cuda.OutOfMemoryError as e:  # the safety net under the page pool
                 self._out_of_memory(plan, out, e)

@@ -196,7 +196,7 @@ def test_background_rows_give_way_to_an_urgent_group_and_resume_with_their_kv(en
     """A job's rows (priority 10) pause, resident, while an interactive group (priority 0) runs
     (min duty 0), then finish with the tokens of an uninterrupted run (their KV was kept)."""
     from batcher.row_priority import StepShares
-    run = make_run(engine, shares=StepShares(span=10, min_duty=0.0))
+    run = make_run(engine, shares=StepShares(span=10, slowdown=0.0, min_duty=0.0))
     job = [req(i, PROMPTS[i], max_tokens=24, priority=10) for i in (0, 3)]
     urgent = [req(1, PROMPTS[1], max_tokens=5)]
     submit(run, engine, "J", job)
