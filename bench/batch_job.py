@@ -12,7 +12,8 @@ its ``max_tokens``). Phases, each optional, run in this order:
 - ``job+probe``: the same job with the probe running: the probe's p50 while the job runs (the job
   yields: COHORT_OFFLINE_YIELD_OUTSTANDING rows in flight while interactive requests arrive);
 - ``chaos``: the job again, with a worker SIGKILL, a job-runner SIGKILL and a gateway SIGKILL
-  (each started again, as ``cohort serve`` does) at fractions of the job. Checked: every
+  (each started again, as ``cohort serve`` does) at fractions of the job; ``--kills 0.5:redis``
+  kills the redis-server instead (started again from its append-only file). Checked: every
   ``custom_id`` of the input is in the output or error file exactly once.
 """
 
@@ -79,7 +80,12 @@ class BenchStack:
         self.redis.kill()
 
     def restart(self, name: str) -> None:
-        """SIGKILL a process and start it again (what `cohort serve` does for a process that died)."""
+        """SIGKILL a process and start it again (what `cohort serve` does for a process that died);
+        ``redis``: the redis-server, started again on its port from its append-only file."""
+        if name == "redis":
+            self.redis.kill()
+            self.redis.start()
+            return
         self.stack.kill(name)
         self.stack.restart(name)
 
