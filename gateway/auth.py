@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cohort import jobdb
 from cohort.apikeys import (
     INTERACTIVE_SEEN_KEY,
+    ROW_REQUEST_HEADER,
     RUNNER_HEADER,
     configured_keys,
     env_key_id,
@@ -42,6 +43,7 @@ from cohort.apikeys import (
 )
 from cohort.settings import Settings
 from gateway.errors import APIError
+from gateway.reattach import name_row_request, reset_row_request
 
 log = logging.getLogger("cohort.gateway.auth")
 
@@ -153,8 +155,11 @@ class ApiKeys:
         from_runner = given is not None and given == book.runner
         if not from_runner and scope["path"] in COUNTED:
             await self._mark_interactive(st)
+        row_request = None
         if from_runner:
-            owner = dict(scope.get("headers") or []).get(RUNNER_HEADER.encode(), b"").decode("latin-1")
+            headers = dict(scope.get("headers") or [])
+            owner = headers.get(RUNNER_HEADER.encode(), b"").decode("latin-1")
+            row_request = headers.get(ROW_REQUEST_HEADER.encode(), b"").decode("latin-1")
         elif not book.closed:
             owner = OPEN
         else:
@@ -169,10 +174,14 @@ class ApiKeys:
                 await self._refuse(scope, receive, send, refusal)
                 return
         scope.setdefault("state", {})["api_key_id"] = owner
-        if not owner:
-            await self.app(scope, receive, send)
-            return
-        await self._counted(scope, receive, send, st, owner)
+        named = name_row_request(row_request)  # the runner names its row's request (gateway.reattach)
+        try:
+            if not owner:
+                await self.app(scope, receive, send)
+                return
+            await self._counted(scope, receive, send, st, owner)
+        finally:
+            reset_row_request(named)
 
     async def _over_limit(self, st, k: KeyLimits) -> APIError | None:
         now = time.time()
