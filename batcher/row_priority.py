@@ -28,10 +28,14 @@ runs at full speed. Plain Python, no torch: the simulator can apply the same rul
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+log = logging.getLogger(__name__)
+
 EMA = 0.1  # weight of the newest step in the measured step times
+LOG_EVERY = 500  # steps with yielding rows between two log lines of the measured share
 
 
 @dataclass
@@ -45,6 +49,7 @@ class StepShares:
     t_alone: float | None = None  # mean step seconds, the most urgent level alone while others wait
     t_mixed: float | None = None  # mean step seconds, yielding levels running beside it
     _top: int | None = None
+    _seen: int = 0
 
     def base(self) -> float:
         """The share of steps the least urgent levels run (see the module docstring)."""
@@ -95,6 +100,10 @@ class StepShares:
             self.t_alone = seconds if self.t_alone is None else (1 - EMA) * self.t_alone + EMA * seconds
         else:
             self.t_mixed = seconds if self.t_mixed is None else (1 - EMA) * self.t_mixed + EMA * seconds
+        self._seen += 1
+        if self._seen % LOG_EVERY == 0:
+            log.info("yielding rows run in %.3f of the steps: a step takes %.1f ms with them, %.1f ms without",
+                     self.base(), 1e3 * (self.t_mixed or 0.0), 1e3 * (self.t_alone or 0.0))
 
 
 def least_urgent(priorities: dict[str, int]) -> list[str]:
