@@ -20,9 +20,11 @@ p50 latency, docs/batch.md) however strictly the batcher orders the queue. So at
 - a yielding level's steps are spread evenly by a credit per level (deterministic; every row of
   a level runs in the same steps, so the slow steps are few rather than every step a bit slower).
 
-A yielding row stays resident (its KV pages kept) and skips the step; a yielding group is not
-admitted in a step its level does not run; when an urgent row needs a page the victim comes from
-the least urgent level (``least_urgent``). With one level present nothing changes: a job alone
+A yielding row stays resident (its KV pages kept) and skips the step; groups join most urgent
+first, a yielding one too (to wait resident: groups waiting to join count against the batcher's
+lookahead, ``COHORT_CONTINUOUS_LOOKAHEAD``, and would hold up the next interactive batch); a row
+evicted while it yields resumes only in its level's steps; when an urgent row needs a page the
+victim comes from the least urgent level (``least_urgent``). With one level present nothing changes: a job alone
 runs at full speed. Plain Python, no torch: the simulator can apply the same rule.
 """
 

@@ -238,7 +238,8 @@ class ContinuousRun:
         return peak <= self.book.capacity_tokens
 
     def _admit(self, out: StepOutput, running: set[int]) -> None:
-        """Resumed rows, then waiting groups, in order; a level that yields this step is passed over."""
+        """Resumed rows of the levels running this step, then waiting groups, most urgent first (a
+        yielding group joins too, and waits resident: one waiting here holds up the batcher)."""
         now = self.clock()
         for rid in [r for r in self.resume if self._prio(r) in running]:
             row = self._book_row(rid)
@@ -248,7 +249,7 @@ class ContinuousRun:
             if self.swap is not None and row.row_id in self.swap.pool.rows:  # its KV comes back from the host
                 slots = context_slots(torch.tensor(row.pages, device=self.device), row.prompt_len, self.book.page_size)
                 row.computed = self.swap.pool.swap_in(row.row_id, self.executor.store, slots)
-        for bid in [b for b in self.waiting if min(map(self._prio, self.groups[b].left), default=0) in running]:
+        for bid in sorted(self.waiting, key=lambda b: min(map(self._prio, self.groups[b].left), default=0)):
             g = self.groups[bid]
             rows = [self._book_row(rid) for rid in g.rows if rid in g.left]
             for r in [r for r in rows if pages_for(r.prompt_len + 1, self.book.page_size) > self.book.pool.num_pages]:
