@@ -8,7 +8,7 @@ So the runner names each attempt's request id (``cohort.apikeys.row_request_id``
 same id, and when the log DB has that request still ``queued`` (waiting or running), or ``done``
 with its stream still in Redis, the gateway reads that request's stream from its start instead of
 admitting a new one. A request that failed, was cancelled or whose stream expired is not followed:
-the row runs again under a fresh id.
+the row runs again under a fresh id that still starts with the row's (so what ran twice is counted).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cohort import bus
 from cohort.logdb import requests
+from cohort.types import new_id
 
 _ROW_REQUEST: ContextVar[str | None] = ContextVar("cohort_row_request", default=None)
 
@@ -50,4 +51,4 @@ async def row_request(app_state, copies: int) -> tuple[str | None, bool]:
         return rid, False
     if status == "queued" or (status == "done" and await app_state.redis.exists(bus.stream_key(rid))):
         return rid, True
-    return None, False  # failed, cancelled or expired: a fresh request
+    return new_id(rid), False  # failed, cancelled or its stream expired: a fresh request, still named by the row

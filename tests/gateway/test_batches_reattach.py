@@ -71,3 +71,18 @@ def test_a_runner_restart_keeps_the_rows_attempt(tmp_path):
     assert [row_request_id(r["id"], r["attempts"]) for r in again[:2]] == [
         row_request_id(r["id"], r["attempts"]) for r in claimed]
     assert json.loads(again[2]["body"]) == BODY
+
+
+def test_a_row_whose_request_failed_runs_again_under_an_id_named_by_the_row(tmp_path):
+    from cohort.logdb import record_request
+
+    async def scenario():
+        async with gateway(tmp_path) as (app, client, redis):
+            record_request(app.state.db, {"id": RID, "created": 0.0, "status": "failed"})
+            h = {"authorization": f"Bearer {runner_secret(app.state.settings.data_dir)}", RUNNER_HEADER: "",
+                 ROW_REQUEST_HEADER: RID}
+            async with answering(redis):
+                return await client.post("/v1/chat/completions", json=BODY, headers=h)
+
+    r = asyncio.run(scenario())
+    assert r.status_code == 200 and r.json()["id"].startswith(f"chatcmpl-{RID}-")
