@@ -12,7 +12,8 @@ its ``max_tokens``). Phases, each optional, run in this order:
 - ``job+probe``: the same job with the probe running: the probe's p50 while the job runs (the job
   yields: COHORT_OFFLINE_YIELD_OUTSTANDING rows in flight while interactive requests arrive);
 - ``chaos``: the job again, with a worker SIGKILL, a job-runner SIGKILL and a gateway SIGKILL
-  (each started again, as ``cohort serve`` does) at fractions of the job. Checked: every
+  (each started again, as ``cohort serve`` does) at fractions of the job; ``--kills 0.5:redis``
+  kills the redis-server instead (started again from its append-only file). Checked: every
   ``custom_id`` of the input is in the output or error file exactly once.
 """
 
@@ -34,6 +35,8 @@ from tqdm import tqdm
 
 from bench.chaos import RedisServer
 from cohort import jobdb
+from cohort.apikeys import row_request_id
+from cohort.logdb import requests
 from procstack.stack import Stack, free_port
 
 KEY = "sk-bench-batch"
@@ -79,7 +82,12 @@ class BenchStack:
         self.redis.kill()
 
     def restart(self, name: str) -> None:
-        """SIGKILL a process and start it again (what `cohort serve` does for a process that died)."""
+        """SIGKILL a process and start it again (what `cohort serve` does for a process that died);
+        ``redis``: the redis-server, started again on its port from its append-only file."""
+        if name == "redis":
+            self.redis.kill()
+            self.redis.start()
+            return
         self.stack.kill(name)
         self.stack.restart(name)
 
@@ -174,10 +182,15 @@ def _check(bs: BenchStack, b: dict, lines: list[dict], out: str, err: str, wall:
     with db.connect() as conn:
         resent = conn.execute(select(func.count()).where(jobdb.batch_rows.c.batch_id == b["id"],
                                                          jobdb.batch_rows.c.attempts > 1)).scalar()
+        # requests the gateway admitted for the job's rows (ids: cohort.apikeys.row_request_id):
+        # beyond one per row, work done again; a row re-attached to its request adds none
+        admitted = conn.execute(select(func.count()).where(
+            requests.c.id.like(row_request_id(f"{b['id']}:", 0).removesuffix("-0") + "%"))).scalar()
     return {"status": b["status"], "rows": len(lines), "answered": len(outs), "errors": len(errs),
             "error_codes": sorted({(e["error"] or {}).get("code") or str(e["response"]["status_code"]) for e in errs}),
             "missing": len(expected - set(ids)), "duplicated": len(ids) - len(set(ids)),
             "unexpected": len(set(ids) - expected), "rows_sent_again": int(resent or 0),
+            "requests_admitted": int(admitted or 0),
             "wall_s": round(wall, 2), "rows_per_s": round(len(outs) / wall, 3),
             "tokens_per_s": round(tokens / wall, 1), "kills": events}
 

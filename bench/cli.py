@@ -332,7 +332,7 @@ def batch_job(
     seed: int = 0,
     kills: str = typer.Option("0.25:worker,0.45:batch-runner,0.65:gateway",
                               help="FRACTION:PROCESS pairs: SIGKILL the process (and start it again) once that "
-                              "fraction of the job's rows is answered (chaos phase)."),
+                              "fraction of the job's rows is answered (chaos phase); redis: the redis-server."),
     probe_gap_s: float = typer.Option(1.0, help="The probe's gap between interactive requests."),
     probe_s: float = typer.Option(30.0, help="How long the probe runs alone."),
     workdir: Path = typer.Option(Path("var/bench/batch-job")),

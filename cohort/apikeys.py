@@ -21,6 +21,14 @@ from pathlib import Path
 
 KEY_PREFIX = "sk-cohort-"
 RUNNER_HEADER = "x-cohort-batch-owner"  # the runner names the job's key id in it
+ROW_REQUEST_HEADER = "x-cohort-row-request"  # the runner names the id its row's request is to have
+
+
+def row_request_id(row_id: str, attempt: int) -> str:
+    """The request id of a job row's ``attempt``: fixed by the row, so a runner that sends a row
+    again after losing its answer (a gateway restart, its own) re-attaches to the request already
+    in the system instead of running it twice (gateway.reattach)."""
+    return f"req-{row_id.replace(':', '-')}-{attempt}"
 # The gateway sets this Redis key (a timestamp) when interactive generation requests arrive; the
 # job runner reads it to keep fewer rows in flight while they do (offline.runner).
 INTERACTIVE_SEEN_KEY = "cohort:offline:interactive_seen"

@@ -238,10 +238,12 @@ def release_row(engine: Engine, row_id: str, refund: bool = False) -> None:
 
 
 def release_all_running(engine: Engine) -> int:
-    """At a runner's start: rows a previous runner left running are pending again. Returns how many."""
+    """At a runner's start: rows a previous runner left running are pending again, their attempt
+    refunded, so they are sent with the same request id and re-attach to their requests if those
+    still run (cohort.apikeys.row_request_id). Returns how many."""
     with engine.begin() as conn:
         return int(conn.execute(update(batch_rows).where(batch_rows.c.status == ROW_RUNNING)
-                                .values(status=ROW_PENDING)).rowcount or 0)
+                                .values(status=ROW_PENDING, attempts=batch_rows.c.attempts - 1)).rowcount or 0)
 
 
 def close_open_rows(engine: Engine, batch_id: str, line_for) -> int:

@@ -252,6 +252,16 @@ class Settings(BaseSettings):
                                       "that does not answer at all costs no attempt: the runner waits for it.")
     offline_poll_s: float = Field(default=0.5, gt=0.0, description="How often the job runner looks for new, "
                                   "cancelled and finished jobs.")
+    # --- helper jobs: background rows give way inside the continuous engine (issue 21) ---
+    background_slowdown: float = Field(
+        default=0.1, ge=0.0, le=10.0, description="continuous: how much rows of a less urgent priority (a batch "
+        "job's) may lengthen the mean step time of more urgent ones (interactive) they run beside. The engine measures "
+        "steps with and without them and runs them in the share of steps that keeps within this (on a CPU each row "
+        "lengthens a step: a small share; on a GPU nearly every step); the rest of the time they stay resident, KV "
+        "kept, and skip the step. The share rises to every step as a job's window nears (batcher.row_priority).")
+    background_min_duty: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="continuous: the least share of steps rows of a less urgent priority "
+        "run beside more urgent ones, whatever COHORT_BACKGROUND_SLOWDOWN measures (1: never yield).")
 
     @property
     def resolved_files_dir(self) -> Path:

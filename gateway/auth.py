@@ -14,7 +14,8 @@
 The job runner calls with its own secret (cohort.apikeys.runner_secret) and names the job's key
 in ``X-Cohort-Batch-Owner``: its rows count as that key's usage but are not held to the per-minute
 limits (a batch's rows are paced by the runner, and must not starve the key's interactive calls).
-Streamed answers count as requests; their tokens are not counted (the usage chunk is optional).
+Streamed answers count too: their usage chunk is optional, so the SSE body reports its tokens
+through ``stream_usage`` (a tally this middleware keeps for the request's context).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -32,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cohort import jobdb
 from cohort.apikeys import (
     INTERACTIVE_SEEN_KEY,
+    ROW_REQUEST_HEADER,
     RUNNER_HEADER,
     configured_keys,
     env_key_id,
@@ -40,12 +43,23 @@ from cohort.apikeys import (
 )
 from cohort.settings import Settings
 from gateway.errors import APIError
+from gateway.reattach import name_row_request, reset_row_request
 
 log = logging.getLogger("cohort.gateway.auth")
 
 REFRESH_S = 2.0   # a key created or revoked through another gateway process counts within this
 COUNTED = ("/v1/chat/completions", "/v1/completions")  # the routes whose answers carry usage
 OPEN = ""         # the owner of everything when no key exists
+_STREAM_USAGE: ContextVar[list[int] | None] = ContextVar("cohort_stream_usage", default=None)
+
+
+def stream_usage(prompt: int, completion: int) -> None:
+    """A streamed answer's tokens (gateway.sse calls it at the stream's end), added to the tally
+    ``ApiKeys`` keeps for the request: the usage chunk is optional, so the body may not say."""
+    tally = _STREAM_USAGE.get()
+    if tally is not None:
+        tally[0] += prompt
+        tally[1] += completion
 
 
 @dataclass(frozen=True)
@@ -141,8 +155,11 @@ class ApiKeys:
         from_runner = given is not None and given == book.runner
         if not from_runner and scope["path"] in COUNTED:
             await self._mark_interactive(st)
+        row_request = None
         if from_runner:
-            owner = dict(scope.get("headers") or []).get(RUNNER_HEADER.encode(), b"").decode("latin-1")
+            headers = dict(scope.get("headers") or [])
+            owner = headers.get(RUNNER_HEADER.encode(), b"").decode("latin-1")
+            row_request = headers.get(ROW_REQUEST_HEADER.encode(), b"").decode("latin-1")
         elif not book.closed:
             owner = OPEN
         else:
@@ -157,10 +174,14 @@ class ApiKeys:
                 await self._refuse(scope, receive, send, refusal)
                 return
         scope.setdefault("state", {})["api_key_id"] = owner
-        if not owner:
-            await self.app(scope, receive, send)
-            return
-        await self._counted(scope, receive, send, st, owner)
+        named = name_row_request(row_request)  # the runner names its row's request (gateway.reattach)
+        try:
+            if not owner:
+                await self.app(scope, receive, send)
+                return
+            await self._counted(scope, receive, send, st, owner)
+        finally:
+            reset_row_request(named)
 
     async def _over_limit(self, st, k: KeyLimits) -> APIError | None:
         now = time.time()
@@ -194,10 +215,13 @@ class ApiKeys:
                 body.extend(message.get("body", b""))
             await send(message)
 
+        tally = [0, 0]  # a streamed answer's tokens (stream_usage)
+        reset = _STREAM_USAGE.set(tally)
         try:
             await self.app(scope, receive, watch)
         finally:
-            prompt, completion = _usage_of(bytes(body)) if body else (0, 0)
+            _STREAM_USAGE.reset(reset)
+            prompt, completion = _usage_of(bytes(body)) if body else (tally[0], tally[1])
             m = st.key_metrics
             m.requests.labels(owner, str(status)).inc()
             if prompt or completion:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import anyio
 from fastapi.responses import StreamingResponse
 
+from gateway.auth import stream_usage
 from gateway.errors import APIError
 from gateway.relay import Answer, Piece, Relay
 
@@ -155,9 +156,11 @@ async def sse_events(relays: Relay | Sequence[Relay], chunks: Chunks, prefixes: 
                         yield event(chunks.finish(item.finish_reason, i))
                     else:
                         yield event(chunks.delta(item.text, i, item.logprobs))
+            prompt = sum(r.ticket.request.input_tokens for r in relays) if prompt_tokens is None else prompt_tokens
+            completion = sum(r.answer.tokens for r in relays if r.answer)
+            stream_usage(prompt, completion)  # the API key's tokens (gateway.auth), asked for or not
             if chunks.include_usage:
-                prompt = sum(r.ticket.request.input_tokens for r in relays) if prompt_tokens is None else prompt_tokens
-                yield event(chunks.usage(prompt, sum(r.answer.tokens for r in relays if r.answer)))
+                yield event(chunks.usage(prompt, completion))
         except APIError as e:
             yield event(e.body())
         yield DONE

@@ -35,6 +35,7 @@ from cohort.protocol import dumps
 from cohort.settings import Settings
 from cohort.tokenizer import build_prompt, prompt_token_ids, vocab_size
 from cohort.types import ProfiledRequest, SamplingParams, new_id
+from gateway import reattach
 from gateway.errors import APIError
 from gateway.pools import PoolView, ServedModel
 from gateway.relay import Ticket
@@ -154,7 +155,11 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
                            f"{memory.mem(1, input_tokens, sub.max_tokens)} bytes of KV cache; an instance has "
                            f"{memory.theta_bytes}. Lower max_tokens or shorten the input.",
                            code="context_length_exceeded", param="max_tokens")
-    ids = [new_id("req") for _ in subs]
+    given, attach = await reattach.row_request(app_state, len(subs))
+    if attach:  # a job row sent again: follow its request already in the system (gateway.reattach)
+        reqs = await _profile(app_state, served, subs, prompt_ids, [given])
+        return [Ticket(reqs[0], endpoint, received, time.monotonic() + s.request_timeout_s, served.pool)]
+    ids = [given] if given else [new_id("req") for _ in subs]
     priority = min(sub.priority for sub in subs)  # one request's choices share its priority
     admitted, depth = await bus.reserve(redis, served.pool, ids, priority, s.max_pending, time.time())
     if not admitted:

@@ -16,7 +16,11 @@ Durable: every row's state is in the log DB (cohort.jobdb). A row is ``running``
 transient failure (the gateway restarting, a full queue, a lost worker, a shed row) puts it back
 to ``pending`` and it is sent again; its answer is written by one guarded update, so it is
 answered once, whatever crashed. A runner that starts finds rows a previous one left running and
-sends them again (their earlier answers, if any, were never written). Redis holds none of this.
+sends them again (their earlier answers, if any, were never written). Each attempt's request has
+an id fixed by the row (``cohort.apikeys.row_request_id``); a row sent again after its answer was
+lost (a gateway restart, a runner restart) keeps its attempt, so the gateway re-attaches it to the
+request still in the system instead of running it twice (``gateway.reattach``). Redis holds none
+of this.
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ from typing import Any
 import httpx
 
 from cohort import bus, jobdb
-from cohort.apikeys import INTERACTIVE_SEEN_KEY, RUNNER_HEADER, runner_secret
+from cohort.apikeys import (
+    INTERACTIVE_SEEN_KEY,
+    ROW_REQUEST_HEADER,
+    RUNNER_HEADER,
+    row_request_id,
+    runner_secret,
+)
 from cohort.filestore import FileStore
 from cohort.settings import Settings
 from offline.lines import DONE, RETRY, error_line, outcome, parse_input, response_line
@@ -86,7 +96,8 @@ class JobRunner:
         stop = stop or asyncio.Event()
         n = await asyncio.to_thread(jobdb.release_all_running, self.db)
         if n:
-            log.info("%d rows a previous runner left in flight are sent again", n)
+            log.info("%d rows a previous runner left in flight are sent again (re-attached where their "
+                     "requests still run)", n)
         log.info("job runner ready: rows go to %s, at most %d in flight, priority %d", self.client.base_url,
                  self.s.offline_max_outstanding, self.s.offline_priority)
         try:
@@ -223,7 +234,8 @@ class JobRunner:
 
     async def _send_once(self, b: dict[str, Any], r: dict[str, Any], priority: int) -> None:
         body = {**json.loads(r["body"]), "priority": priority}
-        headers = {"authorization": f"Bearer {self.secret}", RUNNER_HEADER: b["owner"]}
+        headers = {"authorization": f"Bearer {self.secret}", RUNNER_HEADER: b["owner"],
+                   ROW_REQUEST_HEADER: row_request_id(r["id"], r["attempts"])}
         try:
             resp = await self.client.post(b["endpoint"], json=body, headers=headers)
         except httpx.HTTPError as e:  # the gateway is down or restarting: no attempt spent, wait for it

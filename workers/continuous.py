@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 
 from batcher.preemption import SwapLink, choose_preemption, swap_seconds
+from batcher.row_priority import StepShares
 from cohort.protocol import FailureCode, FinishReason
 from cohort.settings import PreemptionMode
 from cohort.types import Batch
@@ -86,10 +87,12 @@ class ContinuousRun:
 
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, *, num_pages: int,
                  page_size: int = 16, token_budget: int = 512, max_preemptions: int = 8, emulate: bool = False,
-                 clock: Callable[[], float] = time.time, swap: SwapPlan | None = None) -> None:
+                 clock: Callable[[], float] = time.time, swap: SwapPlan | None = None,
+                 shares: StepShares | None = None) -> None:
         self.book = RowBook(num_pages, page_size, token_budget, max_preemptions)
         self.executor = PagedExecutor(model, self.book, dtype, device)
         self.swap = swap
+        self.shares = shares or StepShares()    # background rows give way (batcher.row_priority)
         self.swaps = 0                          # evictions that went to the host pool
         self.ooms = 0                           # CUDA out-of-memory errors caught inside a step
         self.tok, self.device, self.emulate, self.clock = tokenizer, device, emulate, clock
@@ -149,14 +152,17 @@ class ContinuousRun:
         out = StepOutput()
         self.just_admitted = []
         self._drop_cancelled()
-        self._admit(out)
+        running = self.shares.running(self._prio(rid) for g in self.groups.values() for rid in g.left)
+        self._admit(out, running)
         while True:
-            plan = self.book.plan_step()
+            plan = self.book.plan_step(self._paused(running))
             for rid in plan.evicted:
                 self._evicted(rid, out, *plan.victims[rid])
             hooked = {rid for rid in self._prompt_logits}
             try:
+                t0 = time.perf_counter()
                 logits = self.executor.run(plan, self.ids, self._hook, hooked) if plan.prefill or plan.decode else {}
+                self.shares.observe(time.perf_counter() - t0, {self._prio(r) for r in [*plan.decode, *(p[0] for p in plan.prefill)]})
                 break
             except torch.cuda.OutOfMemoryError as e:  # the safety net under the page pool
                 self._out_of_memory(plan, out, e)
@@ -214,7 +220,16 @@ class ContinuousRun:
         row = self.groups[self.group_of[rid]].rows[rid]
         return BookRow(rid, len(self.ids[rid]), predicted_remaining=row.predicted_remaining,
                        preemptions=self.preempted.get(rid, 0) + row.req.preemptions,
-                       planned_remaining=row.planned_remaining)
+                       planned_remaining=row.planned_remaining, priority=row.req.priority)
+
+    def _prio(self, rid: str) -> int:
+        return self.groups[self.group_of[rid]].rows[rid].req.priority
+
+    def _paused(self, running: set[int]) -> set[str]:
+        """Resident rows whose level yields this step; none while no resident row runs (the urgent
+        rows wait for pages: the others go on and free them rather than stall)."""
+        paused = {rid for rid in self.book.rows if self._prio(rid) not in running}
+        return set() if len(paused) == len(self.book.rows) else paused
 
     def _fits(self, joining: list[BookRow]) -> bool:
         if not self.book.rows:
@@ -222,18 +237,20 @@ class ContinuousRun:
         peak = self.book.planned_peak([(r.prompt_len, r.planned_remaining) for r in joining])
         return peak <= self.book.capacity_tokens
 
-    def _admit(self, out: StepOutput) -> None:
+    def _admit(self, out: StepOutput, running: set[int]) -> None:
+        """Resumed rows of the levels running this step, then waiting groups, most urgent first (a
+        yielding group joins too, and waits resident: one waiting here holds up the batcher)."""
         now = self.clock()
-        while self.resume:
-            row = self._book_row(self.resume[0])
+        for rid in [r for r in self.resume if self._prio(r) in running]:
+            row = self._book_row(rid)
             if not self._fits([row]) or not self.book.admit([row]):
                 return  # resumed rows go first: nothing new joins before them
-            self.resume.popleft()
+            self.resume.remove(rid)
             if self.swap is not None and row.row_id in self.swap.pool.rows:  # its KV comes back from the host
                 slots = context_slots(torch.tensor(row.pages, device=self.device), row.prompt_len, self.book.page_size)
                 row.computed = self.swap.pool.swap_in(row.row_id, self.executor.store, slots)
-        while self.waiting:
-            g = self.groups[self.waiting[0]]
+        for bid in sorted(self.waiting, key=lambda b: min(map(self._prio, self.groups[b].left), default=0)):
+            g = self.groups[bid]
             rows = [self._book_row(rid) for rid in g.rows if rid in g.left]
             for r in [r for r in rows if pages_for(r.prompt_len + 1, self.book.page_size) > self.book.pool.num_pages]:
                 self._fail(r.row_id, out, f"its prompt of {r.prompt_len} tokens alone exceeds the instance's KV "
@@ -241,7 +258,7 @@ class ContinuousRun:
                 rows.remove(r)
             if not self._fits(rows) or not self.book.admit(rows):
                 return
-            self.waiting.popleft()
+            self.waiting.remove(bid)
             g.admitted_at = now
             self.just_admitted.append(g.batch.id)
             for r in rows:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from batcher.memory import KVMemory, kv_bytes_per_token
+from batcher.row_priority import StepShares
 from cohort.settings import Settings
 from cohort.tokenizer import uses_special_tokens
 from cohort.types import ProfiledRequest
@@ -79,7 +80,9 @@ class LLMEngine:
         return ContinuousRun(self.model, self.tokenizer, self.device, self.dtype,
                              num_pages=max(1, self.kv_capacity_tokens // s.kv_page_tokens),
                              page_size=s.kv_page_tokens, token_budget=s.step_token_budget,
-                             max_preemptions=s.max_preemptions, emulate=s.emulate_lengths, swap=self.swap_plan())
+                             max_preemptions=s.max_preemptions, emulate=s.emulate_lengths, swap=self.swap_plan(),
+                             shares=StepShares(span=s.offline_priority, slowdown=s.background_slowdown,
+                                               min_duty=s.background_min_duty))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batcher.elastic import admission_kv_tokens, eviction_order
+from batcher.row_priority import least_urgent
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -33,6 +34,7 @@ class BookRow:
     preemptions: int = 0
     planned_remaining: int = 0  # tokens memory planning still reserves (upper quantile), for planned_peak
     computed: int = 0  # KV entries written (prefilled prompt tokens + decoded tokens)
+    priority: int = 0  # its request's priority: evictions take the least urgent level first
     pages: list[int] = field(default_factory=list)
 
     @property
@@ -118,7 +120,7 @@ class RowBook:
             if got is not None:
                 row.pages += got
                 continue
-            ids = list(self.rows)
+            ids = least_urgent({i: r.priority for i, r in self.rows.items()})
             order = eviction_order([self.rows[i].predicted_remaining for i in ids],
                                    [self.rows[i].preemptions for i in ids], self.max_preemptions)
             victim = ids[order[0]]
@@ -129,17 +131,18 @@ class RowBook:
                 return False
         return True
 
-    def plan_step(self) -> StepPlan:
-        """Decide this step's work within the token budget."""
+    def plan_step(self, skip: frozenset[str] | set[str] = frozenset()) -> StepPlan:
+        """Decide this step's work within the token budget; rows in ``skip`` (yielding to more
+        urgent ones, ``batcher.row_priority``) keep their pages but neither decode nor prefill."""
         plan = StepPlan()
         budget = self.token_budget
-        for row in [r for r in self.rows.values() if r.prefill_left == 0]:
+        for row in [r for r in self.rows.values() if r.prefill_left == 0 and r.row_id not in skip]:
             if budget == 0:
                 break
             if row.row_id in self.rows and self._grow(row, plan):
                 plan.decode.append(row.row_id)
                 budget -= 1
-        for row in [r for r in self.rows.values() if r.prefill_left > 0]:
+        for row in [r for r in self.rows.values() if r.prefill_left > 0 and r.row_id not in skip]:
             if budget == 0:
                 break
             n = min(row.prefill_left, budget)

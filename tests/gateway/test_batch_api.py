@@ -207,6 +207,25 @@ def test_tokens_per_minute_and_usage_per_key(tmp_path):
     assert f'cohort_api_key_tokens_total{{key="{kid}",kind="completion"}} 1.0' in metrics
 
 
+def test_streamed_answers_count_their_tokens_without_a_usage_chunk(tmp_path):
+    async def scenario():
+        async with gateway(tmp_path, api_keys="k", api_key_tpm=1) as (app, client, redis):
+            h = {"authorization": "Bearer k"}
+            async with answering(redis):
+                first = await client.post("/v1/chat/completions", headers=h,
+                                          json={"messages": MSG, "max_tokens": 2, "stream": True})
+                second = await client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2}, headers=h)
+            metrics = (await client.get("/metrics")).text
+            return first, second, jobdb.usage_by_key(app.state.db), metrics
+
+    first, second, used, metrics = asyncio.run(scenario())
+    assert first.status_code == 200 and "data: [DONE]" in first.text and '"usage"' not in first.text
+    assert second.status_code == 429  # the streamed answer's tokens spent the key's minute
+    (kid,) = used
+    assert used[kid]["requests"] == 1 and used[kid]["completion_tokens"] == 1 and used[kid]["prompt_tokens"] > 0
+    assert f'cohort_api_key_tokens_total{{key="{kid}",kind="completion"}} 1.0' in metrics
+
+
 def test_admin_keys_create_use_revoke(tmp_path):
     async def scenario():
         async with gateway(tmp_path, admin_token="adm") as (_, client, _redis):

@@ -190,3 +190,41 @@ def test_a_full_host_pool_falls_back_to_recompute(engine, refs):
     got = finished(drive(run, {0: [("A", reqs)]}, engine)[0])
     assert run.evictions > 0 and run.swaps == 0
     assert all(got[r.id].text == engine.tokenizer.decode(refs[r.prompt][:24], skip_special_tokens=True) for r in reqs)
+
+
+def test_background_rows_give_way_to_an_urgent_group_and_resume_with_their_kv(engine, refs):
+    """A job's rows (priority 10) pause, resident, while an interactive group (priority 0) runs
+    (min duty 0), then finish with the tokens of an uninterrupted run (their KV was kept)."""
+    from batcher.row_priority import StepShares
+    run = make_run(engine, shares=StepShares(span=10, slowdown=0.0, min_duty=0.0))
+    job = [req(i, PROMPTS[i], max_tokens=24, priority=10) for i in (0, 3)]
+    urgent = [req(1, PROMPTS[1], max_tokens=5)]
+    late = [req(4, PROMPTS[4], max_tokens=6, priority=10)]  # a job group arriving while the urgent one runs
+    submit(run, engine, "J", job)
+    moved: list[set[str]] = []
+    outs: dict = {}
+    admitted: dict[str, int] = {}
+    for step in range(200):
+        if step == 4:
+            submit(run, engine, "I", urgent)
+        if step == 5:
+            submit(run, engine, "L", late)
+        if run.idle:
+            break
+        step_outs = run.step()
+        admitted.update({bid: step for bid in run.just_admitted})
+        moved.append({d[0].id for o in step_outs.values() for d in o.deltas} |
+                     {f.request.id for o in step_outs.values() for f in o.finished})
+        for bid, o in step_outs.items():
+            outs.setdefault(bid, []).append(o)
+        run.finished_groups()
+    urgent_steps = [i for i, m in enumerate(moved) if "r1" in m]
+    assert urgent_steps and urgent_steps[0] == 4  # admitted at once, prefilled and first token in one step
+    during = moved[4:urgent_steps[-1] + 1]
+    assert all(not (m & {"r0", "r3", "r4"}) for m in during)  # the job's rows did not step meanwhile
+    assert admitted["L"] == 5  # the late job group joined at once (resident, waiting), not held up
+    assert any(m & {"r0", "r3"} for m in moved[:4]) and any(m & {"r0", "r3"} for m in moved[urgent_steps[-1] + 1:])
+    got = finished(outs)
+    for r in job + urgent + late:
+        assert got[r.id].text == engine.tokenizer.decode(refs[r.prompt][:r.max_tokens], skip_special_tokens=True), r.id
+    assert run.book.free_tokens == run.book.capacity_tokens
