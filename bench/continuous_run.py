@@ -109,6 +109,7 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
              "busy_frac": stats.busy_s / (instances * now) if now else 0.0, "dropped_kv_tokens": stats.dropped_kv,
              "preemption": preemption, "swaps": stats.swaps, "recomputes": stats.recomputes,
              "transfer_s": stats.transfer_s, "host_pages": host_pages,
+             "swap_fallbacks": stats.swap_fallbacks,
              "physical_bound_rps": bound, "limits": {"page_tokens": limits.page_tokens,
                                                      "max_batched_tokens": limits.max_batched_tokens,
                                                      "max_num_seqs": limits.max_num_seqs}}
