@@ -75,14 +75,11 @@ def rows_kv_peak(contexts: Sequence[int], remaining: Sequence[int]) -> int:
     return peak
 
 
-def admission_kv_tokens(contexts: Sequence[int], remaining: Sequence[int], page_tokens: int,
-                        horizon: int | None = None) -> int:
+def admission_kv_tokens(contexts: Sequence[int], remaining: Sequence[int], page_tokens: int) -> int:
     """The KV a continuous instance plans for its running rows plus a joining group (each row's
     context and planned remaining tokens): their peak (``rows_kv_peak``) plus half a page per row
     for the partly filled last page. Half, not the worst case of a page less one token: fills are
     spread evenly, so the sum over dozens of rows stays close to it, and the worst case reserved
     18 % of a 4,096-token Θ at 50 rows and cost 6 % throughput in the simulator (docs/benchmarks.md).
     The one admission rule of the live worker (``workers.row_book``) and the simulator."""
-    if horizon is not None:
-        remaining = [min(r, horizon) for r in remaining]
     return rows_kv_peak(contexts, remaining) + (page_tokens // 2) * len(contexts)

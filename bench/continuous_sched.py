@@ -134,9 +134,7 @@ class AdaptiveFairScheduler(FCFSScheduler):
 class GroupScheduler:
     """cohort's policy under continuous execution: batches are admission groups (module docstring)."""
 
-    def __init__(self, policy: Policy, limits: EngineLimits, max_preemptions: int = 8,
-                 horizon: int | None = None) -> None:
-        self.horizon = horizon
+    def __init__(self, policy: Policy, limits: EngineLimits, max_preemptions: int = 8) -> None:
         self.pol = policy
         self.limits = limits
         self.max_preemptions = max_preemptions
@@ -164,7 +162,7 @@ class GroupScheduler:
         for q in (*joining, *group.requests):
             ctx.append(q.input_tokens)
             left.append(max(1, q.planned_tokens))
-        return admission_kv_tokens(ctx, left, self.limits.page_tokens, self.horizon) <= inst.capacity_tokens
+        return admission_kv_tokens(ctx, left, self.limits.page_tokens) <= inst.capacity_tokens
 
     def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]:
         out: list[ProfiledRequest] = []
