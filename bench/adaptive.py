@@ -31,6 +31,10 @@ from cohort.datasets import MAGNUS_TASKS, data_files
 
 DATASETS: dict[str, tuple[str, ...]] = {"alpaca": ("alpaca",), "magnus": tuple(MAGNUS_TASKS)}
 SCHEDULERS: dict[str, str] = {"fcfs": CB_FCFS, "adaptive-fair": ADAPTIVE_FAIR}
+# vLLM 0.2.5 raises "Aborted due to the lack of CPU swap space" when a swap victim finds the host
+# pool full, which ends the whole run; a throughput cannot be read from that, so here the victim
+# is recomputed instead (counted per run as ``swap_fallbacks``): the swap-only baseline at its best.
+SWAP_WHEN_HOST_FULL = "victim recomputed (vLLM 0.2.5 aborts the engine); counted as swap_fallbacks"
 RUN_KEYS = ("max_output", "data", "policy", "preemption", "request_throughput", "weighted_turnaround",
             "mean_latency_s", "swaps", "recomputes")
 
@@ -45,7 +49,8 @@ def run_adaptive(requests: int = 1000, max_outputs: Sequence[int] = (64, 256),
     ``chunked_prefill=False`` runs the engine as vLLM 0.2.5 (``EngineLimits.chunked_prefill``)."""
     inst = instance(gpu, model)
     tm = inst.time_model()
-    limits = EngineLimits(max_num_seqs=max_num_seqs, chunked_prefill=chunked_prefill)
+    limits = EngineLimits(max_num_seqs=max_num_seqs) if chunked_prefill else \
+        EngineLimits.vllm_025(gpu_pages, max_num_seqs)
     memory = KVMemory(inst.model.delta_bytes, gpu_pages * limits.page_tokens * inst.model.delta_bytes)
     runs: list[dict[str, Any]] = []
     for data in datasets:
@@ -65,7 +70,8 @@ def run_adaptive(requests: int = 1000, max_outputs: Sequence[int] = (64, 256),
                     run = {"max_output": mo, "data": data, "policy": pol, "preemption": mode,
                            **{k: m[k] for k in RUN_KEYS[4:]}, "p99_latency_s": m["p99_latency_s"],
                            "mean_ttft_s": m["mean_ttft_s"], "completed": m["completed"], "failed": m["failed"],
-                           "preemptions": m["preemptions"], "transfer_s": res.extra["transfer_s"]}
+                           "preemptions": m["preemptions"], "transfer_s": res.extra["transfer_s"],
+                           "swap_fallbacks": res.extra["swap_fallbacks"]}
                     runs.append(run)
                     if progress:
                         progress(f"{data} max_output={mo} {pol}/{mode}: {m['request_throughput']:.2f} req/s, "
@@ -75,6 +81,9 @@ def run_adaptive(requests: int = 1000, max_outputs: Sequence[int] = (64, 256),
               "datasets": {d: list((files or {}).get(d) or DATASETS[d]) for d in datasets}, "gpu_pages": gpu_pages,
               "host_pages": host_pages, "page_tokens": limits.page_tokens, "max_num_seqs": max_num_seqs,
               "engine": "cohort (chunked prefill)" if chunked_prefill else "vllm-0.2.5 (prefill-only steps)",
+              "limits": {"max_batched_tokens": limits.max_batched_tokens, "max_paddings": limits.max_paddings,
+                         "watermark_pages": limits.watermark_pages, "chunked_prefill": limits.chunked_prefill},
+              "swap_when_host_full": SWAP_WHEN_HOST_FULL,
               "rate": rate or "all at t=0", "seed": seed, "instance": inst.describe(),
               "time_model": tm.to_dict()}
     return {"config": config, "runs": runs}

@@ -32,6 +32,7 @@ from bench.continuous import EngineLimits
 from bench.continuous_run import CB_FCFS, DEFAULT_GROUP_FRAC, physical_bound
 from bench.live import check_loopback, run_live_sync
 from bench.live_stack import parse_env, spawned_stack
+from bench.online_quantile import OnlineQuantile
 from bench.report import base_key, ratio_table, write_result
 from bench.roofline import Instance, fitted_time_model, instance
 from bench.simulator import DEFAULT_THRESHOLD, parse_policy, parse_run, simulate
@@ -39,6 +40,7 @@ from bench.soak_cli import soak
 from bench.workload import ORACLE, WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
 from cohort.settings import Settings
+from predictor.conformal import ConformalTable
 from predictor.estimator import AnalyticBatchTime
 
 app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
@@ -99,6 +101,9 @@ def sim(
     group_frac: float = typer.Option(DEFAULT_GROUP_FRAC, help="continuous: share of Θ one admission group is "
                                      "planned with."),
     spf_aging: float = typer.Option(DEFAULT_AGING, help="spf: predicted tokens of rank gained per second waiting."),
+    online_quantile: bool = typer.Option(True, help="continuous, with --predictor: plan each arrival with the "
+                                         "online recalibrated quantile fed by the simulated completions (the live "
+                                         "service's rule); --no-online-quantile: the static q90 table."),
     baseline: bool = typer.Option(True, help="Also run cb-fcfs (vLLM's default scheduler) on the roofline, "
                                   "so every table has its ratio column."),
 ) -> None:
@@ -140,11 +145,13 @@ def sim(
         sim_info: dict[str, Any] = {}
         for name, key, ex, rec in runs:
             _, oracle = parse_policy(name)
+            online = online_quantile and pred is not None and not oracle and ex == "continuous"
             with tqdm(total=requests, desc=f"{key} @ {r:g} req/s", unit="req", leave=False) as bar:
                 res = simulate(lists[oracle], key, inst.memory, tm, instances=instances,
                                max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens,
                                params=params, progress=bar.update, headroom=headroom, execution=ex,
-                               oom_recovery=rec, max_preemptions=max_preemptions, group_frac=group_frac)
+                               oom_recovery=rec, max_preemptions=max_preemptions, group_frac=group_frac,
+                               online=OnlineQuantile(ConformalTable.load(pred)) if online else None)
             if not batch_time:
                 res.metrics["physical_bound_rps"] = physical_bound(lists[oracle], tm, inst.memory, instances,
                                                                    EngineLimits())
@@ -153,7 +160,8 @@ def sim(
                              "sim_time_s": res.sim_time_s, **{k: v for k, v in res.extra.items() if k != "params"}}
         config = {"runner": "sim", "workload": wc.to_dict(), "instances": instances,
                   "instance": inst.describe(), "time_model": tm_desc, "policy_params": params,
-                  "max_input_tokens": max_input_tokens, "headroom": headroom, "rate": r, "group_frac": group_frac,
+                  "max_input_tokens": max_input_tokens, "headroom": headroom,
+                  "quantile": "online" if online_quantile and pred is not None else "static", "rate": r, "group_frac": group_frac,
                   "execution": modes, "oom_recovery": oom_recovery, "max_preemptions": max_preemptions,
                   "sim": sim_info}
         by_rate[f"{r:g}"] = {"config": config, "policies": results}

@@ -51,9 +51,20 @@ class EngineLimits:
     page_tokens: int = 16
     max_batched_tokens: int = 8192
     max_num_seqs: int = 256
-    # False: vLLM 0.2.5 (AdaptiveLLM's base): a step that admits prompts runs only those prompts,
-    # whole, and every decoding row waits for it; a recompute is then a lone prefill step
+    # False: vLLM 0.2.5 (AdaptiveLLM's base, ``vllm_025``): a step that admits prompts runs only those
+    # prompts, whole and padded to the longest (β·max L ≤ max_batched_tokens, at most
+    # ``max_paddings`` pad tokens), and every decoding row waits for it; a recompute is then a
+    # lone prefill step. A prompt is allocated whole and must leave ``watermark_pages`` free.
     chunked_prefill: bool = True
+    max_paddings: int = 256
+    watermark_pages: int = 0
+
+    @classmethod
+    def vllm_025(cls, gpu_pages: int, max_num_seqs: int = 256, max_model_len: int = 4096) -> EngineLimits:
+        """vLLM 0.2.5's defaults (vllm/config.py, core/block_manager.py at v0.2.5): prompt steps of
+        max(max_model_len, 2048) padded tokens, 256 pad tokens at most, a 1 % page watermark."""
+        return cls(max_batched_tokens=max(max_model_len, 2048), max_num_seqs=max_num_seqs, chunked_prefill=False,
+                   max_paddings=256, watermark_pages=int(0.01 * gpu_pages))
 
 
 class SimRow:
@@ -111,6 +122,7 @@ class StepStats:
     swaps: int = 0                # victims swapped out to the host pool
     recomputes: int = 0           # victims dropped for recompute
     transfer_s: float = 0.0       # step time spent moving KV over PCIe
+    swap_fallbacks: int = 0       # ``swap`` victims recomputed because the host pool was full
     groups: int = 0               # admission groups taken (cohort schedulers)
     group_sizes: list[int] = field(default_factory=list)
 
@@ -192,6 +204,8 @@ class ContinuousEngine:
             swap_s = swap_seconds(tokens, int(self.tm.delta_bytes), self.link)
             recompute_s = self._recompute_s(inst, row)
             host_tokens = inst.host_free * self.limits.page_tokens
+            if self.preemption == "swap" and tokens > host_tokens:
+                self.stats.swap_fallbacks += 1   # vLLM 0.2.5 would abort here (docs/benchmarks.md)
             if choose_preemption(self.preemption, swap_s, recompute_s, host_tokens, tokens) == "swap":
                 self.stats.swaps += 1
                 self.transfer += self._bytes_s(row.pages, True)
@@ -221,7 +235,7 @@ class ContinuousEngine:
         while inst.swapped and len(inst.rows) < self.limits.max_num_seqs:
             r = inst.swapped[0]
             need = inst.pages_for(r.kv + 1)
-            if need > inst.free_pages:
+            if need > inst.free_pages - self.limits.watermark_pages:
                 break
             inst.swapped.pop(0)
             inst.host_free += r.pages
@@ -289,7 +303,7 @@ class ContinuousEngine:
         if budget > 0 and len(inst.rows) < self.limits.max_num_seqs:
             for req in self.sched.admit(inst, now, budget):
                 r = self._join(inst, req, index[req.id], now)
-                n = min(r.prompt, budget)
+                n = min(r.prompt, budget) if self.limits.chunked_prefill else r.prompt
                 need = inst.pages_for(n)
                 if n <= 0 or need > inst.free_pages:
                     continue                                  # joins; prefills from the next step
@@ -309,6 +323,9 @@ class ContinuousEngine:
             else:
                 d_rows += 1
                 d_reads += r.kv + 1
+        if not self.limits.chunked_prefill and not d_rows:   # vLLM 0.2.5 pads every prompt to the longest
+            width = float(max(n for _, n in sched))
+            p_tok, p_pairs = width * len(sched), len(sched) * width * width / 2.0
         end = now + self.tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads) + self.transfer
         st = self.stats
         st.transfer_s += self.transfer

@@ -28,6 +28,7 @@ from batcher.preemption import SwapLink
 from bench.continuous import ContinuousEngine, EngineLimits, Scheduler, SimInstance, StepStats
 from bench.continuous_sched import AdaptiveFairScheduler, FCFSScheduler, GroupScheduler
 from bench.metrics import SimResult, TraceBook
+from bench.online_quantile import OnlineQuantile, OnlineScheduler
 from bench.roofline import RooflineBatchTime
 from cohort.settings import PreemptionMode, Settings
 from cohort.types import ProfiledRequest
@@ -57,9 +58,12 @@ def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime,
 def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, scheduler: Scheduler, memory: KVMemory,
                         time_model: RooflineBatchTime, instances: int, limits: EngineLimits,
                         progress: Callable[[int], None] | None = None, preemption: PreemptionMode = "recompute",
-                        link: SwapLink | None = None, host_pages: int = 0) -> SimResult:
+                        link: SwapLink | None = None, host_pages: int = 0,
+                        online: OnlineQuantile | None = None) -> SimResult:
     """Run the trace (sorted by arrival, ``true_tokens`` set) on ``instances`` continuous engines,
-    each with ``host_pages`` of swap pool behind ``link`` (``preemption``: ``bench.continuous``)."""
+    each with ``host_pages`` of swap pool behind ``link`` (``preemption``: ``bench.continuous``).
+    ``online``: arrivals are planned with the online quantile, fed by the completions
+    (``bench.online_quantile``); None plans with the trace's own bounds."""
     if not hasattr(time_model, "step_seconds"):
         raise ValueError("continuous execution needs the roofline time model (a step cost), not a fitted one")
     t0 = time.perf_counter()
@@ -69,8 +73,16 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
     pages = memory.theta_tokens // limits.page_tokens
     insts = [SimInstance(pages, limits, host_pages) for _ in range(instances)]
     stats = StepStats()
+    settle = book.settle
+    if online is not None:
+        scheduler = OnlineScheduler(scheduler, online)
 
-    engine = ContinuousEngine(time_model, scheduler, limits, stats, book.settle, book.first_token, [0],
+        def settle(j: int, at: float, done: bool) -> None:
+            book.settle(j, at, done)
+            if done:
+                online.completed(requests[j])
+
+    engine = ContinuousEngine(time_model, scheduler, limits, stats, settle, book.first_token, [0],
                               preemption, link, book.dispatched)
     heap: list[tuple[float, int]] = []
     idle = set(range(instances))
@@ -109,6 +121,7 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
              "busy_frac": stats.busy_s / (instances * now) if now else 0.0, "dropped_kv_tokens": stats.dropped_kv,
              "preemption": preemption, "swaps": stats.swaps, "recomputes": stats.recomputes,
              "transfer_s": stats.transfer_s, "host_pages": host_pages,
+             "swap_fallbacks": stats.swap_fallbacks, "quantile": "static" if online is None else "online",
              "physical_bound_rps": bound, "limits": {"page_tokens": limits.page_tokens,
                                                      "max_batched_tokens": limits.max_batched_tokens,
                                                      "max_num_seqs": limits.max_num_seqs}}

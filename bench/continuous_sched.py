@@ -41,6 +41,8 @@ class FCFSScheduler:
         return bool(self.waiting)
 
     def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]:
+        if not self.limits.chunked_prefill:
+            return self._admit_whole(inst)
         out: list[ProfiledRequest] = []
         free, n_rows = inst.free_pages, len(inst.rows)
         while self.waiting and n_rows < self.limits.max_num_seqs and budget > 0:
@@ -54,8 +56,30 @@ class FCFSScheduler:
             n_rows += 1
         return out
 
+    def _admit_whole(self, inst: SimInstance) -> list[ProfiledRequest]:
+        """vLLM 0.2.5's prompt step: whole prompts in queue order while their pages fit above the
+        watermark, the padded batch β·max L fits ``max_batched_tokens`` and pads ≤ ``max_paddings``."""
+        lim = self.limits
+        out: list[ProfiledRequest] = []
+        free, n_rows, lens = inst.free_pages, len(inst.rows), []
+        while self.waiting and n_rows < lim.max_num_seqs:
+            n = self.waiting[0].input_tokens
+            need = inst.pages_for(n)
+            width = max([n, *lens])
+            if lens and (width * (len(lens) + 1) > lim.max_batched_tokens
+                         or width * (len(lens) + 1) - sum(lens) - n > lim.max_paddings):
+                break
+            if free - need < lim.watermark_pages and (n_rows or out):
+                break
+            out.append(self.waiting.popleft())
+            lens.append(n)
+            free -= need
+            n_rows += 1
+        return out
+
     def victim(self, rows: list[SimRow], start: int, now: float) -> int:
-        return len(rows) - 1
+        """vLLM's FCFS victim: the running row that arrived last (its running list is kept in arrival order)."""
+        return max(range(start, len(rows)), key=lambda i: (rows[i].req.arrival, rows[i].order))
 
     def swap_in_first(self, inst: SimInstance, now: float) -> bool:
         """vLLM: while any row is swapped out, bring those back and admit no new prompt."""

@@ -48,6 +48,7 @@ from bench.continuous import EngineLimits
 from bench.continuous_run import DEFAULT_GROUP_FRAC, ENGINE_SCHEDULERS, make_scheduler, simulate_continuous
 from bench.execution import EXECUTIONS, RECOVERIES, SimBatchRun, simulate_batch_run
 from bench.metrics import SimResult, TraceBook
+from bench.online_quantile import OnlineQuantile
 from cohort.settings import PreemptionMode, Settings
 from cohort.types import Batch, ProfiledRequest
 
@@ -112,7 +113,8 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
              progress: Callable[[int], None] | None = None, headroom: float = 0.0,
              execution: str = "static", oom_recovery: str = "split", max_preemptions: int = 8,
              limits: EngineLimits = EngineLimits(), group_frac: float = DEFAULT_GROUP_FRAC,
-             preemption: PreemptionMode = "recompute", link: SwapLink | None = None, host_pages: int = 0) -> SimResult:
+             preemption: PreemptionMode = "recompute", link: SwapLink | None = None, host_pages: int = 0,
+             online: OnlineQuantile | None = None) -> SimResult:
     """Run one policy over a request trace (sorted by arrival) on ``instances`` identical instances.
 
     ``requests`` must carry ``true_tokens``; the policy reads ``predicted_tokens`` (build the
@@ -127,7 +129,8 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     The defaults are the papers' (static, split). ``execution="continuous"`` runs steps instead
     (``bench.continuous``: ``limits`` are the engine's, cohort policies plan admission groups with
     Θ·``group_frac``; ``cb-fcfs`` is vLLM's default scheduler, ``adaptive-fair`` AdaptiveLLM's) on
-    the roofline time model, preempting by ``preemption`` (swap: ``host_pages`` behind ``link``).
+    the roofline time model, preempting by ``preemption`` (swap: ``host_pages`` behind ``link``),
+    planning arrivals with ``online``'s current quantile when given (``bench.online_quantile``).
     """
     if execution == "continuous":
         base, _ = parse_policy(policy)
@@ -135,7 +138,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
         sched = make_scheduler(base, memory, time_model, limits, params, max_input_tokens,  # type: ignore[arg-type]
                                max_tokens_limit, headroom, group_frac, max_preemptions)
         res = simulate_continuous(requests, policy, sched, memory, time_model, instances, limits,  # type: ignore[arg-type]
-                                  progress, preemption, link, host_pages)
+                                  progress, preemption, link, host_pages, online)
         res.extra["params"] = dict(params)
         return res
     t0 = time.perf_counter()
