@@ -245,6 +245,9 @@ class PredictorService:
                                   int(r.get("input_tokens") or 0), r.get("task")) for r in used],
                      np.array([r["predicted_tokens"] for r in used], float),
                      np.array([r["actual_tokens"] for r in used], float),
+                     # the bound each row was planned with (the ACI miss); NaN: not logged, use today's
+                     upper=np.array([np.nan if r.get("predicted_upper") is None else r["predicted_upper"]
+                                     for r in used], float),
                      pools=[r.get("model") for r in used])
         with self._online_lock:
             self.online.cursor = max(float(r["finished"]) for r in rows)
