@@ -5,10 +5,13 @@ learner scores its misses against that logged bound, not against today's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
+import time
 
 import pytest
 from sqlalchemy import select
+from typer.testing import CliRunner
 
 from cohort.logdb import (
     add_missing_columns,
@@ -18,7 +21,9 @@ from cohort.logdb import (
     record_request,
     requests,
 )
+from cohort.settings import get_settings
 from gateway.submit import Submission, admit
+from launch.cli import app
 from predictor.baselines import MeanPredictor
 from predictor.conformal import GLOBAL, ConformalTable
 from predictor.service import PredictorService
@@ -99,3 +104,27 @@ def test_online_learner_scores_misses_against_the_logged_bound(settings, planned
     assert svc.sync_completions() == 20
     moved = [g.alpha - 0.1 for g in svc.online.groups.values()]  # α starts at 1 − level = 0.1
     assert moved and all(m * sign > 0 for m in moved), moved
+
+
+def test_live_coverage_command_reads_the_logged_bounds(tmp_path, monkeypatch) -> None:
+    """`cohort predictor coverage` counts only model-planned rows that carry their bound: 3 of the 4
+    stayed within it; the cold-start row (planned at max_tokens) and a row from before the column
+    existed are left out."""
+    url = f"sqlite:///{tmp_path}/log.db"
+    monkeypatch.setenv("COHORT_DATABASE_URL", url)
+    get_settings.cache_clear()
+    engine = get_db_engine(url)
+    now = time.time()
+    rows = [("a", 10, 20, 15, "v1"), ("b", 10, 20, 20, "v1"), ("c", 10, 20, 25, "v1"), ("d", 10, 30, 5, "v1"),
+            ("cold", 64, 64, 70, None), ("old", 10, None, 99, "v1")]
+    for i, (rid, point, upper, actual, version) in enumerate(rows):
+        record_request(engine, {"id": rid, "model": "m", "max_tokens": 64, "predicted_tokens": point,
+                                "predicted_upper": upper, "predictor_version": version})
+        finish_request(engine, rid, status="done", actual_tokens=actual, finished=now - 10 + i)
+    out = tmp_path / "cov.json"
+    res = CliRunner().invoke(app, ["predictor", "coverage", "--json", str(out)])
+    get_settings.cache_clear()
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert report["all"]["n"] == 4 and report["all"]["q90_coverage"] == 0.75
+    assert report["pools"]["m"]["upper_mean"] == 22.5
