@@ -25,10 +25,12 @@ from sqlalchemy import (
     create_engine,
     event,
     func,
+    inspect,
     select,
     update,
 )
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 metadata = MetaData()
 
@@ -44,6 +46,7 @@ requests = Table(
     Column("max_tokens", Integer),
     Column("predicted_tokens", Integer),
     Column("predictor_version", String(64)),
+    Column("predicted_upper", Integer),  # the q90 bound memory planning used (issue 20): live coverage
     Column("actual_tokens", Integer),
     Column("emulated_tokens", Integer),
     Column("slo_s", Float),
@@ -96,7 +99,34 @@ def get_db_engine(url: str) -> Engine:
     else:
         engine = create_engine(url, pool_pre_ping=True)
     metadata.create_all(engine)
+    add_missing_columns(engine)
     return engine
+
+
+def add_missing_columns(engine: Engine) -> list[str]:
+    """The one migration rule: a column added to a table here after a DB file was created is added
+    to that DB (``ALTER TABLE … ADD COLUMN``, nullable, no default), so an existing log DB keeps
+    working and old rows read NULL. ``create_all`` only creates missing *tables*. Several processes
+    may open the same DB at once: a column another one added meanwhile is not an error.
+    Returns the ``table.column`` names added."""
+    added = []
+    for table in metadata.sorted_tables:
+        have = {c["name"] for c in inspect(engine).get_columns(table.name)}
+        for col in table.columns:
+            if col.name in have:
+                continue
+            if not col.nullable or col.primary_key:
+                raise RuntimeError(f"{table.name}.{col.name}: only nullable columns can be added to an existing DB")
+            ddl = (f"ALTER TABLE {table.name} ADD COLUMN {col.name} "
+                   f"{col.type.compile(dialect=engine.dialect)}")
+            try:
+                with engine.begin() as conn:
+                    conn.exec_driver_sql(ddl)
+            except DBAPIError:
+                if col.name not in {c["name"] for c in inspect(engine).get_columns(table.name)}:
+                    raise
+            added.append(f"{table.name}.{col.name}")
+    return added
 
 
 def _upsert(engine: Engine, table: Table, row: Mapping[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""`cohort predictor ...` commands: train, eval, replay, register, versions, activate, embed.
+"""`cohort predictor ...` commands: train, eval, replay, register, versions, activate, embed, coverage.
 
 ``train`` fits on the 80 % split of each ``--data`` file, ``eval`` reports on the 20 % split (the
 split is seeded per file by ``cohort.datasets``), so evaluation never sees a training row.
@@ -25,6 +25,7 @@ from predictor.buckets import parse_edges
 from predictor.conformal import coverage, predict_bounds
 from predictor.cost_cli import recompute_search
 from predictor.data import magnus_feature_matrix, records_to_items
+from predictor.live_coverage import coverage_command
 from predictor.loading import KINDS, load_predictor
 from predictor.metrics import all_metrics
 from predictor.registry import Registry, UnknownVersion, new_version_name
@@ -383,6 +384,7 @@ def replay_command(
 
 
 app.command("recompute-search")(recompute_search)
+app.command("coverage")(coverage_command)  # live q90 coverage from the log DB (issue 20)
 
 if __name__ == "__main__":  # `python -m predictor.cli` = `cohort predictor`
     app()

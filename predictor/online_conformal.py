@@ -139,11 +139,12 @@ class OnlineConformal:
                upper: np.ndarray | None = None, static: ConformalTable | None = None,
                pool: str | None | Sequence[str | None] = None) -> None:
         """Learn from completed rows, in completion order. ``upper`` = the bounds the rows were
-        planned with (when known); otherwise the current bound stands in for it."""
+        planned with (NaN where unknown, e.g. rows logged before the log DB kept the bound); where
+        it is unknown the current bound stands in for it."""
         s = scores(actual, point)
         pools = _per_item(pool, len(items))
         for i, it in enumerate(items):
-            if upper is None:
+            if upper is None or not np.isfinite(upper[i]):
                 bound = float(self.upper([it], np.asarray([point[i]]), static, pools[i])[0])
             else:
                 bound = float(upper[i])

@@ -61,6 +61,15 @@ class Prediction(NamedTuple):
     version: str | None
 
 
+def model_planned(row: dict) -> bool:
+    """Whether a completed log-DB row was planned by a model, so its error says something about the
+    model: cold-start answers (no model version) and rows planned at ``max_tokens`` (cold start,
+    ``ignore_eos``) say nothing, and learning from them would only pull the bound down."""
+    return (row.get("predicted_tokens") is not None and row.get("actual_tokens") is not None
+            and row.get("predictor_version") is not None
+            and (row.get("max_tokens") is None or row["predicted_tokens"] < row["max_tokens"]))
+
+
 class PredictorService:
     """``await predict(item, max_tokens) -> (tokens, version | None)``; see the module docstring."""
 
@@ -236,15 +245,14 @@ class PredictorService:
         rows = finished_requests(engine, self.online.cursor, limit=limit)
         if not rows:
             return 0
-        # cold-start answers (no model version) and rows planned at max_tokens (cold start, ignore_eos)
-        # say nothing about the model's error: they would only pull the bound down
-        used = [r for r in rows if r.get("predicted_tokens") is not None and r.get("actual_tokens") is not None
-                and r.get("predictor_version") is not None
-                and (r.get("max_tokens") is None or r["predicted_tokens"] < r["max_tokens"])]
+        used = [r for r in rows if model_planned(r)]
         self.observe([PredictItem(r.get("instruction") or "", r.get("user_input") or "",
                                   int(r.get("input_tokens") or 0), r.get("task")) for r in used],
                      np.array([r["predicted_tokens"] for r in used], float),
                      np.array([r["actual_tokens"] for r in used], float),
+                     # the bound each row was planned with (the ACI miss); NaN: not logged, use today's
+                     upper=np.array([np.nan if r.get("predicted_upper") is None else r["predicted_upper"]
+                                     for r in used], float),
                      pools=[r.get("model") for r in used])
         with self._online_lock:
             self.online.cursor = max(float(r["finished"]) for r in rows)
