@@ -273,6 +273,7 @@ class ContinuousRun:
             slots = context_slots(torch.tensor(pages, device=self.device), computed, self.book.page_size)
             self.swap.pool.swap_out(rid, self.executor.store, slots)
             self.swaps += 1
+            out.swapped.append(rid)
         self.preempted[rid] = self.preempted.get(rid, 0) + 1
         self.evictions += 1
         out.preempted.append(rid)
@@ -330,6 +331,8 @@ class ContinuousRun:
             put(p[0].id).prompt_scores.append(p)
         for rid in out.preempted:
             put(rid).preempted.append(rid)
+        for rid in out.swapped:
+            put(rid).swapped.append(rid)
         for bid in self.just_admitted:
             by.setdefault(bid, StepOutput())
         return by
