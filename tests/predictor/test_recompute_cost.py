@@ -87,3 +87,14 @@ def test_a_recompute_beside_running_rows_costs_the_marginal_prefill(tmp_path):
     assert marginal == pytest.approx(_prefill_s(5, 300) - _prefill_s(4, 300), rel=0.05)
     assert cost.recompute_seconds(300, running_rows=0) == pytest.approx(_prefill_s(1, 300), rel=0.02)
     assert marginal < cost.recompute_seconds(300, running_rows=0)   # the 2 ms step overhead is not the row's
+
+
+def test_a_step_shaped_pick_prices_the_marginal_on_the_best_smooth_family(tmp_path):
+    """A forest's f is a step function of β: its f(β+1) − f(β) is 0 inside a leaf. Where the
+    search picks one, the marginal comes from the best linear-family model of the same search."""
+    s = load_prefill_samples([_write(tmp_path / "p.json", 0.0, 0)], layers=4, hidden=128)
+    res = model_search(s, seed=0, models=("linear", "random_forest"), degrees=(1, 2, 3))
+    res["best"] = next(r for r in res["table"] if (r["model"], r["degree"]) == ("random_forest", 2))
+    cost = load_cost_file(save_cost_file(tmp_path / "c.json", s, res, "m", "cpu"), "m", "cpu")
+    assert (cost.name, cost.degree) == ("random_forest", 2) and cost.marginal == ("linear", 3)
+    assert cost.recompute_seconds(300, 4) == pytest.approx(_prefill_s(5, 300) - _prefill_s(4, 300), rel=0.05)
