@@ -89,7 +89,7 @@ def test_the_prefill_timer_samples_the_packed_prefill_with_its_spread(engine):
     small, large = profile_prefill_shapes(timer, [(1, 16), (4, 128)], repeats=2, rounds=2, show_progress=False)
     assert len(small["repeats"]) == 4 and small["seconds"] == min(small["repeats"]) > 0
     assert large["seconds"] > small["seconds"]  # 32× the tokens
-    assert small["spread_pct"] == pytest.approx(repeat_spread(small["repeats"])) and small["spread_pct"] >= 0
+    assert small["spread_pct"] == pytest.approx(repeat_spread(small["repeats"]), abs=1e-3) and small["spread_pct"] >= 0
     assert timer.book.free_tokens == timer.book.capacity_tokens  # every page given back
     with pytest.raises(ValueError):
         timer.time_shape(64, 512, 1)
