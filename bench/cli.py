@@ -30,7 +30,7 @@ from bench.batch_job import run_batch_bench as run_batch_job
 from bench.chaos import EXPERIMENTS, Outcome, run_all
 from bench.continuous import EngineLimits
 from bench.continuous_run import CB_FCFS, DEFAULT_GROUP_FRAC, physical_bound
-from bench.live import check_loopback, run_live_sync
+from bench.live import answer_digests, check_loopback, compare_answers, run_live_sync
 from bench.live_stack import parse_env, spawned_stack
 from bench.online_quantile import OnlineQuantile
 from bench.report import base_key, ratio_table, write_result
@@ -224,6 +224,7 @@ def live(
         cfg = {"runner": "live", "url": None if spawn else url, "workload": wc.to_dict(), "rate": r,
                "server_env": extra_env, "live": {}}
         results: dict[str, Any] = {}
+        answers: dict[str, list[str | None]] = {}
         for name in targets:
             ctx = spawned_stack(name, extra_env, workdir) if spawn else nullcontext(url)
             with ctx as target_url, tqdm(total=requests, desc=f"{name} @ {r:g} req/s", unit="req") as bar:
@@ -232,8 +233,16 @@ def live(
                                     request_timeout_s=request_timeout_s, time_limit_s=time_limit_s,
                                     progress=bar.update)
             results[name] = res.metrics
-            cfg["live"][name] = {"wall_s": round(res.wall_s, 2), "errors": res.errors, "batches": res.batches}
-            typer.echo(f"\n{name}: rate {r:g} req/s, {requests} requests; errors {res.errors}")
+            ev = res.events
+            cfg["live"][name] = {"wall_s": round(res.wall_s, 2), "errors": res.errors, "batches": res.batches,
+                                 "evictions": ev.get("preemptions", 0), "swaps": ev.get("swaps", 0),
+                                 "recomputes": ev.get("preemptions", 0) - ev.get("swaps", 0)}
+            answers[name] = answer_digests(res.texts)
+            typer.echo(f"\n{name}: rate {r:g} req/s, {requests} requests; errors {res.errors}; evictions "
+                       f"{ev.get('preemptions', 0)} (swapped {ev.get('swaps', 0)})")
+        cfg["answer_digests"] = answers
+        if len(answers) > 1:
+            cfg["answers"] = _echo_answers(answers)
         by_rate[f"{r:g}"] = {"config": cfg, "policies": results}
         typer.echo(ratio_table(results, base_key(results)))
     last = by_rate[f"{rates[-1]:g}"]
@@ -244,12 +253,24 @@ def live(
         prev = json.loads(merge.read_text())
         prev.setdefault("policies", {}).update(out["policies"])
         prev.setdefault("config", {}).setdefault("live", {}).update(out["config"]["live"])
+        digests = {**prev["config"].get("answer_digests", {}), **out["config"].get("answer_digests", {})}
+        if digests:  # the same seeded workload: answers compare across invocations too
+            prev["config"]["answer_digests"] = digests
+            prev["config"]["answers"] = _echo_answers(digests)
         for k, v in (out.get("by_rate") or {}).items():
             prev.setdefault("by_rate", {}).setdefault(k, {"config": v["config"], "policies": {}})
             prev["by_rate"][k]["policies"].update(v["policies"])
         out = prev
         typer.echo(ratio_table(out["policies"], base_key(out["policies"])))
     write_result(out, json_out or merge, plot)
+
+
+def _echo_answers(digests: dict[str, list[str | None]]) -> dict[str, Any]:
+    """Compare the runs' answers to the same requests and say so."""
+    res = compare_answers(digests)
+    typer.echo(f"answers: {res['identical']} of {res['compared']} requests answered by every run are identical "
+               f"across {', '.join(digests)}")
+    return res
 
 
 def _execution_of(run_name: str) -> str:

@@ -18,11 +18,12 @@ neither pad to nor wait for each other.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
@@ -48,6 +49,28 @@ class LiveResult:
     wall_s: float
     errors: dict[str, int]
     batches: int
+    texts: list[str | None] = field(default_factory=list)  # each request's answer (None: not answered)
+    events: dict[str, int] = field(default_factory=dict)   # the server's counters over the run
+
+
+EVENTS = ("oom_splits", "preemptions", "swaps")
+
+
+def answer_digests(texts: Sequence[str | None]) -> list[str | None]:
+    """Each answer as a short digest: what the results JSON keeps to compare runs (also runs
+    merged in from another invocation, ``--merge``) without storing the texts."""
+    return [None if t is None else hashlib.sha1(t.encode()).hexdigest()[:16] for t in texts]
+
+
+def compare_answers(texts: Mapping[str, Sequence[str | None]]) -> dict[str, Any]:
+    """Answers (or their digests) of the same requests across runs: temperature 0 is greedy, so
+    the same workload must give the same text whatever evicted what. How many requests every run
+    answered, how many of those are identical everywhere, and the indices of the first that differ."""
+    runs = list(texts.values())
+    both = [i for i in range(min(map(len, runs), default=0)) if all(r[i] is not None for r in runs)]
+    differ = [i for i in both if len({r[i] for r in runs}) > 1]
+    return {"runs": list(texts), "compared": len(both), "identical": len(both) - len(differ),
+            "differ": differ[:20]}
 
 
 async def run_live(workload: Workload, url: str, *, padded_batches: bool = True, max_in_flight: int = 256,
@@ -66,6 +89,7 @@ async def run_live(workload: Workload, url: str, *, padded_batches: bool = True,
     first = np.full(n, math.nan)
     scheduled = np.full(n, math.nan)   # sent + the server's queued_s: first dispatch (weighted turnaround)
     batch_of: list[tuple[str, int] | None] = [None] * n
+    texts: list[str | None] = [None] * n
     errors: dict[str, int] = defaultdict(int)
     sem = asyncio.Semaphore(max_in_flight)
     t0 = time.perf_counter()
@@ -95,6 +119,7 @@ async def run_live(workload: Workload, url: str, *, padded_batches: bool = True,
             finish[i] = time.perf_counter() - t0
             ok[i] = True
             gen[i] = int(d.get("generated_tokens", 0))
+            texts[i] = d.get("text")
             ttft = (d.get("timings") or {}).get("first_token_s")
             first[i] = sent[i] + float(ttft) if ttft is not None else finish[i]
             queued = (d.get("timings") or {}).get("queued_s")
@@ -133,11 +158,11 @@ async def run_live(workload: Workload, url: str, *, padded_batches: bool = True,
         padded += sizes[bid] * g_b
         wma += total_wma([(int(workload.input_tokens[i]), int(gen[i])) for i in idx])
     true = np.where(ok, gen, workload.true_tokens)
-    events = {k: after.get(k, 0) - before.get(k, 0) for k in ("oom_splits", "preemptions")}
+    events = {k: after.get(k, 0) - before.get(k, 0) for k in EVENTS}
     metrics = compute_metrics(arrival, finish, ok, deadline, true, list(sizes.values()), padded, wma,
                               events["oom_splits"], first_token=first, preemptions=events["preemptions"],
                               scheduled=scheduled)
-    return LiveResult(metrics, wall, dict(errors), len(sizes))
+    return LiveResult(metrics, wall, dict(errors), len(sizes), texts, events)
 
 
 async def server_events(client: httpx.AsyncClient) -> dict[str, int]:

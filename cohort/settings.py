@@ -146,6 +146,16 @@ class Settings(BaseSettings):
         "memory already.")
     max_preemptions: int = Field(default=8, ge=1, description="Rows preempted this many times are evicted "
                                  "last, so every request keeps making progress.")
+    # --- helper cost (issue 19): the fitted recompute cost in the live swap-or-recompute decision ---
+    recompute_cost_path: Path | None = Field(
+        default=None, description="The fitted recompute-cost model (`cohort predictor recompute-search --save`): "
+        "the live swap-or-recompute decision prices a victim's re-prefill with it when it was profiled for "
+        "this COHORT_MODEL on this device type, else with a prefill rate measured at start. Unset: "
+        "<data_dir>/profile/recompute-cost.json.")
+
+    def recompute_cost_file(self) -> Path:
+        """Where the worker looks for the fitted recompute-cost model."""
+        return self.recompute_cost_path or self.data_dir / "profile" / "recompute-cost.json"
     batcher_tick_s: float = 0.02
     max_requeues: int = Field(default=3, description="Times a batch may be re-queued after a worker loss.")
     instance_ttl_s: float = Field(default=15.0, description="Worker heartbeat expiry: instance considered dead.")

@@ -151,3 +151,86 @@ def search_table(result: dict[str, Any]) -> str:
               f"Magnus's KNN batch-time estimator: {result['knn_batch_time_mape_pct']:.2f} %",
               f"use: {result['use']}"]
     return "\n".join(lines)
+
+
+# --- the live worker's recompute price (issue 19 item 3) ------------------------------------
+
+COST_FILE_VERSION = 2
+# families whose fitted f is smooth in the batch size: the marginal f(β+1, L) − f(β, L) of a tree,
+# a forest, boosting or KNN is a step (0 between two leaves, a jump at the next), not a price
+SMOOTH = ("linear", "ridge", "lasso", "elastic_net")
+
+
+class FittedRecomputeCost:
+    """What the live per-victim decision reads: the fitted model of a profiled model/device.
+
+    Its file (``save_cost_file``) holds the profile's reduced samples and the search's pick, not
+    a pickled estimator: the worker refits at start (well under a second for a few hundred
+    shapes), so the file is plain JSON and can never run code.
+    """
+
+    def __init__(self, name: str, degree: int, samples: PrefillSamples, layers: int, hidden: int,
+                 marginal: tuple[str, int] | None = None) -> None:
+        self.name, self.degree, self.layers, self.hidden = name, degree, layers, hidden
+        self.marginal = marginal or (name, degree)
+        self._f = self._fit(name, degree, samples)
+        self._df = self._f if self.marginal == (name, degree) else self._fit(*self.marginal, samples)
+
+    def _fit(self, name: str, degree: int, samples: PrefillSamples) -> Callable[[int, int], float]:
+        if name == "knn_batch_time":  # Magnus's estimator won the search: (β, L, G = 1)
+            knn = KNNBatchTime().fit([(int(b), int(L), 1) for L, b, *_ in samples.x], samples.y)
+            return lambda tokens, rows: knn.estimate(rows, tokens, 1)
+        m = RecomputeCostModel(name, degree).fit(samples)
+        return lambda tokens, rows: m.seconds(tokens, rows, self.layers, self.hidden)
+
+    def prefill_seconds(self, tokens: int, rows: int) -> float:
+        """f(β, L): one packed prefill of ``rows`` rows of ``tokens`` tokens each (the search's pick)."""
+        return float(self._f(int(tokens), int(rows)))
+
+    def recompute_seconds(self, tokens: int, running_rows: int) -> float:
+        """A victim of ``tokens`` tokens re-prefilled beside ``running_rows`` rows: the marginal
+        f(β+1, L) − f(β, L) of issue 19 (a packed step's per-row work adds up; the step's fixed
+        cost is paid anyway), or the lone prefill f(1, L) when nothing else runs. The difference
+        is taken on ``marginal``, the best smooth family of the search where the pick is a step
+        function (``SMOOTH``). Never below 0: a fitted surface can dip where the profile is thin."""
+        if running_rows <= 0:
+            return max(0.0, self.prefill_seconds(tokens, 1))
+        return max(0.0, self._df(int(tokens), running_rows + 1) - self._df(int(tokens), running_rows))
+
+
+def save_cost_file(path: str | Path, samples: PrefillSamples, result: dict[str, Any], model: str, device: str,
+                   sources: Sequence[str | Path] = ()) -> Path:
+    """Store the search's pick (the best family × degree, or Magnus's KNN where it wins) with the
+    samples it is fitted on, for the worker of ``model`` on a ``device`` (cpu | cuda)."""
+    best = result["best"]
+    name, degree = ("knn_batch_time", 0) if result["use"] == "knn_batch_time" else (best["model"], best["degree"])
+    smooth = [r for r in result["table"] if r["model"] in SMOOTH]
+    marginal = min(smooth, key=lambda r: r["mape_pct"]) if name not in SMOOTH and smooth else None
+    layers, hidden = int(samples.x[0, 2]), int(samples.x[0, 3])
+    doc = {"version": COST_FILE_VERSION, "model": model, "device": device, "layers": layers, "hidden": hidden,
+           "name": name, "degree": int(degree), "held_back_mape_pct": min(best["mape_pct"],
+                                                                       result["knn_batch_time_mape_pct"]),
+           "marginal": [marginal["model"], marginal["degree"]] if marginal else [name, int(degree)],
+           "marginal_mape_pct": marginal["mape_pct"] if marginal else None,
+           "sources": [str(s) for s in sources], "x": samples.x.tolist(), "y": samples.y.tolist()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def load_cost_file(path: str | Path, model: str, device: str) -> FittedRecomputeCost | None:
+    """The fitted recompute cost for this model on this device type, or None when the file is
+    missing, of another model or device, or unreadable (the worker then uses its measured rate)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("version") != COST_FILE_VERSION or doc["model"] != model or doc["device"] != device:
+            return None
+        samples = PrefillSamples(np.asarray(doc["x"], dtype=float).reshape(-1, 4), np.asarray(doc["y"], dtype=float))
+        return FittedRecomputeCost(doc["name"], int(doc["degree"]), samples, int(doc["layers"]), int(doc["hidden"]),
+                                   (str(doc["marginal"][0]), int(doc["marginal"][1])))
+    except (ValueError, KeyError, TypeError):
+        return None

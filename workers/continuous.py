@@ -51,17 +51,26 @@ PreemptionChoice = Literal["swap", "recompute"]
 @dataclass
 class SwapPlan:
     """How this instance gives back an evicted row's KV: the mode, the host pool, the measured
-    link and the prefill cost per token (what a recompute costs here)."""
+    link and what a recompute costs here: ``recompute_cost(tokens, running_rows)`` (the fitted
+    model's marginal packed prefill, ``predictor.recompute_cost``) where the worker has one, else
+    the prefill cost per token measured at start."""
 
     mode: PreemptionMode
     pool: HostSwapPool
     link: SwapLink
     delta_bytes: int
     prefill_s_per_token: float
+    recompute_cost: Callable[[int, int], float] | None = None
 
-    def choose(self, kv_tokens: int, recompute_tokens: int) -> PreemptionChoice:
+    def recompute_seconds(self, tokens: int, running_rows: int) -> float:
+        if self.recompute_cost is not None:
+            return self.recompute_cost(tokens, running_rows)
+        return tokens * self.prefill_s_per_token
+
+    def choose(self, kv_tokens: int, recompute_tokens: int, running_rows: int = 0) -> PreemptionChoice:
         return choose_preemption(self.mode, swap_seconds(kv_tokens, self.delta_bytes, self.link),
-                                 recompute_tokens * self.prefill_s_per_token, self.pool.free_tokens, kv_tokens)
+                                 self.recompute_seconds(recompute_tokens, running_rows), self.pool.free_tokens,
+                                 kv_tokens)
 
 log = logging.getLogger(__name__)
 MIN_STEP_TOKENS = 16  # the smallest per-step token budget a CUDA out-of-memory error halves it to
@@ -274,11 +283,14 @@ class ContinuousRun:
         ``batcher.preemption.choose_preemption`` predicts cheaper under ``COHORT_PREEMPTION``."""
         row = self.groups[self.group_of[rid]].rows[rid]
         self.stepper.flush(row, out)
-        swapped = self.swap is not None and computed > 0 and self.swap.choose(computed, len(self.ids[rid])) == "swap"
+        # the victim rejoins the rows still running: its recompute is priced beside them
+        swapped = (self.swap is not None and computed > 0
+                   and self.swap.choose(computed, len(self.ids[rid]), len(self.book.rows)) == "swap")
         if swapped:
             slots = context_slots(torch.tensor(pages, device=self.device), computed, self.book.page_size)
             self.swap.pool.swap_out(rid, self.executor.store, slots)
             self.swaps += 1
+            out.swapped.append(rid)
         self.preempted[rid] = self.preempted.get(rid, 0) + 1
         self.evictions += 1
         out.preempted.append(rid)
@@ -336,6 +348,8 @@ class ContinuousRun:
             put(p[0].id).prompt_scores.append(p)
         for rid in out.preempted:
             put(rid).preempted.append(rid)
+        for rid in out.swapped:
+            put(rid).swapped.append(rid)
         for bid in self.just_admitted:
             by.setdefault(bid, StepOutput())
         return by

@@ -41,3 +41,4 @@ class StepOutput:
     prompt_scores: list[tuple[ProfiledRequest, list[int], list]] = field(default_factory=list)
     # continuous execution: rows evicted for pages that wait on the instance and resume there
     preempted: list[str] = field(default_factory=list)
+    swapped: list[str] = field(default_factory=list)  # of those, rows whose KV went to the host pool

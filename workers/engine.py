@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from workers.decode import DecodeRun
 from workers.decode_outputs import KVCacheOutOfMemory
 from workers.model import load_model
 from workers.swap_pool import HostSwapPool, measure_link
+
+if TYPE_CHECKING:
+    from predictor.recompute_cost import FittedRecomputeCost
 
 __all__ = ["DecodeRun", "LLMEngine", "KVCacheOutOfMemory"]
 
@@ -106,8 +110,27 @@ class LLMEngine:
                      self._swap_costs[0].to_host_bytes_per_s / 1e9, self._swap_costs[0].to_device_bytes_per_s / 1e9,
                      self._swap_costs[1] * 1e6)
         link, per_token = self._swap_costs
+        fitted = self.recompute_cost()
         return SwapPlan(s.preemption, HostSwapPool(nbytes // self.delta_bytes, pin=self.device.type == "cuda"),
-                        link, self.delta_bytes, per_token)
+                        link, self.delta_bytes, per_token,
+                        recompute_cost=fitted.recompute_seconds if fitted is not None else None)
+
+    def recompute_cost(self) -> FittedRecomputeCost | None:
+        """The fitted recompute-cost model (AdaptiveLLM §3.2) profiled for this model on this
+        device type, read once; None (the decision then uses the measured prefill rate) when
+        there is none."""
+        if not hasattr(self, "_fitted_cost"):
+            from predictor.recompute_cost import load_cost_file  # scikit-learn: only where swapping is on
+
+            path = self.settings.recompute_cost_file()
+            self._fitted_cost = load_cost_file(path, self.settings.model, self.device.type)
+            if self._fitted_cost is not None:
+                log.info("recompute cost: %s degree %d from %s", self._fitted_cost.name, self._fitted_cost.degree,
+                         path)
+            else:
+                log.info("recompute cost: no fitted model for %s on %s at %s; using the measured prefill rate",
+                         self.settings.model, self.device.type, path)
+        return self._fitted_cost
 
     @torch.inference_mode()
     def _prefill_s_per_token(self, tokens: int = 256) -> float:

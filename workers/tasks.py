@@ -117,6 +117,8 @@ class _Reporter:
             bus.count_generated(pipe, generated)
             if out.preempted:  # continuous: evicted rows resume on this instance, not via the batcher
                 pipe.hincrby(bus.STATS, "preemptions", len(out.preempted))
+            if out.swapped:  # of those, the ones whose KV went to the host pool (the rest recompute)
+                pipe.hincrby(bus.STATS, "swaps", len(out.swapped))
             for rid in alive:
                 pipe.exists(bus.cancel_key(rid))
 

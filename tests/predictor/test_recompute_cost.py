@@ -11,9 +11,11 @@ from predictor.recompute_cost import (
     DEGREES,
     MODELS,
     RecomputeCostModel,
+    load_cost_file,
     load_prefill_samples,
     mape,
     model_search,
+    save_cost_file,
     search_table,
 )
 
@@ -56,3 +58,43 @@ def test_fitted_model_predicts_seconds(tmp_path):
     m = RecomputeCostModel("linear", 3).fit(s)
     assert m.seconds(200, 4, 4, 128) == pytest.approx(_prefill_s(4, 200), rel=0.02)
     assert mape(np.array([1.0, 2.0]), np.array([1.1, 1.8])) == pytest.approx(10.0)
+
+
+def _search_and_save(tmp_path, model="cohort/tiny-random-llama", device="cpu"):
+    s = load_prefill_samples([_write(tmp_path / "p.json", 0.0, 0)], layers=4, hidden=128)
+    res = model_search(s, seed=0, models=("linear", "random_forest"), degrees=(1, 2, 3))
+    return save_cost_file(tmp_path / "cost.json", s, res, model, device), res
+
+
+def test_the_saved_pick_is_refitted_for_its_model_and_device_only(tmp_path):
+    path, res = _search_and_save(tmp_path)
+    cost = load_cost_file(path, "cohort/tiny-random-llama", "cpu")
+    assert cost is not None and (cost.name, cost.degree) == (res["best"]["model"], res["best"]["degree"])
+    assert cost.prefill_seconds(200, 4) == pytest.approx(_prefill_s(4, 200), rel=0.02)
+    assert load_cost_file(path, "other/model", "cpu") is None           # profiled for another model
+    assert load_cost_file(path, "cohort/tiny-random-llama", "cuda") is None
+    assert load_cost_file(tmp_path / "missing.json", "cohort/tiny-random-llama", "cpu") is None
+    (tmp_path / "bad.json").write_text("{not json")
+    assert load_cost_file(tmp_path / "bad.json", "cohort/tiny-random-llama", "cpu") is None
+
+
+def test_a_recompute_beside_running_rows_costs_the_marginal_prefill(tmp_path):
+    """Issue 19: a victim re-prefilled inside a packed step costs f(β+1, L) − f(β, L), which
+    leaves out the step's fixed cost; alone it costs the whole prefill f(1, L)."""
+    path, _ = _search_and_save(tmp_path)
+    cost = load_cost_file(path, "cohort/tiny-random-llama", "cpu")
+    marginal = cost.recompute_seconds(300, running_rows=4)
+    assert marginal == pytest.approx(_prefill_s(5, 300) - _prefill_s(4, 300), rel=0.05)
+    assert cost.recompute_seconds(300, running_rows=0) == pytest.approx(_prefill_s(1, 300), rel=0.02)
+    assert marginal < cost.recompute_seconds(300, running_rows=0)   # the 2 ms step overhead is not the row's
+
+
+def test_a_step_shaped_pick_prices_the_marginal_on_the_best_smooth_family(tmp_path):
+    """A forest's f is a step function of β: its f(β+1) − f(β) is 0 inside a leaf. Where the
+    search picks one, the marginal comes from the best linear-family model of the same search."""
+    s = load_prefill_samples([_write(tmp_path / "p.json", 0.0, 0)], layers=4, hidden=128)
+    res = model_search(s, seed=0, models=("linear", "random_forest"), degrees=(1, 2, 3))
+    res["best"] = next(r for r in res["table"] if (r["model"], r["degree"]) == ("random_forest", 2))
+    cost = load_cost_file(save_cost_file(tmp_path / "c.json", s, res, "m", "cpu"), "m", "cpu")
+    assert (cost.name, cost.degree) == ("random_forest", 2) and cost.marginal == ("linear", 3)
+    assert cost.recompute_seconds(300, 4) == pytest.approx(_prefill_s(5, 300) - _prefill_s(4, 300), rel=0.05)
