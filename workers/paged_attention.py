@@ -99,8 +99,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         out[dec.query_at] = o[:, :, 0]
     for start, n, ctx in cohort_step.rows:
         q = query[0, :, start:start + n]  # [heads, n, dim]
-        k = store.k[layer][ctx].transpose(0, 1).to(q.dtype)  # [kv_heads, ctx, dim]
-        v = store.v[layer][ctx].transpose(0, 1).to(q.dtype)
+        # index_select: half the CPU time of advanced indexing for the same gather
+        k = store.k[layer].index_select(0, ctx).transpose(0, 1).to(q.dtype)  # [kv_heads, ctx, dim]
+        v = store.v[layer].index_select(0, ctx).transpose(0, 1).to(q.dtype)
         c = k.shape[1]
         # query i sits at context position c - n + i and sees keys 0 .. c - n + i
         mask = None
