@@ -94,8 +94,11 @@ def engine_bench_cli() -> None:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = ap.parse_args()
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -110,14 +113,21 @@ def engine_bench_cli() -> None:
         useful = sum(o for _, o in reqs)
         model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
         _padded(model, tok, reqs[:2], device)  # warm-up (CUDA context, kernels)
-        times = {"padded_generate": _padded(model, tok, reqs, device), "elastic": _elastic(model, tok, reqs, device),
-                 "continuous": _continuous(model, tok, reqs, device, a.budget)}
+        times, cpu = {}, {}
+        for mode, fn, extra in (("padded_generate", _padded, ()), ("elastic", _elastic, ()),
+                                ("continuous", _continuous, (a.budget,))):
+            c0 = time.process_time()
+            times[mode] = fn(model, tok, reqs, device, *extra)
+            cpu[mode] = time.process_time() - c0  # on a shared CPU, the process's own seconds
         row = dict(config=name, device=str(device), dtype=a.dtype, requests=len(reqs), useful_tokens=useful,
                    step_token_budget=a.budget, torch_threads=torch.get_num_threads(),
                    **{f"{k}_s": round(v, 2) for k, v in times.items()},
                    **{f"{k}_tok_s": round(useful / v, 1) for k, v in times.items()},
                    continuous_x_padded_generate=round(times["padded_generate"] / times["continuous"], 2),
-                   continuous_x_elastic=round(times["elastic"] / times["continuous"], 2))
+                   continuous_x_elastic=round(times["elastic"] / times["continuous"], 2),
+                   **{f"{k}_cpu_s": round(v, 2) for k, v in cpu.items()},
+                   cpu_continuous_x_padded_generate=round(cpu["padded_generate"] / cpu["continuous"], 2),
+                   cpu_continuous_x_elastic=round(cpu["elastic"] / cpu["continuous"], 2))
         print(json.dumps(row), flush=True)
         results.append(row)
     a.json.parent.mkdir(parents=True, exist_ok=True)

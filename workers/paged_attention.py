@@ -22,6 +22,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from workers.decode_lanes import DecodeLanes, LaneStep
+
 PAGED_ATTENTION = "cohort_paged"
 
 
@@ -44,8 +46,10 @@ class DecodeBatch:
     every decoding row beats a call per row; only the attention reads the padding."""
 
     query_at: torch.Tensor  # [R] each row's token in the packed sequence
-    slots: torch.Tensor     # [R, C] context slots, padded
-    valid: torch.Tensor     # [R, C] True where a slot is the row's own context
+    slots: torch.Tensor | None = None     # [R, C] context slots, padded (gathered from the pages)
+    valid: torch.Tensor | None = None     # [R, C] True where a slot is the row's own context
+    lanes: DecodeLanes | None = None      # or: the rows' contiguous lanes (CPU, no gather)
+    lane_step: LaneStep | None = None
 
 
 @dataclass
@@ -82,7 +86,11 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     store.v[layer][cohort_step.write_slots] = value[0].transpose(0, 1).to(store.v[layer].dtype)
     out = torch.empty_like(query[0].transpose(0, 1))  # [tokens, heads, dim]
     dec = cohort_step.decode
-    if dec is not None:
+    if dec is not None and dec.lanes is not None:
+        at = dec.query_at
+        out[at] = dec.lanes.attend(layer, query[0][:, at].transpose(0, 1), key[0][:, at].transpose(0, 1),
+                                   value[0][:, at].transpose(0, 1), dec.lane_step, scaling)
+    elif dec is not None:
         q = query[0][:, dec.query_at].transpose(0, 1).unsqueeze(2)  # [R, heads, 1, dim]
         k = store.k[layer][dec.slots].transpose(1, 2).to(q.dtype)  # [R, kv_heads, C, dim]
         v = store.v[layer][dec.slots].transpose(1, 2).to(q.dtype)
@@ -91,8 +99,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         out[dec.query_at] = o[:, :, 0]
     for start, n, ctx in cohort_step.rows:
         q = query[0, :, start:start + n]  # [heads, n, dim]
-        k = store.k[layer][ctx].transpose(0, 1).to(q.dtype)  # [kv_heads, ctx, dim]
-        v = store.v[layer][ctx].transpose(0, 1).to(q.dtype)
+        # index_select: half the CPU time of advanced indexing for the same gather
+        k = store.k[layer].index_select(0, ctx).transpose(0, 1).to(q.dtype)  # [kv_heads, ctx, dim]
+        v = store.v[layer].index_select(0, ctx).transpose(0, 1).to(q.dtype)
         c = k.shape[1]
         # query i sits at context position c - n + i and sees keys 0 .. c - n + i
         mask = None

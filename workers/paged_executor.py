@@ -13,6 +13,7 @@ from collections.abc import Callable, Container, Mapping, Sequence
 
 import torch
 
+from workers.decode_lanes import DecodeLanes
 from workers.paged_attention import (
     DecodeBatch,
     PackedStep,
@@ -50,6 +51,9 @@ class PagedExecutor:
                                dtype, device)
         model.set_attn_implementation(register_paged_attention())
         self._slots: dict[str, tuple[list[int], int, torch.Tensor]] = {}  # row -> (its pages, count, slots)
+        # a CPU decodes on contiguous lanes (workers.decode_lanes); a CUDA pool gathers from its pages
+        self.lanes = DecodeLanes(cfg.num_hidden_layers, kv_heads, head_dim, dtype, device) if (
+            device.type == "cpu") else None
 
     def _row_slots(self, row_id: str, pages: list[int]) -> torch.Tensor:
         """Every slot of a row's pages, in position order: kept between steps (a row's page list
@@ -66,6 +70,17 @@ class PagedExecutor:
             slots = context_slots(torch.tensor(pages, device=self.device), len(pages) * ps, ps)
         self._slots[row_id] = (pages, len(pages), slots)
         return slots
+
+    def _decode_batch(self, query_at: torch.Tensor, ctxs: list[tuple[str, int, torch.Tensor]]) -> DecodeBatch:
+        """The decoding rows' attention input: their lanes (CPU), or their contexts' slots padded
+        to the longest (``ctxs``: row id, new token's position p, the row's slots)."""
+        if self.lanes is not None:
+            return DecodeBatch(query_at, lanes=self.lanes, lane_step=self.lanes.prepare(ctxs, self.store.k,
+                                                                                        self.store.v))
+        slots = torch.nn.utils.rnn.pad_sequence([s[:p + 1] for _r, p, s in ctxs], batch_first=True)
+        lens = torch.tensor([p + 1 for _r, p, _s in ctxs], device=self.device)
+        valid = torch.arange(slots.shape[1], device=self.device)[None, :] < lens[:, None]
+        return DecodeBatch(query_at, slots, valid)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], prompt_hook: PromptHook | None = None,
@@ -99,13 +114,12 @@ class PagedExecutor:
                 ids.append(tokens[row_id][p])
                 pos.append(p)
                 wslots.append(book_row.pages[p // ps] * ps + p % ps)
-                ctxs.append(self._row_slots(row_id, book_row.pages)[:p + 1])
+                ctxs.append((row_id, p, self._row_slots(row_id, book_row.pages)))
                 order.append((row_id, len(keep), 1, False))
                 keep.append(len(ids) - 1)
-            slots = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)
-            lens = torch.tensor([len(c) for c in ctxs], device=self.device)
-            valid = torch.arange(slots.shape[1], device=self.device)[None, :] < lens[:, None]
-            decode = DecodeBatch(torch.arange(at0, len(ids), device=self.device), slots, valid)
+            decode = self._decode_batch(torch.arange(at0, len(ids), device=self.device), ctxs)
+        elif self.lanes is not None:
+            self.lanes.prepare([], self.store.k, self.store.v)  # no row decodes: every lane is free
         if not ids:
             return {}
         if len(self._slots) > len(self.book.rows):  # forget rows that left
