@@ -20,6 +20,7 @@ import math
 import os
 import random
 import secrets
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -55,6 +56,7 @@ class SoakConfig:
     seed: int = 0
     drain_s: float = 120.0             # after the last request is sent, how long answers may take
     server_env: dict[str, str] = field(default_factory=dict)
+    models_from: str | None = None     # a `var/models` folder copied in before the stack starts
 
 
 @dataclass
@@ -231,6 +233,8 @@ def start_stack(cfg: SoakConfig, folder: Path, token: str, redis_maxmemory_mb: i
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "COHORT_EMULATE_LENGTHS": "true",
            "COHORT_ADMIN_TOKEN": token, **cfg.server_env, "COHORT_REDIS_URL": redis_srv.url,
            "COHORT_DATA_DIR": str(data_dir), "COHORT_DATABASE_URL": db_url}
+    if cfg.models_from:  # start from trained versions (the learning A/B's two sides alike)
+        shutil.copytree(cfg.models_from, data_dir / "models", dirs_exist_ok=True)
     stack = Stack(env, f"http://127.0.0.1:{port}", log_dir=folder / "logs")
     try:
         stack.start_core("127.0.0.1", port, learning=cfg.learning)
@@ -242,6 +246,33 @@ def start_stack(cfg: SoakConfig, folder: Path, token: str, redis_maxmemory_mb: i
         redis_srv.close()
         raise
     return stack, redis_srv, data_dir, db_url
+
+
+def prime_models(cfg: SoakConfig, folder: Path, timeout_s: float = 1200.0) -> Path:
+    """Train both models once, on a stack of their own with no traffic, and return its
+    ``var/models``. Why: a fresh stack predicts cold (max_tokens, no encoder) until its first
+    retrain; an A/B whose "off" side never retrains would compare "no predictor" with "a
+    predictor plus a learner" — the gateway's per-request encoder, not the learner. Both sides
+    start from a copy of these versions, so "on" differs only by the learner's work."""
+    token = secrets.token_urlsafe(16)
+    stack, redis_srv, data_dir, _ = start_stack(SoakConfig(**{**asdict(cfg), "learning": True}), folder, token)
+    try:
+        with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {token}"}, timeout=30.0) as client:
+            ids = {t: client.post("/admin/retrain", json={"target": t}).json()["task_id"] for t in ("predictor", "estimator")}
+            deadline = time.monotonic() + timeout_s
+            for target, task_id in ids.items():
+                while (st := client.get(f"/admin/tasks/{task_id}").json())["state"] not in ("SUCCESS", "FAILURE"):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"priming: the {target} retrain did not end in {timeout_s:.0f} s")
+                    time.sleep(2.0)
+                if st["state"] != "SUCCESS":
+                    raise RuntimeError(f"priming: the {target} retrain failed: {st.get('error')}")
+    finally:
+        stack.stop()
+        redis_srv.close()
+    if not (data_dir / "models" / "predictor" / "ACTIVE").exists():
+        raise RuntimeError("priming: no active predictor version after the retrain")
+    return data_dir / "models"
 
 
 async def _retrain(client: httpx.AsyncClient, headers: dict[str, str], log: list[dict[str, Any]], t: float) -> None:

@@ -14,7 +14,7 @@ import typer
 from tqdm import tqdm
 
 from bench.live_stack import parse_env
-from bench.soak import SoakConfig, run_soak
+from bench.soak import SoakConfig, prime_models, run_soak
 
 
 def plot_soak(report: dict[str, Any], out: Path) -> Path:
@@ -69,10 +69,12 @@ def learning_ab(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] 
                 repeats: int = 1) -> dict[str, Any]:
     """Serving throughput with learning off, then on (learning worker + beat + an admin retrain
     of both models every ``retrain_every_s``: a learner kept busy), same seeded traffic, each on
-    a fresh stack; ``repeats`` pairs interleaved (off, on, off, on, …) so that a shared machine's
+    a fresh stack that starts from the same trained model versions (``prime_models``); ``repeats`` pairs interleaved (off, on, off, on, …) so that a shared machine's
     changing load falls on both sides. ``ratio`` = on / off of the summed answers per second
     between warm-up and the end of sending (the service rate, overloaded or not)."""
     runs: dict[str, Any] = {}
+    if not cfg.models_from:  # both sides start from the same trained versions
+        cfg = SoakConfig(**{**asdict(cfg), "models_from": str(prime_models(cfg, workdir / "prime"))})
     for k in range(repeats):
         for name, learning in (("off", False), ("on", True)):
             c = SoakConfig(**{**asdict(cfg), "learning": learning,
@@ -109,6 +111,8 @@ def soak(
     drain_s: float = typer.Option(120.0, help="After sending stops, how long answers may take (then: lost)."),
     server_env: list[str] = typer.Option(None, help="KEY=VALUE for the stack (repeat)."),
     workdir: Path = typer.Option(Path("var/bench/soak"), help="Where the stack keeps its files and logs."),
+    models_from: Path = typer.Option(None, help="Start from these model versions (a var/models folder); "
+                                                "--ab otherwise trains them first on a stack of their own."),
     json_out: Path = typer.Option(None, "--json"),
     plot: Path = typer.Option(None, help="PNG of the curves (latency, RSS, Redis memory, var/ size)."),
 ) -> None:
@@ -120,7 +124,8 @@ def soak(
     signal.signal(signal.SIGTERM, _stop)
     cfg = SoakConfig(minutes=minutes, rate=rate, max_tokens=max_tokens, warmup_s=warmup_s, window_s=window_s,
                      retrain_at_s=retrain_at_s if retrain_at_s >= 0 else None, retrain_every_s=retrain_every_s,
-                     learning=learning, server_env=parse_env(server_env), drain_s=drain_s)
+                     learning=learning, server_env=parse_env(server_env), drain_s=drain_s,
+                     models_from=str(models_from) if models_from else None)
     bar = tqdm(total=int(minutes * 60 / cfg.sample_s) * (2 * repeats if ab else 1), desc="soak samples", unit="sample")
 
     def tick(line: str) -> None:
