@@ -62,18 +62,25 @@ class OnlineResidual:
     b: dict[str, np.ndarray] = field(default_factory=dict)
     n: dict[str, float] = field(default_factory=dict)  # forgetting-weighted row count
     version: str | None = None  # the model version the residuals were learnt against
+    # w per pool, solved once per update: the solve (a ~150×150 system) on every prediction was
+    # 17 % of the gateway's CPU in the soak, for weights that change only when completions arrive
+    _w: dict[str, np.ndarray | None] = field(default_factory=dict, repr=False, compare=False)
 
     def follow(self, version: str | None) -> None:
         """Forget everything when the model version changes: a retrained model has learnt (part of)
         the shift itself, and the old correction on top of it would count the shift twice."""
         if version is not None and version != self.version:
             self.a, self.b, self.n, self.version = {}, {}, {}, version
+            self._w = {}
 
     def _weights(self, key: str) -> np.ndarray | None:
-        if self.n.get(key, 0.0) < self.min_rows:
-            return None
-        a = self.a[key]
-        return np.linalg.solve(a + self.ridge * np.eye(len(a)), self.b[key])
+        if key not in self._w:
+            if self.n.get(key, 0.0) < self.min_rows:
+                self._w[key] = None
+            else:
+                a = self.a[key]
+                self._w[key] = np.linalg.solve(a + self.ridge * np.eye(len(a)), self.b[key])
+        return self._w[key]
 
     def shift(self, items: Sequence[PredictItem], point: np.ndarray,
               pools: Sequence[str | None] | None = None, x: np.ndarray | None = None) -> np.ndarray:
@@ -117,6 +124,7 @@ class OnlineResidual:
             self.a[key] = (self.forget ** k) * a + (xs * decay[:, None]).T @ xs
             self.b[key] = (self.forget ** k) * b + (xs * decay[:, None]).T @ rs
             self.n[key] = (self.forget ** k) * self.n.get(key, 0.0) + float(decay.sum())
+            self._w.pop(key, None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"forget": self.forget, "ridge": self.ridge, "min_rows": self.min_rows, "version": self.version,

@@ -155,3 +155,31 @@ def test_residual_correction_learns_a_source_shift_and_stays_put_without_one() -
     np.testing.assert_allclose(back.correct(items[500:], point[500:]), res.correct(items[500:], point[500:]))
     back.follow("v2")  # a retrained model: the old correction would count the shift twice
     np.testing.assert_allclose(back.correct(items[500:], point[500:]), point[500:])
+
+
+def test_residual_weights_are_solved_once_per_update_and_follow_it(monkeypatch) -> None:
+    """The weights are cached between completions (the solve on every prediction was 17 % of the
+    gateway's CPU) and a new batch of completions replaces them: the cache never serves a stale w."""
+    from predictor.online_residual import OnlineResidual
+
+    rng = np.random.default_rng(2)
+    items = [PredictItem("Explain.", "y" * int(rng.integers(1, 40)), 5) for _ in range(300)]
+    point = rng.uniform(20, 80, 300)
+    res = OnlineResidual(min_rows=50)
+    res.update(items[:100], point[:100], point[:100] * 2.0)
+    solves = 0
+    real_solve = np.linalg.solve
+
+    def counting_solve(a, b):
+        nonlocal solves
+        solves += 1
+        return real_solve(a, b)
+
+    monkeypatch.setattr(np.linalg, "solve", counting_solve)
+    first = res.correct(items[200:], point[200:])
+    assert np.allclose(res.correct(items[200:], point[200:]), first) and solves == 1
+    res.update(items[100:200], point[100:200], point[100:200] * 4.0)  # answers grew again
+    second = res.correct(items[200:], point[200:])
+    assert solves == 2 and np.median(second / first) > 1.2
+    fresh = OnlineResidual.from_dict(res.to_dict())  # no cache: solved from A and b alone
+    np.testing.assert_allclose(fresh.correct(items[200:], point[200:]), second)
