@@ -225,6 +225,10 @@ class Settings(BaseSettings):
         "(memory ≈ 1/(1−λ) completions).")
     predictor_online_ridge: float = Field(
         default=30.0, ge=0.0, description="Ridge penalty of the online correction (pulls it to no correction).")
+    predictor_threads: int = Field(
+        default=1, ge=1, description="OpenMP threads the gateway's predictor thread may use (gradient-boosted "
+        "trees, ridge). A request batch is a few rows: more threads only spin, and the spinning threads took "
+        "as much CPU as the predictions themselves in the soak (docs/retention.md).")
     predictor_online_interval_s: float = Field(
         default=2.0, gt=0.0, description="How often the predictor service reads new completions from the "
         "log DB to update the online bound.")

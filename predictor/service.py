@@ -70,6 +70,14 @@ def model_planned(row: dict) -> bool:
             and (row.get("max_tokens") is None or row["predicted_tokens"] < row["max_tokens"]))
 
 
+def _limit_threads(n: int) -> None:
+    """On the predictor thread, once: OpenMP's thread count is a per-thread setting, so limiting
+    it here bounds every prediction and online update that runs on this thread (and nothing else)."""
+    from threadpoolctl import threadpool_limits  # comes with scikit-learn
+
+    threadpool_limits(limits=n, user_api="openmp")
+
+
 class PredictorService:
     """``await predict(item, max_tokens) -> (tokens, version | None)``; see the module docstring."""
 
@@ -83,7 +91,8 @@ class PredictorService:
         self._swap: HotSwap[LengthPredictor | None] = HotSwap("predictor", self._source, None,
                                                               reload_interval_s)
         self._reloading = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predictor")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predictor",
+                                            initializer=_limit_threads, initargs=(settings.predictor_threads,))
         self._pending: list[tuple[PredictItem, str | None, asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
         self._runner_loop: asyncio.AbstractEventLoop | None = None
