@@ -66,6 +66,7 @@ class Outcome:
     latency: float | None = None
     status: int | None = None          # HTTP status; None: no answer at all (lost)
     stream_error: bool = False         # an error event inside a 200 stream
+    error: str | None = None           # the client's transport error, when there was one
 
 
 def pick_kind(rng: random.Random, leave_frac: float, bad_frac: float) -> str:
@@ -217,6 +218,7 @@ def summarize(outcomes: list[Outcome], cfg: SoakConfig, wall_s: float) -> dict[s
         "server_errors_5xx": sum(1 for o in outcomes if o.status is not None and o.status >= 500),
         "stream_errors": sum(1 for o in outcomes if o.stream_error),
         "lost": sum(1 for o in outcomes if o.status is None and o.kind != "leave"),
+        "lost_by_error": dict(Counter(o.error or "none" for o in outcomes if o.status is None and o.kind != "leave")),
         "bad_not_4xx": sum(1 for o in outcomes if o.kind == "bad" and not (o.status and 400 <= o.status < 500)),
         "other_non_200": sum(1 for o in regular if o.status is not None and o.status != 200),
         "status_counts": {str(k): v for k, v in sorted(Counter(o.status for o in outcomes).items(), key=str)},
@@ -336,10 +338,12 @@ async def _guarded(client: httpx.AsyncClient, o: Outcome, i: int, rng: random.Ra
                    model: str) -> None:
     try:
         await one_request(client, o.kind, i, rng, max_tokens, o, model)
-    except (httpx.HTTPError, OSError):
+    except (httpx.HTTPError, OSError) as e:
         if o.kind == "leave" and o.status == 200:
             return  # the leaving client closed it itself
-        o.status = None  # no HTTP answer: lost
+        # which error, and whether a status had arrived (a stream broken after its 200)
+        o.error = f"{type(e).__name__}{' after ' + str(o.status) if o.status else ''}"
+        o.status = None  # no (whole) HTTP answer: lost
 
 
 def resource_trends(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
