@@ -24,7 +24,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -257,7 +257,7 @@ def prime_models(cfg: SoakConfig, folder: Path, timeout_s: float = 1200.0) -> Pa
     predictor plus a learner" — the gateway's per-request encoder, not the learner. Both sides
     start from a copy of these versions, so "on" differs only by the learner's work."""
     token = secrets.token_urlsafe(16)
-    stack, redis_srv, data_dir, _ = start_stack(SoakConfig(**{**asdict(cfg), "learning": True}), folder, token)
+    stack, redis_srv, data_dir, _ = start_stack(replace(cfg, learning=True), folder, token)
     try:
         with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {token}"}, timeout=30.0) as client:
             ids = {t: client.post("/admin/retrain", json={"target": t}).json()["task_id"] for t in ("predictor", "estimator")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import signal
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,17 +69,17 @@ def learning_ab(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] 
                 repeats: int = 1) -> dict[str, Any]:
     """Serving throughput with learning off, then on (learning worker + beat + an admin retrain
     of both models every ``retrain_every_s``: a learner kept busy), same seeded traffic, each on
-    a fresh stack that starts from the same trained model versions (``prime_models``); ``repeats`` pairs interleaved (off, on, off, on, …) so that a shared machine's
-    changing load falls on both sides. ``ratio`` = on / off of the summed answers per second
+    a fresh stack that starts from the same trained model versions (``prime_models``);
+    ``repeats`` pairs interleaved (off, on, off, on, …) so that a shared machine's changing load
+    falls on both sides. ``ratio`` = on / off of the summed answers per second
     between warm-up and the end of sending (the service rate, overloaded or not)."""
     runs: dict[str, Any] = {}
     if not cfg.models_from:  # both sides start from the same trained versions
-        cfg = SoakConfig(**{**asdict(cfg), "models_from": str(prime_models(cfg, workdir / "prime"))})
+        cfg = replace(cfg, models_from=str(prime_models(cfg, workdir / "prime")))
     for k in range(repeats):
         for name, learning in (("off", False), ("on", True)):
-            c = SoakConfig(**{**asdict(cfg), "learning": learning,
-                              "retrain_at_s": cfg.retrain_at_s if learning else None,
-                              "retrain_every_s": cfg.retrain_every_s if learning else None})
+            c = replace(cfg, learning=learning, retrain_at_s=cfg.retrain_at_s if learning else None,
+                        retrain_every_s=cfg.retrain_every_s if learning else None)
             runs[f"{name}{k}"] = run_soak(c, workdir / f"learning-{name}{k}", progress)
     rps = {key: r["summary"]["throughput_rps_after_warmup"] for key, r in runs.items()}
     off = sum(v for key, v in rps.items() if key.startswith("off"))
