@@ -29,15 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import psutil
 import redis
 
+from bench.soak_stats import Outcome, first_last, last_window, resource_trends, summarize, windows
 from cohort.logdb import get_db_engine, log_counts
 from procstack.embedded_redis import EmbeddedRedis
 from procstack.stack import Stack, free_port
-
-KINDS = ("chat", "chat_stream", "chat_n2", "completion", "generate", "leave", "bad")
 
 
 @dataclass
@@ -57,16 +55,6 @@ class SoakConfig:
     drain_s: float = 120.0             # after the last request is sent, how long answers may take
     server_env: dict[str, str] = field(default_factory=dict)
     models_from: str | None = None     # a `var/models` folder copied in before the stack starts
-
-
-@dataclass
-class Outcome:
-    kind: str
-    sent: float
-    latency: float | None = None
-    status: int | None = None          # HTTP status; None: no answer at all (lost)
-    stream_error: bool = False         # an error event inside a 200 stream
-    error: str | None = None           # the client's transport error, when there was one
 
 
 def pick_kind(rng: random.Random, leave_frac: float, bad_frac: float) -> str:
@@ -165,67 +153,6 @@ def du_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 2**20
 
 
-def slope_pct_per_h(ts: list[float], ys: list[float]) -> float | None:
-    """Least-squares slope of ``ys`` over ``ts`` (s), as % of the mean per hour."""
-    if len(ts) < 3 or not np.mean(ys):
-        return None
-    k = np.polyfit(np.asarray(ts), np.asarray(ys), 1)[0]
-    return float(100.0 * k * 3600.0 / np.mean(ys))
-
-
-def windows(outcomes: list[Outcome], window_s: float) -> list[dict[str, Any]]:
-    """Per window of send time: answered, 5xx, p50/p99 latency of the answered (non-leaving, non-bad) ones."""
-    n = int(math.ceil(max((o.sent for o in outcomes), default=0.0) / window_s)) or 1
-    out = []
-    for w in range(n):
-        inw = [o for o in outcomes if w * window_s <= o.sent < (w + 1) * window_s]
-        lat = [o.latency for o in inw if o.kind not in ("leave", "bad") and o.status == 200 and o.latency is not None]
-        out.append({"start_s": w * window_s, "sent": len(inw), "answered": len(lat),
-                    "5xx": sum(1 for o in inw if o.status is not None and o.status >= 500),
-                    "p50_s": float(np.percentile(lat, 50)) if lat else None,
-                    "p99_s": float(np.percentile(lat, 99)) if lat else None})
-    return out
-
-
-def first_last(outcomes: list[Outcome], cfg: SoakConfig, span_s: float = 600.0) -> dict[str, Any]:
-    """p50/p99 of the first ``span_s`` after warm-up against the last ``span_s`` of sending (the
-    issue's target: last ≤ 1.2 × first); shorter runs split what is after warm-up in halves."""
-    end = cfg.minutes * 60.0
-    span = min(span_s, (end - cfg.warmup_s) / 2)
-
-    def pct(lo: float, hi: float) -> dict[str, float | None]:
-        lat = [o.latency for o in outcomes if o.kind not in ("leave", "bad") and o.status == 200
-               and o.latency is not None and lo <= o.sent < hi]
-        return {"n": len(lat), "p50_s": float(np.percentile(lat, 50)) if lat else None,
-                "p99_s": float(np.percentile(lat, 99)) if lat else None}
-
-    first, last = pct(cfg.warmup_s, cfg.warmup_s + span), pct(end - span, end)
-    ratio = {k: last[k] / first[k] if first[k] and last[k] is not None else None for k in ("p50_s", "p99_s")}
-    return {"span_s": span, "first": first, "last": last, "last_over_first": ratio}
-
-
-def summarize(outcomes: list[Outcome], cfg: SoakConfig, wall_s: float) -> dict[str, Any]:
-    """Totals a soak must hold: no 5xx, nothing lost, bad bodies 4xx, throughput after warm-up."""
-    regular = [o for o in outcomes if o.kind not in ("leave", "bad")]
-    # throughput = answers completed between warm-up and the end of sending: the service rate
-    # even when the stack is overloaded (then what was sent late finishes after the window)
-    end = cfg.minutes * 60.0
-    after = [o for o in regular if o.latency is not None and cfg.warmup_s <= o.sent + o.latency < end]
-    span = max(1e-9, end - cfg.warmup_s)
-    return {
-        "sent": len(outcomes), "by_kind": {k: sum(1 for o in outcomes if o.kind == k) for k in KINDS},
-        "answered_200": sum(1 for o in regular if o.status == 200 and not o.stream_error),
-        "server_errors_5xx": sum(1 for o in outcomes if o.status is not None and o.status >= 500),
-        "stream_errors": sum(1 for o in outcomes if o.stream_error),
-        "lost": sum(1 for o in outcomes if o.status is None and o.kind != "leave"),
-        "lost_by_error": dict(Counter(o.error or "none" for o in outcomes if o.status is None and o.kind != "leave")),
-        "bad_not_4xx": sum(1 for o in outcomes if o.kind == "bad" and not (o.status and 400 <= o.status < 500)),
-        "other_non_200": sum(1 for o in regular if o.status is not None and o.status != 200),
-        "status_counts": {str(k): v for k, v in sorted(Counter(o.status for o in outcomes).items(), key=str)},
-        "throughput_rps_after_warmup": sum(1 for o in after if o.status == 200 and not o.stream_error) / span,
-        "wall_s": round(wall_s, 1)}
-
-
 def start_stack(cfg: SoakConfig, folder: Path, token: str, redis_maxmemory_mb: int = 512):
     """`cohort serve`'s processes in ``folder`` (embedded Redis, SQLite, learning + beat)."""
     redis_srv = EmbeddedRedis(folder / "redis", maxmemory_mb=redis_maxmemory_mb)
@@ -289,7 +216,7 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
     """Send the traffic, retrain, sample; return the report (without the stack's final state)."""
     rng = random.Random(cfg.seed)
     outcomes: list[Outcome] = []
-    tasks: list[asyncio.Task] = []
+    tasks: set[asyncio.Task] = set()  # in flight only: a finished one drops out (the list grew all run)
     retrains: list[dict[str, Any]] = []
     headers = {"Authorization": f"Bearer {token}"}
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
@@ -305,7 +232,7 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
                 s = await asyncio.to_thread(sampler.sample, now - t0)
                 next_sample += cfg.sample_s
                 if progress:
-                    w = windows(outcomes, cfg.window_s)[-1] if outcomes else {}
+                    w = last_window(outcomes, cfg.window_s)
                     progress(f"t={s['t']:.0f}s sent={len(outcomes)} p50={w.get('p50_s')} redis={s['redis_used_mb']:.1f}MB "
                              f"var={s['data_dir_mb']:.1f}MB cpu={ {k: round(v) for k, v in s['cpu_pct'].items()} }")
             if now >= next_retrain:
@@ -314,12 +241,14 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
             while next_send <= now:
                 o = Outcome(pick_kind(rng, cfg.leave_frac, cfg.bad_frac), sent=next_send - t0)
                 outcomes.append(o)
-                tasks.append(asyncio.create_task(_guarded(client, o, i, random.Random(rng.random()), cfg.max_tokens, model)))
+                task = asyncio.create_task(_guarded(client, o, i, random.Random(rng.random()), cfg.max_tokens, model))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
                 i += 1
                 next_send += rng.expovariate(cfg.rate)
             await asyncio.sleep(min(0.05, max(0.0, next_send - time.perf_counter())))
         sent_wall = time.perf_counter() - t0
-        _, pending = await asyncio.wait(tasks, timeout=cfg.drain_s) if tasks else (set(), set())
+        _, pending = await asyncio.wait(set(tasks), timeout=cfg.drain_s) if tasks else (set(), set())
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -344,18 +273,6 @@ async def _guarded(client: httpx.AsyncClient, o: Outcome, i: int, rng: random.Ra
         # which error, and whether a status had arrived (a stream broken after its 200)
         o.error = f"{type(e).__name__}{' after ' + str(o.status) if o.status else ''}"
         o.status = None  # no (whole) HTTP answer: lost
-
-
-def resource_trends(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
-    """Slopes after warm-up (%/h): RSS per process, Redis memory."""
-    after = [s for s in samples if s["t"] >= warmup_s]
-    ts = [s["t"] for s in after]
-    names = sorted({n for s in after for n in s["rss_mb"]})
-    return {"rss_slope_pct_per_h": {n: slope_pct_per_h([s["t"] for s in after if n in s["rss_mb"]],
-                                                        [s["rss_mb"][n] for s in after if n in s["rss_mb"]]) for n in names},
-            "redis_slope_pct_per_h": slope_pct_per_h(ts, [s["redis_used_mb"] for s in after]),
-            "data_dir_mb": {"first": after[0]["data_dir_mb"] if after else None,
-                            "last": after[-1]["data_dir_mb"] if after else None}}
 
 
 def run_soak(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] | None = None) -> dict[str, Any]:

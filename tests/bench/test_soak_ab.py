@@ -53,6 +53,7 @@ def test_a_lost_request_says_which_transport_error_lost_it(monkeypatch) -> None:
     import httpx
 
     import bench.soak as soak
+    from bench.soak_stats import Outcome, summarize
 
     async def broken(client, kind, i, rng, max_tokens, out, model):
         if kind == "chat_stream":
@@ -60,9 +61,9 @@ def test_a_lost_request_says_which_transport_error_lost_it(monkeypatch) -> None:
         raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
 
     monkeypatch.setattr(soak, "one_request", broken)
-    outs = [soak.Outcome("chat", 0.0), soak.Outcome("chat_stream", 0.0), soak.Outcome("leave", 0.0)]
+    outs = [Outcome("chat", 0.0), Outcome("chat_stream", 0.0), Outcome("leave", 0.0)]
     for o in outs:
         asyncio.run(soak._guarded(None, o, 0, None, 8, "m"))
-    summary = soak.summarize(outs, SoakConfig(minutes=1.0, warmup_s=0.0), 60.0)
+    summary = summarize(outs, SoakConfig(minutes=1.0, warmup_s=0.0), 60.0)
     assert summary["lost"] == 2
     assert summary["lost_by_error"] == {"RemoteProtocolError": 1, "RemoteProtocolError after 200": 1}

@@ -1,0 +1,123 @@
+"""What a soak's outcomes and samples add up to: per-window latency, first against last, totals,
+resource slopes. Pure functions over plain records, so they are tested without a stack and the
+progress line can read the latest window cheaply (bench.soak drives the stack)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from bench.soak import SoakConfig
+
+KINDS = ("chat", "chat_stream", "chat_n2", "completion", "generate", "leave", "bad")
+
+
+@dataclass
+class Outcome:
+    kind: str
+    sent: float
+    latency: float | None = None
+    status: int | None = None          # HTTP status; None: no answer at all (lost)
+    stream_error: bool = False         # an error event inside a 200 stream
+    error: str | None = None           # the client's transport error, when there was one
+
+
+def slope_pct_per_h(ts: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of ``ys`` over ``ts`` (s), as % of the mean per hour."""
+    if len(ts) < 3 or not np.mean(ys):
+        return None
+    k = np.polyfit(np.asarray(ts), np.asarray(ys), 1)[0]
+    return float(100.0 * k * 3600.0 / np.mean(ys))
+
+
+def _window_stats(inw: list[Outcome], start_s: float) -> dict[str, Any]:
+    lat = [o.latency for o in inw if o.kind not in ("leave", "bad") and o.status == 200 and o.latency is not None]
+    return {"start_s": start_s, "sent": len(inw), "answered": len(lat),
+            "5xx": sum(1 for o in inw if o.status is not None and o.status >= 500),
+            "p50_s": float(np.percentile(lat, 50)) if lat else None,
+            "p99_s": float(np.percentile(lat, 99)) if lat else None}
+
+
+def windows(outcomes: list[Outcome], window_s: float) -> list[dict[str, Any]]:
+    """Per window of send time: answered, 5xx, p50/p99 latency of the answered (non-leaving, non-bad) ones."""
+    n = int(math.ceil(max((o.sent for o in outcomes), default=0.0) / window_s)) or 1
+    groups: list[list[Outcome]] = [[] for _ in range(n)]
+    for o in outcomes:
+        groups[min(n - 1, int(o.sent // window_s))].append(o)
+    return [_window_stats(g, w * window_s) for w, g in enumerate(groups)]
+
+
+def last_window(outcomes: list[Outcome], window_s: float) -> dict[str, Any]:
+    """The latest window's figures from the tail of the send-ordered outcomes only.
+
+    The progress line runs every sample inside the event loop that times the requests; scanning
+    every outcome for every window there grew with the run (O(n x windows): about a second per
+    sample after an hour at 10 req/s) and delayed the very requests the soak was timing.
+    """
+    if not outcomes:
+        return {}
+    start = (outcomes[-1].sent // window_s) * window_s
+    tail: list[Outcome] = []
+    for o in reversed(outcomes):
+        if o.sent < start:
+            break
+        tail.append(o)
+    return _window_stats(tail, start)
+
+
+def first_last(outcomes: list[Outcome], cfg: SoakConfig, span_s: float = 600.0) -> dict[str, Any]:
+    """p50/p99 of the first ``span_s`` after warm-up against the last ``span_s`` of sending (the
+    issue's target: last ≤ 1.2 × first); shorter runs split what is after warm-up in halves."""
+    end = cfg.minutes * 60.0
+    span = min(span_s, (end - cfg.warmup_s) / 2)
+
+    def pct(lo: float, hi: float) -> dict[str, float | None]:
+        lat = [o.latency for o in outcomes if o.kind not in ("leave", "bad") and o.status == 200
+               and o.latency is not None and lo <= o.sent < hi]
+        return {"n": len(lat), "p50_s": float(np.percentile(lat, 50)) if lat else None,
+                "p99_s": float(np.percentile(lat, 99)) if lat else None}
+
+    first, last = pct(cfg.warmup_s, cfg.warmup_s + span), pct(end - span, end)
+    ratio = {k: last[k] / first[k] if first[k] and last[k] is not None else None for k in ("p50_s", "p99_s")}
+    return {"span_s": span, "first": first, "last": last, "last_over_first": ratio}
+
+
+def summarize(outcomes: list[Outcome], cfg: SoakConfig, wall_s: float) -> dict[str, Any]:
+    """Totals a soak must hold: no 5xx, nothing lost, bad bodies 4xx, throughput after warm-up."""
+    regular = [o for o in outcomes if o.kind not in ("leave", "bad")]
+    # throughput = answers completed between warm-up and the end of sending: the service rate
+    # even when the stack is overloaded (then what was sent late finishes after the window)
+    end = cfg.minutes * 60.0
+    after = [o for o in regular if o.latency is not None and cfg.warmup_s <= o.sent + o.latency < end]
+    span = max(1e-9, end - cfg.warmup_s)
+    return {
+        "sent": len(outcomes), "by_kind": {k: sum(1 for o in outcomes if o.kind == k) for k in KINDS},
+        "answered_200": sum(1 for o in regular if o.status == 200 and not o.stream_error),
+        "server_errors_5xx": sum(1 for o in outcomes if o.status is not None and o.status >= 500),
+        "stream_errors": sum(1 for o in outcomes if o.stream_error),
+        "lost": sum(1 for o in outcomes if o.status is None and o.kind != "leave"),
+        "lost_by_error": dict(Counter(o.error or "none" for o in outcomes if o.status is None and o.kind != "leave")),
+        "bad_not_4xx": sum(1 for o in outcomes if o.kind == "bad" and not (o.status and 400 <= o.status < 500)),
+        "other_non_200": sum(1 for o in regular if o.status is not None and o.status != 200),
+        "status_counts": {str(k): v for k, v in sorted(Counter(o.status for o in outcomes).items(), key=str)},
+        "throughput_rps_after_warmup": sum(1 for o in after if o.status == 200 and not o.stream_error) / span,
+        "wall_s": round(wall_s, 1)}
+
+
+def resource_trends(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
+    """Slopes after warm-up (%/h): RSS per process, Redis memory."""
+    after = [s for s in samples if s["t"] >= warmup_s]
+    ts = [s["t"] for s in after]
+    names = sorted({n for s in after for n in s["rss_mb"]})
+    return {"rss_slope_pct_per_h": {n: slope_pct_per_h([s["t"] for s in after if n in s["rss_mb"]],
+                                                        [s["rss_mb"][n] for s in after if n in s["rss_mb"]]) for n in names},
+            "redis_slope_pct_per_h": slope_pct_per_h(ts, [s["redis_used_mb"] for s in after]),
+            "data_dir_mb": {"first": after[0]["data_dir_mb"] if after else None,
+                            "last": after[-1]["data_dir_mb"] if after else None}}
+
+

@@ -1,0 +1,31 @@
+"""The soak's per-window figures: the progress line's tail-only window equals the full report's last one."""
+
+import random
+
+from bench.soak_stats import Outcome, last_window, windows
+
+
+def _outcomes(n: int, rate: float, seed: int = 3) -> list[Outcome]:
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        kind = rng.choice(["chat", "chat", "stream", "leave", "bad"])
+        status = 400 if kind == "bad" else rng.choice([200, 200, 200, 503])
+        out.append(Outcome(kind, sent=t, status=status, latency=rng.uniform(0.1, 3.0)))
+    return out
+
+
+def test_last_window_equals_the_last_of_all_windows() -> None:
+    outs = _outcomes(5000, rate=10.0)
+    full = windows(outs, 60.0)
+    assert len(full) == int(outs[-1].sent // 60.0) + 1
+    assert last_window(outs, 60.0) == full[-1]
+    assert sum(w["sent"] for w in full) == len(outs)
+
+
+def test_last_window_counts_only_the_last_window() -> None:
+    outs = _outcomes(300, rate=10.0)
+    start = (outs[-1].sent // 10.0) * 10.0
+    assert last_window(outs, 10.0)["sent"] == sum(1 for o in outs if o.sent >= start)
+    assert last_window(outs, 10.0)["start_s"] == start
+    assert last_window([], 10.0) == {}
