@@ -12,7 +12,9 @@ attending each row to its own context) and, at every step boundary:
    plus its upper-quantile remaining length, rows leaving as they finish) within the pool. An
    empty instance always takes the head of the queue, so a plan that over-reserves never stalls;
 3. runs one packed forward and hands each row that produced a token to ``workers.rows`` (the
-   same sampling, stop strings, logprobs and streaming rules as the padded paths);
+   same sampling, token limits and logprobs as the padded paths); the step's ``TokenEvent``s are
+   rendered into text off this thread (``workers.row_text``: stop strings, deltas, answers), and
+   a row a stop string ended comes back as a cancel;
 4. evicts by ``batcher.elastic.eviction_order`` when a decoding row needs a page the pool does
    not have (and, on CUDA, when the step itself runs out of memory): the victim waits here and
    resumes first, so its client sees one answer and its group stays whole.
@@ -37,7 +39,7 @@ from batcher.row_priority import StepShares
 from cohort.protocol import FailureCode, FinishReason
 from cohort.settings import PreemptionMode
 from cohort.types import Batch
-from workers.decode_outputs import RowResult, StepOutput
+from workers.decode_outputs import StepOutput
 from workers.paged_attention import context_slots
 from workers.paged_executor import PagedExecutor
 from workers.prompt_logprobs import prompt_logprobs
@@ -105,7 +107,7 @@ class ContinuousRun:
         self.swaps = 0                          # evictions that went to the host pool
         self.ooms = 0                           # CUDA out-of-memory errors caught inside a step
         self.tok, self.device, self.emulate, self.clock = tokenizer, device, emulate, clock
-        self.stepper = TokenStepper(tokenizer, streaming=True, clock=clock)
+        self.stepper = TokenStepper(tokenizer, clock=clock)  # tokens only: the text is the consumer's
         self.groups: dict[str, Group] = {}
         self.waiting: deque[str] = deque()      # batch ids not yet admitted, in the batcher's order
         self.resume: deque[str] = deque()       # row ids evicted here, waiting to be prefilled again
@@ -127,7 +129,7 @@ class ContinuousRun:
             if req.id in self.group_of:  # the same request twice: answered by its first copy
                 log.warning("request %s is already running here; batch %s skips it", req.id, batch.id)
                 continue
-            rows[req.id] = RowState(req, list(ids), self.tok, self.emulate)
+            rows[req.id] = RowState(req, list(ids), self.emulate)
         self.groups[batch.id] = Group(batch, rows, left=set(rows))
         for rid, row in rows.items():
             self.group_of[rid] = batch.id
@@ -282,7 +284,6 @@ class ContinuousRun:
         copied back from the host pool (swap) or prefilled again (recompute), whichever
         ``batcher.preemption.choose_preemption`` predicts cheaper under ``COHORT_PREEMPTION``."""
         row = self.groups[self.group_of[rid]].rows[rid]
-        self.stepper.flush(row, out)
         # the victim rejoins the rows still running: its recompute is priced beside them
         swapped = (self.swap is not None and computed > 0
                    and self.swap.choose(computed, len(self.ids[rid]), len(self.book.rows)) == "swap")
@@ -305,7 +306,7 @@ class ContinuousRun:
     def _fail(self, rid: str, out: StepOutput, message: str) -> None:
         row = self.groups[self.group_of[rid]].rows[rid]
         out.failed.append((row.req, FailureCode.OUT_OF_MEMORY, message))
-        row.done = RowResult(row.req, "", row.total_tokens, FinishReason.LENGTH, row.first_token_at, self.clock())
+        row.done = FinishReason.LENGTH
         self._forget(rid)
 
     def _accept(self, ready: list[str], logits: dict[str, torch.Tensor], out: StepOutput) -> None:
@@ -333,15 +334,13 @@ class ContinuousRun:
         """Split one step's output by the group each row belongs to."""
         by: dict[str, StepOutput] = {}
         owner = {rid: bid for bid, g in self.groups.items() for rid in g.rows} if (
-            out.deltas or out.finished or out.failed or out.prompt_scores or out.preempted) else {}
+            out.tokens or out.failed or out.prompt_scores or out.preempted) else {}
 
         def put(rid: str) -> StepOutput:
             return by.setdefault(owner[rid], StepOutput())
 
-        for d in out.deltas:
-            put(d[0].id).deltas.append(d)
-        for res in out.finished:
-            put(res.request.id).finished.append(res)
+        for ev in out.tokens:
+            put(ev.req.id).tokens.append(ev)
         for f in out.failed:
             put(f[0].id).failed.append(f)
         for p in out.prompt_scores:

@@ -1,9 +1,10 @@
 """The continuous engine's thread: one per worker process, stepping the instance's
 ``ContinuousRun`` while batch tasks (Celery threads) hand it groups and read back their output.
 
-The decode thread only computes: each step's output is put on the group's queue and the batch
-task that submitted it publishes it (Redis streams, the log DB, cancel checks) on its own thread,
-so a slow Redis round trip never stalls the rows that are decoding. When the run raises, every
+The decode thread only computes: each step's output (token events) is put on the group's queue
+and the batch task that submitted it renders it into text (detokenizing, stop strings) and
+publishes it (Redis streams, the log DB, cancel checks) on its own thread, so neither a slow
+Redis round trip nor a long answer's text holds up the rows that are decoding. When the run raises, every
 group in it is told (the tasks fail their rows explicitly) and a fresh run takes over.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from cohort.types import Batch
 from workers.continuous import ContinuousRun
 from workers.decode_outputs import StepOutput
+from workers.row_text import TextStage
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +39,12 @@ class GroupUpdate:
 
 
 class GroupHandle:
-    """A batch task's view of its group: the updates, and what ``workers.tasks`` asks of a run
-    (``alive_ids``, ``cancel``, ``generated``) as of the last update read."""
+    """A batch task's view of its group: the updates, rendered into text on the reader's thread,
+    and what ``workers.tasks`` asks of a run (``alive_ids``, ``cancel``, ``generated``) as of the
+    last update read. A row a stop string ended is cancelled in the engine and is no longer alive."""
 
-    def __init__(self, loop: ContinuousLoop, batch_id: str) -> None:
-        self.loop, self.batch_id = loop, batch_id
+    def __init__(self, loop: ContinuousLoop, batch_id: str, text: TextStage) -> None:
+        self.loop, self.batch_id, self.text = loop, batch_id, text
         self.queue: queue.Queue[GroupUpdate] = queue.Queue()
         self._alive: list[str] = []
         self.generated = 0
@@ -51,7 +54,10 @@ class GroupHandle:
         """Every update until the group is done (or the run failed)."""
         while True:
             upd = self.queue.get()
-            self._alive, self.generated = upd.alive, upd.generated
+            stopped = self.text.render(upd.out)
+            if stopped:
+                self.loop.cancel(stopped)
+            self._alive, self.generated = [r for r in upd.alive if r not in self.text.ended], upd.generated
             if upd.duplicate:
                 self.duplicate = True
                 return
@@ -82,7 +88,7 @@ class ContinuousLoop:
         self._thread.start()
 
     def submit(self, batch: Batch, prompt_ids: Sequence[list[int]]) -> GroupHandle:
-        handle = GroupHandle(self, batch.id)
+        handle = GroupHandle(self, batch.id, TextStage(self.run.tok))
         with self._lock:
             self._inbox.append((batch, prompt_ids, handle))
         self._wake.set()

@@ -33,8 +33,9 @@ from batcher.elastic import eviction_order, next_step_kv_tokens
 from batcher.memory import KVMemory
 from cohort.protocol import FailureCode, FinishReason
 from cohort.types import ProfiledRequest
-from workers.decode_outputs import KVCacheOutOfMemory, RowResult, StepOutput
+from workers.decode_outputs import KVCacheOutOfMemory, StepOutput
 from workers.prompt_logprobs import prompt_logprobs
+from workers.row_text import TextStage
 from workers.rows import RowState, TokenStepper
 
 
@@ -60,10 +61,11 @@ class DecodeRun:
         self.delta, self.capacity = delta_bytes, kv_capacity
         self.elastic, self.recovery, self.max_preemptions = elastic, recovery, max_preemptions
         self.clock = clock
-        self.stepper = TokenStepper(tokenizer, streaming=elastic, clock=clock)
+        self.text = TextStage(tokenizer, streaming=elastic, clock=clock)
+        self.stepper = TokenStepper(tokenizer, text=self.text, clock=clock)
         self.pad = self.stepper.pad
         # prompt ids come from LLMEngine.prompt_ids (the one tokenization rule, the gateway's count)
-        self.rows = [RowState(r, list(p), tokenizer, emulate) for r, p in zip(requests, prompt_ids, strict=True)]
+        self.rows = [RowState(r, list(p), emulate) for r, p in zip(requests, prompt_ids, strict=True)]
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
@@ -116,8 +118,8 @@ class DecodeRun:
             out.failed.append((row.req, FailureCode.OUT_OF_MEMORY,
                                f"this request alone outgrows the instance's KV memory after {row.total_tokens} "
                                f"generated tokens ({why}); lower max_tokens or shorten the input"))
-            row.done = RowResult(row.req, "", row.total_tokens, FinishReason.LENGTH, row.first_token_at,
-                                 self.clock())
+            row.done = FinishReason.LENGTH
+            self.text.forget(row.req.id)
             self._drop([0])
             return
         order = eviction_order([r.predicted_remaining for r in self.rows],
@@ -246,7 +248,7 @@ class DecodeRun:
     def _release(self, out: StepOutput) -> StepOutput:
         """Static execution answers everyone when the batch ends."""
         if self.done:
-            self.stepper.release(out)
+            self.text.release(out)
         return out
 
     def run_to_end(self) -> list[StepOutput]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cohort.protocol import FailureCode, FinishReason
+from cohort.protocol import FailureCode, FinishReason, TokenLogprob
 from cohort.types import ProfiledRequest
 
 
@@ -28,6 +28,19 @@ class RowResult:
 
 
 @dataclass
+class TokenEvent:
+    """One row's news from one step, before it is text (``workers.row_text`` renders it)."""
+
+    req: ProfiledRequest
+    token: int | None                 # None: the row ended without a new token (EOS, nothing left)
+    total_tokens: int                 # generated so far, across earlier runs
+    at: float
+    first_token_at: float | None
+    finish: FinishReason | None = None  # the engine ended the row (EOS, its length)
+    scored: TokenLogprob | None = None  # the token's logprobs, when the request asked for them
+
+
+@dataclass
 class StepOutput:
     """What one step produced: text deltas, finished rows, continuations, failures."""
 
@@ -42,3 +55,6 @@ class StepOutput:
     # continuous execution: rows evicted for pages that wait on the instance and resume there
     preempted: list[str] = field(default_factory=list)
     swapped: list[str] = field(default_factory=list)  # of those, rows whose KV went to the host pool
+    # continuous execution: the step's tokens, rendered into deltas and finished rows off the
+    # engine thread (``workers.row_text.TextStage.render``)
+    tokens: list[TokenEvent] = field(default_factory=list)

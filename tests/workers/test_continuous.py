@@ -12,6 +12,7 @@ from batcher.preemption import SwapLink
 from cohort.protocol import FailureCode, FinishReason
 from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest, SamplingParams
+from tests.workers.rendered import step_rendered
 from workers.continuous import ContinuousRun, SwapPlan
 from workers.engine import LLMEngine
 from workers.swap_pool import HostSwapPool
@@ -41,13 +42,13 @@ def submit(run: ContinuousRun, engine: LLMEngine, bid: str, reqs: list[ProfiledR
 
 def drive(run: ContinuousRun, joins=None, engine=None, limit: int = 2000):
     """Step until idle; ``joins``: step -> (batch id, requests) submitted before that step."""
-    outs, done_groups, admitted = {}, [], {}
+    outs, done_groups, admitted, stages = {}, [], {}, {}
     for step in range(limit):
         for bid, reqs in (joins or {}).get(step, []):
             submit(run, engine, bid, reqs)
         if run.idle and step > max((joins or {0: 0}), default=0):
             break
-        for bid, o in run.step().items():
+        for bid, o in step_rendered(run, stages).items():
             outs.setdefault(bid, []).append(o)
         for bid in run.just_admitted:
             admitted[bid] = step
@@ -203,6 +204,7 @@ def test_background_rows_give_way_to_an_urgent_group_and_resume_with_their_kv(en
     submit(run, engine, "J", job)
     moved: list[set[str]] = []
     outs: dict = {}
+    stages: dict = {}
     admitted: dict[str, int] = {}
     for step in range(200):
         if step == 4:
@@ -211,7 +213,7 @@ def test_background_rows_give_way_to_an_urgent_group_and_resume_with_their_kv(en
             submit(run, engine, "L", late)
         if run.idle:
             break
-        step_outs = run.step()
+        step_outs = step_rendered(run, stages)
         admitted.update({bid: step for bid in run.just_admitted})
         moved.append({d[0].id for o in step_outs.values() for d in o.deltas} |
                      {f.request.id for o in step_outs.values() for f in o.finished})

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cohort.types import Batch, ProfiledRequest
+from tests.workers.rendered import step_rendered
 from workers.continuous import ContinuousRun
 from workers.model import tiny_llama_config
 
@@ -58,10 +59,11 @@ def test_a_step_that_runs_out_of_device_memory_is_retried_and_loses_nothing():
     blocks = _fill_device(leave_bytes=64 << 20)
     try:
         got: dict[str, list[int]] = {}
+        stages: dict = {}
         for _ in range(500):
             if run.idle:
                 break
-            for o in run.step().values():
+            for o in step_rendered(run, stages).values():
                 for d in o.deltas:
                     got.setdefault(d[0].id, []).extend(d[3])
                 assert not o.failed

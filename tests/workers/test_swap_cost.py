@@ -13,6 +13,7 @@ from batcher.preemption import SwapLink
 from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest
 from predictor.recompute_cost import PrefillSamples, model_search, save_cost_file
+from tests.workers.rendered import step_rendered
 from workers.continuous import ContinuousRun, SwapPlan
 from workers.engine import LLMEngine
 from workers.profile import PrefillTimer, profile_prefill_shapes, repeat_spread
@@ -35,11 +36,11 @@ def _run(engine: LLMEngine, cost) -> tuple[ContinuousRun, dict[str, str]]:
     reqs = [ProfiledRequest(id=f"r{i}", prompt=p, input_tokens=len(p.split()), arrival=0.0, predicted_tokens=1,
                             max_tokens=24) for i, p in enumerate(PROMPTS)]
     run.submit(Batch(id="A", requests=reqs, created=0.0), [engine.prompt_ids(r.prompt) for r in reqs])
-    texts = {}
+    texts, stages = {}, {}
     for _ in range(2000):
         if run.idle:
             break
-        for o in run.step().values():
+        for o in step_rendered(run, stages).values():
             texts.update({f.request.id: f.text for f in o.finished})
         run.finished_groups()
     return run, texts

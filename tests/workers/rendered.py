@@ -1,0 +1,17 @@
+"""Steps a ``ContinuousRun`` and renders its token events the way a batch task's thread does
+(``GroupHandle``): one ``TextStage`` per group, rows a stop string ended cancelled in the run."""
+
+from __future__ import annotations
+
+from workers.continuous import ContinuousRun
+from workers.decode_outputs import StepOutput
+from workers.row_text import TextStage
+
+
+def step_rendered(run: ContinuousRun, stages: dict[str, TextStage]) -> dict[str, StepOutput]:
+    outs = run.step()
+    for bid, out in outs.items():
+        stopped = stages.setdefault(bid, TextStage(run.tok)).render(out)
+        if stopped:
+            run.cancel(stopped)
+    return outs
