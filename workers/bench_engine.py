@@ -10,7 +10,8 @@ forced at each request's length) so every path generates exactly the same tokens
   execution: the batch ends with its longest row);
 - ``elastic``: cohort's padded decode loop (``workers.decode``: rows leave as they finish);
 - ``continuous``: cohort's continuous run (``workers.continuous``: packed chunked prefill, paged
-  KV, per-row decode) with the whole request set submitted as admission groups of 8.
+  KV, per-row decode) with the whole request set submitted as admission groups of 8; its text
+  is rendered in the same process (on the worker a group's reader thread does it).
 
 Useful tokens are the requests' own output lengths in every case.
 """
@@ -30,6 +31,7 @@ from cohort.types import Batch, ProfiledRequest
 from workers.continuous import ContinuousRun
 from workers.decode import DecodeRun
 from workers.model import tiny_llama_config
+from workers.row_text import TextStage
 
 CONFIGS = {"tiny": {}, "h1024-l8": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                         num_attention_heads=16, num_key_value_heads=8)}
@@ -80,8 +82,10 @@ def _continuous(model, tok, reqs, device: torch.device, budget: int, page_size: 
     for k in range(0, len(profiled), group):
         part = profiled[k:k + group]
         run.submit(Batch(id=f"b{k}", requests=part, created=0.0), [r.prompt_ids for r in part])
+    stages: dict[str, TextStage] = {}
     while not run.idle:
-        run.step()
+        for bid, out in run.step().items():  # the text, rendered on the worker by each group's reader
+            stages.setdefault(bid, TextStage(tok)).render(out)
         run.finished_groups()
     return _sync(device) - t
 
