@@ -45,10 +45,13 @@ def test_batches_join_the_running_rows_and_every_answer_is_exact(stack):
     assert first.status_code == 200 and first.json()["generated_tokens"] == 250
     assert [r.status_code for r in rest] == [200] * 16, [r.text for r in rest]
     assert [r.json()["generated_tokens"] for r in rest] == [30 + 3 * i for i in range(16)]
-    # they ran beside the blocker instead of after it: most finished before it did
-    blocker_total = first.json()["timings"]["total_s"]
-    assert sum(r.json()["timings"]["total_s"] < blocker_total for r in rest) >= 8
     con = sqlite3.connect(stack.db_path)
+    # they ran beside the blocker instead of after it: most started (their group joined the
+    # running rows) before it finished. Not "finished before it": on a starved machine the
+    # gateway can be slow to hand them over, which says nothing about the engine.
+    (blocker_end,) = con.execute("SELECT finished FROM requests WHERE emulated_tokens = 250").fetchone()
+    starts = [s for (s,) in con.execute("SELECT finished - run_s FROM requests WHERE emulated_tokens < 250")]
+    assert len(starts) == 16 and sum(s < blocker_end for s in starts) >= 8, (blocker_end, sorted(starts))
     assert con.execute("SELECT COUNT(*) FROM requests WHERE status = 'done'").fetchone()[0] == 17
     assert con.execute("SELECT COUNT(*) FROM batches WHERE oom = 1").fetchone()[0] == 0
     stats = stack.redis.hgetall("cohort:stats")
