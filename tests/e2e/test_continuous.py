@@ -17,7 +17,7 @@ from tests.e2e.scenarios import KV_BYTES_PER_TOKEN as DELTA
 
 pytestmark = pytest.mark.e2e
 STACK_ENV = {"COHORT_EXECUTION": "continuous", "COHORT_POLICY": "magnus", "COHORT_WMA_THRESHOLD": "1e12",
-             "COHORT_KV_BUDGET_BYTES": str(600 * DELTA), "COHORT_THETA_OVERRIDE_BYTES": "20000000",
+             "COHORT_KV_BUDGET_BYTES": str(1200 * DELTA), "COHORT_THETA_OVERRIDE_BYTES": "20000000",
              "COHORT_STEP_TOKEN_BUDGET": "64"}
 
 
@@ -31,7 +31,7 @@ async def _post_all(url: str, bodies: list[dict], stagger_s: float = 0.0) -> lis
 
 
 def test_batches_join_the_running_rows_and_every_answer_is_exact(stack):
-    blocker = {"input": "a long answer that keeps the instance busy", "max_tokens": 250, "emulated_tokens": 250}
+    blocker = {"input": "a long answer that keeps the instance busy", "max_tokens": 800, "emulated_tokens": 800}
     bodies = [{"instruction": "Echo.", "input": f"item {i}", "max_tokens": 30 + 3 * i, "emulated_tokens": 30 + 3 * i}
               for i in range(16)]
 
@@ -42,15 +42,15 @@ def test_batches_join_the_running_rows_and_every_answer_is_exact(stack):
         return (await first)[0], rest, time.time()
 
     first, rest, _ = asyncio.run(scenario())
-    assert first.status_code == 200 and first.json()["generated_tokens"] == 250
+    assert first.status_code == 200 and first.json()["generated_tokens"] == 800
     assert [r.status_code for r in rest] == [200] * 16, [r.text for r in rest]
     assert [r.json()["generated_tokens"] for r in rest] == [30 + 3 * i for i in range(16)]
     con = sqlite3.connect(stack.db_path)
     # they ran beside the blocker instead of after it: most started (their group joined the
     # running rows) before it finished. Not "finished before it": on a starved machine the
     # gateway can be slow to hand them over, which says nothing about the engine.
-    (blocker_end,) = con.execute("SELECT finished FROM requests WHERE emulated_tokens = 250").fetchone()
-    starts = [s for (s,) in con.execute("SELECT finished - run_s FROM requests WHERE emulated_tokens < 250")]
+    (blocker_end,) = con.execute("SELECT finished FROM requests WHERE emulated_tokens = 800").fetchone()
+    starts = [s for (s,) in con.execute("SELECT finished - run_s FROM requests WHERE emulated_tokens < 800")]
     assert len(starts) == 16 and sum(s < blocker_end for s in starts) >= 8, (blocker_end, sorted(starts))
     assert con.execute("SELECT COUNT(*) FROM requests WHERE status = 'done'").fetchone()[0] == 17
     assert con.execute("SELECT COUNT(*) FROM batches WHERE oom = 1").fetchone()[0] == 0
@@ -70,8 +70,8 @@ def test_streamed_answers_are_the_same_tokens_as_unstreamed_ones(stack):
 
 
 def test_request_that_cannot_fit_alone_fails_507(stack):
-    r = httpx.post(f"{stack.url}/v1/generate", json={"input": "too long", "max_tokens": 700,
-                                                      "emulated_tokens": 700}, timeout=120)
+    r = httpx.post(f"{stack.url}/v1/generate", json={"input": "too long", "max_tokens": 1300,
+                                                      "emulated_tokens": 1300}, timeout=120)
     assert r.status_code == 507, r.text
 
 
