@@ -32,7 +32,7 @@ import httpx
 import psutil
 import redis
 
-from bench.soak_stats import Outcome, first_last, last_window, resource_trends, summarize, windows
+from bench.soak_stats import Outcome, first_last, key_family, last_window, resource_trends, summarize, windows
 from cohort.logdb import get_db_engine, log_counts
 from procstack.embedded_redis import EmbeddedRedis
 from procstack.stack import Stack, free_port
@@ -142,11 +142,8 @@ class Sampler:
 
 
 def key_prefix_counts(r: redis.Redis) -> dict[str, int]:
-    """Keys by their first two ``:`` segments: what grows when Redis memory grows."""
-    counts: Counter[str] = Counter()
-    for key in r.scan_iter(count=1000):
-        counts[":".join(str(key).split(":")[:2])] += 1
-    return dict(counts)
+    """Keys by family (``bench.soak_stats.key_family``): what grows when Redis memory grows."""
+    return dict(Counter(key_family(str(key)) for key in r.scan_iter(count=1000)))
 
 
 def du_mb(path: Path) -> float:

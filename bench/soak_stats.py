@@ -5,6 +5,7 @@ progress line can read the latest window cheaply (bench.soak drives the stack)."
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,18 @@ import numpy as np
 
 if TYPE_CHECKING:
     from bench.soak import SoakConfig
+
+_UUID_TAIL = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def key_family(key: str) -> str:
+    """A Redis key's family: its first two ``:`` segments, a trailing UUID replaced by ``*``.
+
+    Celery's result keys (``celery-task-meta-<uuid>``) have no ``:``; counted by their whole
+    name, every one was a family of its own and each sample listed them all (a 2-hour soak's
+    JSON grew to 4 MB of them)."""
+    return _UUID_TAIL.sub("*", ":".join(key.split(":")[:2]))
+
 
 KINDS = ("chat", "chat_stream", "chat_n2", "completion", "generate", "leave", "bad")
 

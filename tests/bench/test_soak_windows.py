@@ -2,7 +2,7 @@
 
 import random
 
-from bench.soak_stats import Outcome, last_window, windows
+from bench.soak_stats import Outcome, key_family, last_window, windows
 
 
 def _outcomes(n: int, rate: float, seed: int = 3) -> list[Outcome]:
@@ -29,3 +29,9 @@ def test_last_window_counts_only_the_last_window() -> None:
     assert last_window(outs, 10.0)["sent"] == sum(1 for o in outs if o.sent >= start)
     assert last_window(outs, 10.0)["start_s"] == start
     assert last_window([], 10.0) == {}
+
+
+def test_key_families_count_celery_results_as_one():
+    assert key_family("celery-task-meta-3d6e41be-85de-49f5-83af-f05c36fae4c4") == "celery-task-meta-*"
+    assert key_family("cohort:stream:abc:def") == "cohort:stream"
+    assert key_family("_kombu.binding.celery.pidbox") == "_kombu.binding.celery.pidbox"
