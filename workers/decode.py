@@ -60,7 +60,6 @@ class DecodeRun:
         self.model, self.tok, self.device = model, tokenizer, device
         self.delta, self.capacity = delta_bytes, kv_capacity
         self.elastic, self.recovery, self.max_preemptions = elastic, recovery, max_preemptions
-        self.clock = clock
         self.text = TextStage(tokenizer, streaming=elastic, clock=clock)
         self.stepper = TokenStepper(tokenizer, text=self.text, clock=clock)
         self.pad = self.stepper.pad
