@@ -29,7 +29,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 metadata = MetaData()
@@ -129,18 +129,18 @@ def add_missing_columns(engine: Engine) -> list[str]:
     return added
 
 
-def _upsert(engine: Engine, table: Table, row: Mapping[str, Any]) -> None:
+def _upsert(conn: Connection, table: Table, row: Mapping[str, Any]) -> None:
     """Insert, or update the existing row with the same id (portable across SQLite/PostgreSQL)."""
-    with engine.begin() as conn:
-        found = conn.execute(select(table.c.id).where(table.c.id == row["id"])).first()
-        if found:
-            conn.execute(update(table).where(table.c.id == row["id"]).values(**row))
-        else:
-            conn.execute(table.insert().values(**row))
+    found = conn.execute(select(table.c.id).where(table.c.id == row["id"])).first()
+    if found:
+        conn.execute(update(table).where(table.c.id == row["id"]).values(**row))
+    else:
+        conn.execute(table.insert().values(**row))
 
 
 def record_request(engine: Engine, row: Mapping[str, Any]) -> None:
-    _upsert(engine, requests, {"created": time.time(), **row})
+    with engine.begin() as conn:
+        _upsert(conn, requests, {"created": time.time(), **row})
 
 
 def record_requests(engine: Engine, rows: list[Mapping[str, Any]]) -> None:
@@ -159,12 +159,25 @@ def finish_request(engine: Engine, request_id: str, *, overrule: bool = False, *
     ``overrule``: the gateway's withdrawal (``timeout``, ``cancelled``) replaces whatever was
     written, because it is what the client saw — even when the worker finished the row in the
     same instant. Returns whether the record changed."""
-    q = update(requests).where(requests.c.id == request_id)
-    if not overrule:
-        q = q.where(requests.c.status == OPEN)
+    return bool(finish_requests(engine, [(request_id, values)], overrule=overrule))
+
+
+def finish_requests(engine: Engine, settlements: list[tuple[str, Mapping[str, Any]]], *,
+                    overrule: bool = False) -> int:
+    """Settle several records (``finish_request``'s rule) in one transaction: a worker step that
+    answers rows of many batches pays for one commit, not one per row. Returns how many changed."""
+    if not settlements:
+        return 0
+    changed = 0
     with engine.begin() as conn:
-        res = conn.execute(q.values(finished=values.pop("finished", time.time()), **values))
-        return bool(res.rowcount)
+        for request_id, values in settlements:
+            q = update(requests).where(requests.c.id == request_id)
+            if not overrule:
+                q = q.where(requests.c.status == OPEN)
+            vals = dict(values)
+            res = conn.execute(q.values(finished=vals.pop("finished", time.time()), **vals))
+            changed += int(res.rowcount or 0)
+    return changed
 
 
 def settled_ids(engine: Engine, request_ids: list[str]) -> set[str]:
@@ -189,7 +202,16 @@ def fail_stale_queued(engine: Engine, created_before: float, error: str) -> int:
 
 
 def record_batch(engine: Engine, row: Mapping[str, Any]) -> None:
-    _upsert(engine, batches, row)
+    record_batches(engine, [row])
+
+
+def record_batches(engine: Engine, rows: list[Mapping[str, Any]]) -> None:
+    """Batch rows (insert, or update the row with the same id) in one transaction."""
+    if not rows:
+        return
+    with engine.begin() as conn:
+        for row in rows:
+            _upsert(conn, batches, row)
 
 
 def finished_requests(engine: Engine, since: float = 0.0, limit: int | None = None) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ def _setup_logging() -> None:
 def worker(ctx: typer.Context) -> None:
     """Load the model, register the instance, then consume the pool's queue (solo pool: one task at
     a time; under continuous execution a task hands its batch to the engine loop and returns, so
-    many batches run at once, each published by a thread of its own).
+    many batches run at once, all reported by the instance's one publisher thread).
 
     Solo pool: the model lives in this process and CUDA is never initialised before a fork. (Celery's
     thread pool dies on a broker connection loss — kombu closes a channel whose connection is gone —
@@ -46,8 +46,8 @@ def worker(ctx: typer.Context) -> None:
                                 "-n", f"{rt.name}@%h", "--loglevel=INFO", "--without-gossip",
                                 "--without-mingle", "--prefetch-multiplier=1"])
     finally:
-        if rt.loop is not None:  # a warm shutdown lets the running rows finish
-            rt.loop.drain(s.request_timeout_s)
+        if rt.publisher is not None:  # a warm shutdown lets the running rows finish and be answered
+            rt.publisher.drain(s.request_timeout_s)
         rt.deregister()
 
 

@@ -1,11 +1,13 @@
 """The continuous engine's thread: one per worker process, stepping the instance's
-``ContinuousRun`` while batch tasks (Celery threads) hand it groups and read back their output.
+``ContinuousRun`` while batch tasks hand it groups and one reader (``workers.group_publisher``)
+takes back what every group's step produced.
 
-The decode thread only computes: each step's output (token events) is put on the group's queue
-and the batch task that submitted it renders it into text (detokenizing, stop strings) and
-publishes it (Redis streams, the log DB, cancel checks) on its own thread, so neither a slow
-Redis round trip nor a long answer's text holds up the rows that are decoding. When the run raises, every
-group in it is told (the tasks fail their rows explicitly) and a fresh run takes over.
+The decode thread only computes: each step's output (token events, routed by group) goes on one
+queue, and the reader renders it into text (detokenizing, stop strings: ``GroupHandle.render``)
+and publishes it (Redis streams, the log DB, cancel checks) on its own thread, so neither a slow
+Redis round trip nor a long answer's text holds up the rows that are decoding, and a group costs
+no thread of its own. When the run raises, every group in it is told (their rows fail
+explicitly) and a fresh run takes over.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from cohort.types import Batch
@@ -23,6 +25,7 @@ from workers.decode_outputs import StepOutput
 from workers.row_text import TextStage
 
 log = logging.getLogger(__name__)
+Update = tuple["GroupHandle", "GroupUpdate"]
 
 
 @dataclass
@@ -35,41 +38,21 @@ class GroupUpdate:
     admitted: bool = False
     done: bool = False
     error: str | None = None
-    duplicate: bool = False  # the batch was already running here: its first copy answers
 
 
 class GroupHandle:
-    """A batch task's view of its group: the updates, rendered into text on the reader's thread,
-    and what ``workers.tasks`` asks of a run (``alive_ids``, ``cancel``, ``generated``) as of the
-    last update read. A row a stop string ended is cancelled in the engine and is no longer alive."""
+    """The reader's view of one group: its text stage. ``render`` turns an update's token events
+    into text; a row a stop string ended is cancelled in the engine and is no longer alive."""
 
     def __init__(self, loop: ContinuousLoop, batch_id: str, text: TextStage) -> None:
         self.loop, self.batch_id, self.text = loop, batch_id, text
-        self.queue: queue.Queue[GroupUpdate] = queue.Queue()
-        self._alive: list[str] = []
-        self.generated = 0
-        self.duplicate = False  # the batch was already running here (its first copy answers)
 
-    def updates(self) -> Iterator[GroupUpdate]:
-        """Every update until the group is done (or the run failed)."""
-        while True:
-            upd = self.queue.get()
-            stopped = self.text.render(upd.out)
-            if stopped:
-                self.loop.cancel(stopped)
-            self._alive, self.generated = [r for r in upd.alive if r not in self.text.ended], upd.generated
-            if upd.duplicate:
-                self.duplicate = True
-                return
-            yield upd
-            if upd.done or upd.error is not None:
-                return
-
-    def alive_ids(self) -> list[str]:
-        return list(self._alive)
-
-    def cancel(self, request_ids: Iterable[str]) -> None:
-        self.loop.cancel(request_ids)
+    def render(self, upd: GroupUpdate) -> GroupUpdate:
+        stopped = self.text.render(upd.out)
+        if stopped:
+            self.loop.cancel(stopped)
+        upd.alive = [r for r in upd.alive if r not in self.text.ended]
+        return upd
 
 
 class ContinuousLoop:
@@ -84,15 +67,33 @@ class ContinuousLoop:
         self._inbox: list[tuple[Batch, Sequence[list[int]], GroupHandle]] = []
         self._cancels: list[str] = []
         self._handles: dict[str, GroupHandle] = {}
+        self.outbox: queue.Queue[list[Update]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="continuous-engine", daemon=True)
         self._thread.start()
 
     def submit(self, batch: Batch, prompt_ids: Sequence[list[int]]) -> GroupHandle:
+        """Hand the engine a group; it joins at the first step boundary where its plan fits. The
+        caller makes sure a batch id is submitted once (``GroupPublisher.submit``)."""
         handle = GroupHandle(self, batch.id, TextStage(self.run.tok))
         with self._lock:
             self._inbox.append((batch, prompt_ids, handle))
         self._wake.set()
         return handle
+
+    def updates(self, timeout_s: float) -> list[Update]:
+        """Every update the engine has produced since the last call, in order and rendered (at
+        most ``timeout_s`` of waiting for the first): one reader drains them all at once, so a
+        reader that fell behind catches up in one round."""
+        try:
+            bundles = [self.outbox.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                bundles.append(self.outbox.get_nowait())
+            except queue.Empty:
+                break
+        return [(h, h.render(u)) for bundle in bundles for h, u in bundle]
 
     def cancel(self, request_ids: Iterable[str]) -> None:
         with self._lock:
@@ -120,9 +121,6 @@ class ContinuousLoop:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
         for batch, ids, handle in inbox:
-            if batch.id in self._handles:  # a redelivery while the first copy runs: that copy answers
-                handle.queue.put(GroupUpdate(done=True, duplicate=True))
-                continue
             self._handles[batch.id] = handle
             self.run.submit(batch, ids)
         if cancels:
@@ -139,8 +137,7 @@ class ContinuousLoop:
                 outs = self.run.step()
             except Exception as e:  # every group hears of it; a fresh run serves what comes next
                 log.exception("the continuous run failed; its %d group(s) fail", len(self._handles))
-                for handle in self._handles.values():
-                    handle.queue.put(GroupUpdate(error=f"{type(e).__name__}: {e}"))
+                self.outbox.put([(h, GroupUpdate(error=f"{type(e).__name__}: {e}")) for h in self._handles.values()])
                 self._handles.clear()
                 self.run = self.make_run()
                 continue
@@ -149,9 +146,10 @@ class ContinuousLoop:
     def _publish(self, outs: dict[str, StepOutput]) -> None:
         run = self.run
         admitted = set(run.just_admitted)
-        for bid, out in outs.items():
-            g = run.groups[bid]
-            self._handles[bid].queue.put(GroupUpdate(out, run.alive_ids(bid), g.generated, bid in admitted))
+        bundle = [(self._handles[bid], GroupUpdate(out, run.alive_ids(bid), run.groups[bid].generated, bid in admitted))
+                  for bid, out in outs.items()]
         for g in run.finished_groups():
             handle = self._handles.pop(g.batch.id)
-            handle.queue.put(GroupUpdate(generated=g.generated, admitted=g.batch.id in admitted, done=True))
+            bundle.append((handle, GroupUpdate(generated=g.generated, admitted=g.batch.id in admitted, done=True)))
+        if bundle:
+            self.outbox.put(bundle)

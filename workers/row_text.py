@@ -1,8 +1,8 @@
 """From a row's tokens to what its client reads: incremental text, stop strings, deltas, answers.
 
 Why apart from ``workers.rows``: choosing tokens is the decode thread's job, text is not. Under
-continuous execution the engine thread only emits ``TokenEvent``s and the batch's own publishing
-thread renders them here (``GroupHandle``), so detokenizing and the stop-string scan never hold
+continuous execution the engine thread only emits ``TokenEvent``s and the instance's publisher
+thread renders them here (``GroupHandle.render``), so detokenizing and the stop-string scan never hold
 up the rows that decode; a row a stop string ends is then cancelled in the engine, whose next
 token or two for it are ignored. The padded loop renders each event as it is made (a stop
 string ends the row that step). Either way the rules are the ones below: stop strings held back

@@ -20,6 +20,7 @@ from cohort.types import InstanceInfo
 from predictor.learning import profile_samples_path
 from workers.continuous_loop import ContinuousLoop
 from workers.engine import LLMEngine
+from workers.group_publisher import GroupPublisher
 from workers.paged_executor import packed_path_refusal
 from workers.profile import run_profile
 
@@ -34,6 +35,7 @@ class Runtime:
     db: object
     info: InstanceInfo
     loop: ContinuousLoop | None = None  # continuous execution on the packed path
+    publisher: GroupPublisher | None = None  # ... and the one thread that reports for its groups
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -115,6 +117,8 @@ def start(settings: Settings) -> Runtime:
         rt = Runtime(settings, engine, bus.connect(settings.resolved_redis_url),
                      get_db_engine(settings.database_url), info)
         rt.loop = continuous_loop(engine, settings)
+        if rt.loop is not None:
+            rt.publisher = GroupPublisher(rt, rt.loop)
         rt.start_heartbeat()
         log.info("instance %s registered in pool %s: Θ=%d bytes, Δ=%d bytes/token", name, settings.pool,
                  info.theta_bytes, info.delta_bytes)

@@ -1,5 +1,5 @@
-"""Steps a ``ContinuousRun`` and renders its token events the way a batch task's thread does
-(``GroupHandle``): one ``TextStage`` per group, rows a stop string ended cancelled in the run."""
+"""Steps a ``ContinuousRun`` and renders its token events the way the instance's publisher does
+(``GroupHandle.render``): one ``TextStage`` per group, rows a stop string ended cancelled in the run."""
 
 from __future__ import annotations
 

@@ -63,11 +63,14 @@ def test_a_stop_string_ends_the_row_cancels_it_in_the_engine_and_the_stream_adds
                              [engine.prompt_ids(PROMPT)] * 2)
         deltas: dict[str, str] = {}
         done = {}
-        for upd in handle.updates():
-            assert not upd.out.tokens  # rendered on this (the reader's) thread
-            for r, piece, _n, _ids in upd.out.deltas:
-                deltas[r.id] = deltas.get(r.id, "") + piece
-            done.update({f.request.id: f for f in upd.out.finished})
+        ended = False
+        while not ended:
+            for h, upd in loop.updates(5.0):
+                assert h is handle and not upd.out.tokens  # rendered on this (the reader's) thread
+                for r, piece, _n, _ids in upd.out.deltas:
+                    deltas[r.id] = deltas.get(r.id, "") + piece
+                done.update({f.request.id: f for f in upd.out.finished})
+                ended = ended or upd.done
         assert done["r0"].finish_reason is FinishReason.STOP and stop not in done["r0"].text
         assert text.startswith(done["r0"].text) and deltas.get("r0", "") == done["r0"].text
         assert done["r1"].finish_reason is FinishReason.LENGTH and deltas["r1"] == done["r1"].text

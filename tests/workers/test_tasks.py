@@ -8,7 +8,7 @@ import redis
 
 from cohort import bus
 from cohort.protocol import StreamEvent
-from workers.tasks import _execute
+from workers.reporting import execute
 
 
 class FlakyRedis:
@@ -30,7 +30,7 @@ class FlakyRedis:
 
 def test_events_go_out_once_redis_is_back():
     r = FlakyRedis(fail=2)
-    out = _execute(r, lambda p: bus.publish(p, "q1", StreamEvent.delta("hi", 1, [5])), "test", limit_s=30, first_backoff_s=0.01)
+    out = execute(r, lambda p: bus.publish(p, "q1", StreamEvent.delta("hi", 1, [5])), "test", limit_s=30, first_backoff_s=0.01)
     assert r.attempts == 3 and out[0]  # the XADD of the third attempt
     assert [f[bus.STREAM_FIELD] for _, f in r.inner.xrange(bus.stream_key("q1"))] == [
         StreamEvent.delta("hi", 1, [5]).to_json()]  # written once: failed attempts wrote nothing
@@ -39,7 +39,7 @@ def test_events_go_out_once_redis_is_back():
 def test_a_long_outage_still_ends_in_an_error():
     r = FlakyRedis(fail=10**6)
     with pytest.raises(redis.ConnectionError):
-        _execute(r, lambda p: p.exists("x"), "test", limit_s=0.2, first_backoff_s=0.01)
+        execute(r, lambda p: p.exists("x"), "test", limit_s=0.2, first_backoff_s=0.01)
 
 
 def test_a_finished_batch_keeps_only_its_done_marker_for_two_visibility_timeouts():
@@ -49,14 +49,15 @@ def test_a_finished_batch_keeps_only_its_done_marker_for_two_visibility_timeouts
 
     from cohort.protocol import BatchOutcome, CompletionEvent
     from cohort.settings import Settings
-    from workers.tasks import _claim, _complete, _mark_admitted
+    from workers.reporting import complete, mark_admitted
+    from workers.tasks import _claim
 
     r = fakeredis.FakeRedis(decode_responses=True)
     rt = SimpleNamespace(redis=r, name="w1", settings=Settings(visibility_timeout_s=600))
     assert _claim(rt, "b1")
-    _mark_admitted(rt, "b1")
+    mark_admitted(rt, "b1")
     assert 0 < r.ttl(bus.claim_key("b1")) <= 1200 and 0 < r.ttl(bus.admitted_key("b1")) <= 1200
-    _complete(rt, CompletionEvent(batch_id="b1", outcome=BatchOutcome.DONE))
+    complete(rt, CompletionEvent(batch_id="b1", outcome=BatchOutcome.DONE))
     assert not r.exists(bus.claim_key("b1")) and not r.exists(bus.admitted_key("b1"))
     assert 1190 < r.ttl(bus.done_key("b1")) <= 1200
     assert not _claim(rt, "b1")  # a redelivery of the finished batch's task is a no-op

@@ -1,0 +1,169 @@
+"""Continuous execution's reporter: one thread per worker publishes what every running group's
+step produced, in one log-DB transaction and one Redis pipeline per round.
+
+A batch task only claims its batch and hands it over (``submit``); the group then costs no thread
+and no Redis round trip of its own. Each round takes every update the engine has made since the
+last (``ContinuousLoop.updates``: a publisher that fell behind catches up in one round), sends the
+steps together (``reporting.send``: records first, then events, admission markers and cancel
+checks), and ends the groups that finished: their completions in one pipeline, their batch rows in
+one transaction. Many small groups (the policy's plan at a small share of Θ) then cost about what
+one large batch costs.
+
+A round that cannot be sent (Redis gone past ``reporting.REDIS_OUTAGE_S``, the log DB failing)
+fails the groups it carried explicitly, as the padded task fails its batch; a worker that dies
+loses its groups the way it loses a padded batch (the batcher resumes the rows from their streams).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cohort.logdb import record_batches
+from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode
+from cohort.types import Batch
+from workers.continuous_loop import ContinuousLoop, Update
+from workers.reporting import Fill, Reporter, Staged, admitted_fill, completion_fill, execute, send
+
+if TYPE_CHECKING:
+    from workers.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    batch: Batch
+    reporter: Reporter
+    submitted: float  # wall time of the hand-over: when the batch started on this instance
+    t0: float  # perf_counter then: the batch's time here
+
+
+def batch_row(rt: Runtime, b: Batch, started: float) -> dict[str, Any]:
+    """The log DB's row for a batch run, as far as it is known when the batch starts."""
+    return {"id": b.id, "created": b.created, "started": started, "instance": rt.name, "model": rt.settings.model,
+            "size": b.size, "input_len": b.input_len, "predicted_gen_len": b.predicted_gen_len,
+            "attempt": b.attempt, "splits": b.splits}
+
+
+class GroupPublisher:
+    """Owns the publishing thread and the groups it reports for."""
+
+    def __init__(self, rt: Runtime, loop: ContinuousLoop, wait_s: float = 0.2) -> None:
+        self.rt, self.loop, self.wait_s = rt, loop, wait_s
+        self.groups: dict[str, _Group] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="group-publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, b: Batch, prompt_ids: Sequence[list[int]]) -> bool:
+        """Hand a claimed batch to the engine. False when it already runs here (a redelivery while
+        its first copy runs: that copy answers)."""
+        with self._lock:
+            if b.id in self.groups:
+                return False
+            # registered before the engine can report on it; queued until admitted (``started``)
+            now = time.time()
+            self.groups[b.id] = _Group(b, Reporter(self.rt, b, now, cancel=self.loop.cancel), now, time.perf_counter())
+        self.loop.submit(b, prompt_ids)
+        return True
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every group has ended and been reported (a warm shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.groups:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            updates = self.loop.updates(self.wait_s)
+            if not updates:
+                continue
+            try:
+                self._publish(updates)
+            except Exception as e:  # never leave a group hanging: fail what this round carried
+                log.exception("publishing a round of %d update(s) failed", len(updates))
+                self._fail({h.batch_id for h, _ in updates}, f"{type(e).__name__}: {e}")
+
+    def _publish(self, updates: list[Update]) -> None:
+        now = time.time()
+        last = {h.batch_id: i for i, (h, _) in enumerate(updates)}
+        staged: list[Staged] = []
+        extra: list[Fill] = []
+        done: list[_Group] = []
+        failed: dict[str, str] = {}
+        for i, (handle, upd) in enumerate(updates):
+            g = self.groups.get(handle.batch_id)
+            if g is None:  # failed in an earlier round: what the engine made since is dropped
+                continue
+            if upd.admitted:
+                g.reporter.started = now  # queued until the group joined the running rows
+                extra.append(admitted_fill(self.rt, g.batch.id))
+            if upd.error is not None:
+                failed[g.batch.id] = upd.error
+                continue
+            # a group's rows are checked for cancellation once a round, with its latest alive list
+            staged.append(g.reporter.stage(upd.out, upd.alive if last[handle.batch_id] == i else [], upd.generated))
+            if upd.done:
+                done.append(g)
+        send(self.rt, staged, extra, f"a round of {len(staged)} step(s)")
+        if done:
+            self._end(done)
+        if failed:
+            for bid, error in failed.items():
+                self._fail({bid}, f"the continuous engine failed: {error}")
+
+    def _end(self, done: list[_Group]) -> None:
+        """The groups' rows are all answered: tell the batcher, record the batch runs."""
+        fills, rows = [], []
+        finished = time.time()
+        for g in done:
+            b, rep = g.batch, g.reporter
+            seconds = time.perf_counter() - g.t0
+            generated = [rep.tokens.get(r.id, 0) for r in b.requests]
+            fills.append(completion_fill(self.rt, CompletionEvent(
+                outcome=BatchOutcome.DONE, batch_id=b.id, instance=self.rt.name, size=b.size, started=g.submitted,
+                finished=finished, input_len=b.input_len, gen_len=max(generated, default=0), seconds=seconds,
+                generated_tokens=generated, answered=rep.answered, continuations=rep.continuations,
+                cancelled=rep.cancelled)))
+            rows.append({**batch_row(self.rt, b, g.submitted), "finished": finished,
+                         "actual_gen_len": max(generated, default=0), "batch_time_s": seconds, "oom": False})
+            if rep.continuations:
+                log.info("batch %s: %d row(s) preempted and handed back with their tokens", b.id,
+                         len(rep.continuations))
+        execute(self.rt.redis, lambda pipe: [f(pipe) for f in fills], f"{len(fills)} completion(s)")
+        record_batches(self.rt.db, rows)
+        with self._lock:
+            for g in done:
+                self.groups.pop(g.batch.id, None)
+
+    def _fail(self, batch_ids: set[str], error: str) -> None:
+        """These groups fail explicitly: their rows leave the engine, each unanswered row gets an
+        error, the batcher hears the batch failed."""
+        for bid in batch_ids:
+            with self._lock:
+                g = self.groups.pop(bid, None)
+            if g is None:
+                continue
+            rep = g.reporter
+            try:
+                self.loop.cancel([r.id for r in g.batch.requests])
+                rep.fail_rest(FailureCode.BATCH_FAILED, "the worker failed while running this request's batch")
+                execute(self.rt.redis, completion_fill(self.rt, CompletionEvent(
+                    outcome=BatchOutcome.FAILED, batch_id=bid, instance=self.rt.name, size=g.batch.size,
+                    started=g.submitted, error=error, finished=time.time(), answered=rep.answered,
+                    continuations=rep.continuations)), "the batch's failure")
+            except Exception:
+                log.exception("batch %s: its failure could not be reported either", bid)
