@@ -270,11 +270,11 @@ class BatcherService:
         Celery delivered the task but before the worker claimed it (unclaimed for two heartbeat
         TTLs and no longer waiting in the queue)."""
         lost, queued = [], None
-        for bid, fl in self.inflight.items():
-            if self.redis.exists(bus.done_key(bid)):
-                continue
-            owner = self.redis.get(bus.claim_key(bid))
-            if owner and owner != bus.CANCELLED and not self.redis.exists(bus.alive_key(owner)):
+        owners = bus.unfinished_claims(self.redis, list(self.inflight))  # one round trip each
+        alive = bus.alive(self.redis, owners.values())
+        for bid, owner in owners.items():
+            fl = self.inflight[bid]
+            if owner and owner != bus.CANCELLED and not alive[owner]:
                 lost.append((bid, owner))
             elif owner is None and now - fl.dispatched > 2 * self.settings.instance_ttl_s:
                 queued = self._queued_ids() if queued is None else queued

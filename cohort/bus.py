@@ -206,6 +206,32 @@ def admitted(r: redis.Redis, batch_ids: list[str]) -> list[bool]:
     return [bool(x) for x in pipe.execute()]
 
 
+def unfinished_claims(r: redis.Redis, batch_ids: list[str]) -> dict[str, str | None]:
+    """Of these batches, those without a done marker, and who claimed each (None: nobody yet).
+    One round trip: under continuous execution an instance runs dozens of batches, and the
+    batcher checks them every round."""
+    if not batch_ids:
+        return {}
+    pipe = r.pipeline(transaction=False)
+    for bid in batch_ids:
+        pipe.exists(done_key(bid))
+        pipe.get(claim_key(bid))
+    res = pipe.execute()
+    return {bid: res[2 * i + 1] for i, bid in enumerate(batch_ids) if not res[2 * i]}
+
+
+def alive(r: redis.Redis, instances: Iterable[str | None]) -> dict[str, bool]:
+    """Whether each named instance's heartbeat is still there (one round trip); claim markers
+    that name no instance (None, ``CANCELLED``) are left out."""
+    names = sorted({n for n in instances if n and n != CANCELLED})
+    if not names:
+        return {}
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(alive_key(name))
+    return {name: bool(hit) for name, hit in zip(names, pipe.execute(), strict=True)}
+
+
 def queue_for_pool(pool: str) -> str:
     """The Celery queue of a model pool."""
     return f"{PREFIX}.pool.{pool}"
