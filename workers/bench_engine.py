@@ -11,7 +11,7 @@ forced at each request's length) so every path generates exactly the same tokens
 - ``elastic``: cohort's padded decode loop (``workers.decode``: rows leave as they finish);
 - ``continuous``: cohort's continuous run (``workers.continuous``: packed chunked prefill, paged
   KV, per-row decode) with the whole request set submitted as admission groups of 8; its text
-  is rendered in the same process (on the worker a group's reader thread does it).
+  is rendered in the same process (on the worker the instance's publisher thread does it).
 
 Useful tokens are the requests' own output lengths in every case.
 """
@@ -84,7 +84,7 @@ def _continuous(model, tok, reqs, device: torch.device, budget: int, page_size: 
         run.submit(Batch(id=f"b{k}", requests=part, created=0.0), [r.prompt_ids for r in part])
     stages: dict[str, TextStage] = {}
     while not run.idle:
-        for bid, out in run.step().items():  # the text, rendered on the worker by each group's reader
+        for bid, out in run.step().items():  # the text, rendered on the worker by its publisher
             stages.setdefault(bid, TextStage(tok)).render(out)
         run.finished_groups()
     return _sync(device) - t

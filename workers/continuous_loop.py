@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -99,17 +98,6 @@ class ContinuousLoop:
         with self._lock:
             self._cancels.extend(request_ids)
         self._wake.set()
-
-    def drain(self, timeout_s: float) -> bool:
-        """Wait until every submitted group has ended (a warm shutdown); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                empty = not self._inbox
-            if empty and not self._handles:
-                return True
-            time.sleep(0.2)
-        return False
 
     def stop(self) -> None:
         self._stop.set()

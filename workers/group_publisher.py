@@ -21,13 +21,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cohort.logdb import record_batches
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode
 from cohort.types import Batch
 from workers.continuous_loop import ContinuousLoop, Update
-from workers.reporting import Fill, Reporter, Staged, admitted_fill, completion_fill, execute, send
+from workers.reporting import Fill, Reporter, Staged, admitted_fill, batch_row, completion_fill, execute, send
 
 if TYPE_CHECKING:
     from workers.runtime import Runtime
@@ -41,13 +41,6 @@ class _Group:
     reporter: Reporter
     submitted: float  # wall time of the hand-over: when the batch started on this instance
     t0: float  # perf_counter then: the batch's time here
-
-
-def batch_row(rt: Runtime, b: Batch, started: float) -> dict[str, Any]:
-    """The log DB's row for a batch run, as far as it is known when the batch starts."""
-    return {"id": b.id, "created": b.created, "started": started, "instance": rt.name, "model": rt.settings.model,
-            "size": b.size, "input_len": b.input_len, "predicted_gen_len": b.predicted_gen_len,
-            "attempt": b.attempt, "splits": b.splits}
 
 
 class GroupPublisher:

@@ -90,6 +90,13 @@ def _end_event(res: RowResult, b: Batch, started: float) -> StreamEvent:
                        batch_id=b.id, batch_size=b.size, timings=timings(res, started))
 
 
+def batch_row(rt: Runtime, b: Batch, started: float) -> dict[str, Any]:
+    """The log DB's row for a batch run, as far as it is known when the batch starts."""
+    return {"id": b.id, "created": b.created, "started": started, "instance": rt.name, "model": rt.settings.model,
+            "size": b.size, "input_len": b.input_len, "predicted_gen_len": b.predicted_gen_len,
+            "attempt": b.attempt, "splits": b.splits}
+
+
 @dataclass
 class Staged:
     """One step of one batch, ready to send: the records to settle first, the pipeline commands,

@@ -23,8 +23,7 @@ from taskq.celery_app import RUN_BATCH, celery_app
 from workers import runtime
 from workers.decode import DecodeRun
 from workers.decode_outputs import KVCacheOutOfMemory
-from workers.group_publisher import batch_row
-from workers.reporting import Reporter, complete, mark_admitted
+from workers.reporting import Reporter, batch_row, complete, mark_admitted
 
 log = logging.getLogger(__name__)
 
