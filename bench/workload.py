@@ -189,8 +189,9 @@ def predict_rows(predictor: str | Path, items: list) -> np.ndarray:
         from predictor.data import magnus_feature_matrix  # transformers: only with a Magnus predictor
 
         s = get_settings()
-        x = magnus_feature_matrix(items, Path(s.data_dir) / "cache" / "emb", getattr(model, "encoder_path", None)
-                                  or s.encoder_path)
+        x = magnus_feature_matrix(items, Path(s.data_dir) / "cache" / "emb",
+                                  getattr(model, "encoder_path", None) or s.encoder_path,
+                                  dtype=getattr(model, "encoder_dtype", None))
         return np.asarray(model.predict_features(x), dtype=float)
     return np.asarray(model.predict(items), dtype=float)
 

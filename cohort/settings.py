@@ -84,6 +84,17 @@ class Settings(BaseSettings):
         default="torch", description="How the sentence encoder runs: torch (sentence-transformers) | onnx "
         "(onnxruntime, exported once to <data_dir>/cache/onnx; same vectors). See docs/predictors.md."
     )
+    encoder_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="Weights and arithmetic of the torch sentence encoder: float32 | "
+        "bfloat16 | auto (bfloat16 where the CPU has AMX tiles, measured 3x faster there with vectors at "
+        "cosine >= 0.9998; float32 elsewhere, where bf16 measured no gain). See docs/predictors.md."
+    )
+    encoder_threads: int = Field(
+        default=0, ge=0, description="OpenMP threads one sentence-encoder forward may use, also on the gateway's "
+        "predictor thread (which runs everything else at COHORT_PREDICTOR_THREADS); 0: every core. A Magnus "
+        "micro-batch is tens of ms of matmuls that split well: 135/s with 1 thread, 200-235/s with 2 "
+        "(docs/predictors.md)."
+    )
     cold_start: str = Field(
         default="max_tokens",
         description="Prediction before any model is trained: 'max_tokens' (memory-safe) or a number.",

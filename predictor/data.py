@@ -43,14 +43,16 @@ def records_to_items(records: Sequence[Record], model: str = DEFAULT_MODEL
 
 
 def magnus_feature_matrix(items: Sequence[PredictItem], cache_dir: str | Path | None,
-                          encoder_path: str | None = None, show_progress: bool = False) -> np.ndarray:
-    """Magnus features for many items, through the on-disk embedding cache when one is given."""
-    cache = EmbeddingCache(cache_dir, encoder_path) if cache_dir is not None else None
+                          encoder_path: str | None = None, show_progress: bool = False,
+                          dtype: str | None = None) -> np.ndarray:
+    """Magnus features for many items, through the on-disk embedding cache when one is given.
+    ``dtype``: the encoder dtype of the model the features are for (None: the configured one)."""
+    cache = EmbeddingCache(cache_dir, encoder_path, dtype) if cache_dir is not None else None
 
     def vectors(texts: list[str], progress: bool = False) -> np.ndarray:
         if cache is not None:
             return cache.encode(texts, show_progress=progress)
-        return encode(texts, encoder_path, show_progress=progress)
+        return encode(texts, encoder_path, show_progress=progress, dtype=dtype)
 
     user = vectors([it.user_input for it in items], show_progress)
     app_texts = list(dict.fromkeys(it.instruction for it in items))

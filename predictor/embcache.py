@@ -18,25 +18,30 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor.encoder import default_encoder_path, encode
+from predictor.encoder import configured_backend, configured_dtype, default_encoder_path, encode
 
 
 def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
 
 
-def _encoder_id(encoder_path: str | None) -> str:
+def _encoder_id(encoder_path: str | None, dtype: str) -> str:
+    """The encoder and its dtype: bf16 vectors differ from fp32 ones in the 4th digit, and a cache
+    must not hand one out for the other (fp32 keeps the id it always had)."""
     path = encoder_path or default_encoder_path()
     name = Path(path).name or "encoder"
-    return f"{name}-{hashlib.blake2b(path.encode(), digest_size=6).hexdigest()}"
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    return f"{name}-{hashlib.blake2b(path.encode(), digest_size=6).hexdigest()}{suffix}"
 
 
 class EmbeddingCache:
     """Maps texts to embeddings, computing only the ones it has not seen."""
 
-    def __init__(self, cache_dir: str | Path, encoder_path: str | None = None) -> None:
+    def __init__(self, cache_dir: str | Path, encoder_path: str | None = None, dtype: str | None = None) -> None:
         self.encoder_path = encoder_path
-        self.dir = Path(cache_dir) / _encoder_id(encoder_path)
+        backend = configured_backend()
+        self.dtype = "float32" if backend == "onnx" else (dtype or configured_dtype(backend))
+        self.dir = Path(cache_dir) / _encoder_id(encoder_path, self.dtype)
         self._index: dict[str, np.ndarray] = {}
         self._loaded: set[str] = set()
 
@@ -68,7 +73,7 @@ class EmbeddingCache:
             for i in range(0, len(order), chunk):
                 part = order[i:i + chunk]
                 vecs = encode([missing[k] for k in part], self.encoder_path, batch_size=batch_size,
-                              show_progress=show_progress)
+                              show_progress=show_progress, dtype=self.dtype)
                 self._write_shard(part, vecs)
                 for k, v in zip(part, vecs, strict=True):
                     self._index[k] = v

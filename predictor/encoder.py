@@ -20,6 +20,12 @@ limit (code), so one long text in a 64-text batch multiplies the work of the oth
 256 validation inputs in calls of 64 (2 cores): torch 36/s at batch 64, 94/s at 16, 115/s at 4,
 87/s at 1; onnx 21/s, 71/s, 123/s, 109/s. Batch size changes only the padding, so the vectors
 are the same to float rounding.
+
+Why bfloat16 where the CPU has AMX (``COHORT_ENCODER_DTYPE=auto``): on a 2-core Sapphire Rapids VM
+the torch encoder runs 118/s in float32 (batch 4) and 372/s with bfloat16 weights (batch 16; AMX
+tiles do the matmuls), vectors at cosine >= 0.9998 to float32; without AMX (AVX512-BF16 only) bf16
+measured no gain, so ``auto`` keeps float32 there. Larger batches pay off in bf16 because the
+per-call overhead, not the padded arithmetic, dominates. docs/predictors.md has the table.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Protocol
@@ -39,7 +46,8 @@ from tqdm.auto import tqdm
 from cohort.settings import get_settings
 
 BACKENDS = ("torch", "onnx")
-ENCODE_BATCH = 4  # texts per forward pass; see the module docstring
+DTYPES = ("float32", "bfloat16")
+ENCODE_BATCH = {"float32": 4, "bfloat16": 16}  # texts per forward pass; see the module docstring
 _ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
@@ -61,6 +69,32 @@ def configured_backend() -> str:
     return get_settings().encoder_backend
 
 
+@lru_cache(maxsize=1)
+def cpu_has_amx() -> bool:
+    """AMX tiles on this CPU (torch's own probe; False where torch cannot tell)."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(probe()) if probe else False
+    except RuntimeError:
+        return False
+
+
+def configured_dtype(backend: str) -> str:
+    """``settings.encoder_dtype`` resolved for ``backend``: ``auto`` is bfloat16 on AMX CPUs with the
+    torch backend, float32 otherwise; the ONNX export is float32 only."""
+    choice = get_settings().encoder_dtype
+    if backend == "onnx":
+        if choice == "bfloat16":
+            raise ValueError("COHORT_ENCODER_DTYPE=bfloat16 needs COHORT_ENCODER_BACKEND=torch "
+                             "(the ONNX export is float32)")
+        return "float32"
+    if choice != "auto":
+        return choice
+    return "bfloat16" if cpu_has_amx() else "float32"
+
+
 def _onnx_cache_root() -> Path:
 
     return Path(get_settings().data_dir) / "cache" / "onnx"
@@ -73,27 +107,60 @@ def _offline() -> None:
 
 @lru_cache(maxsize=8)
 def load_encoder(path: str | None = None, device: str = "cpu", backend: str = "torch",
-                 cache_root: str | None = None) -> SentenceEncoder:
-    """An encoder, loaded once per process and backend. HF hub access is switched off."""
+                 cache_root: str | None = None, dtype: str = "float32") -> SentenceEncoder:
+    """An encoder, loaded once per process, backend and dtype. HF hub access is switched off."""
     if backend not in BACKENDS:
         raise ValueError(f"encoder backend {backend!r} is not one of {BACKENDS}")
+    if dtype not in DTYPES or (backend == "onnx" and dtype != "float32"):
+        raise ValueError(f"encoder dtype {dtype!r} is not one of {DTYPES} (onnx: float32 only)")
     _offline()
     if backend == "torch":
         # sentence-transformers + torch take seconds to import: only where a model is encoded
+        import torch
         from sentence_transformers import SentenceTransformer
 
-        return SentenceTransformer(path or default_encoder_path(), device=device)
+        kwargs = {"model_kwargs": {"dtype": torch.bfloat16}} if dtype == "bfloat16" else {}
+        return SentenceTransformer(path or default_encoder_path(), device=device, **kwargs)
     root = Path(cache_root) if cache_root else _onnx_cache_root()
     return OnnxSentenceEncoder(path or default_encoder_path(), root)
 
 
-def encode(texts: Sequence[str], path: str | None = None, batch_size: int = ENCODE_BATCH,
-           show_progress: bool = False, backend: str | None = None) -> np.ndarray:
+def encode(texts: Sequence[str], path: str | None = None, batch_size: int | None = None,
+           show_progress: bool = False, backend: str | None = None, dtype: str | None = None) -> np.ndarray:
     """Embeddings as float32 rows. Empty strings are fine (an instruction may be absent).
-    ``backend`` None: the configured one (``COHORT_ENCODER_BACKEND``)."""
-    model = load_encoder(path, backend=backend or configured_backend())
-    return np.asarray(model.encode(list(texts), batch_size=batch_size, convert_to_numpy=True,
-                                   show_progress_bar=show_progress), dtype=np.float32)
+    ``backend`` None: the configured one (``COHORT_ENCODER_BACKEND``). ``dtype`` None: the configured
+    one; a trained model passes the dtype its vectors were made with (the ONNX backend is float32
+    whatever is asked). ``batch_size`` None: the measured best for that dtype (``ENCODE_BATCH``)."""
+    backend = backend or configured_backend()
+    dtype = "float32" if backend == "onnx" else (dtype or configured_dtype(backend))
+    model = load_encoder(path, backend=backend, dtype=dtype)
+    with _encoder_threads(backend):
+        vectors = model.encode(list(texts), batch_size=batch_size or ENCODE_BATCH[dtype], convert_to_numpy=True,
+                               show_progress_bar=show_progress)
+    return np.asarray(vectors, dtype=np.float32)
+
+
+@contextmanager
+def _encoder_threads(backend: str) -> Iterator[None]:
+    """torch's OpenMP thread count for one forward (``settings.encoder_threads``, 0: every core),
+    restored afterwards. OpenMP's count is per calling thread, so this widens only the thread that
+    encodes: the gateway's predictor thread otherwise runs its small tree and ridge work at
+    ``predictor_threads`` (spinning workers there cost as much as the work, docs/retention.md)."""
+    if backend != "torch":  # onnxruntime has its own intra-op pool
+        yield
+        return
+    import torch
+
+    want = get_settings().encoder_threads or len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    if want == before:
+        yield
+        return
+    torch.set_num_threads(want)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _encoder_id(path: str) -> str:
@@ -128,7 +195,7 @@ class OnnxSentenceEncoder:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(model_file), opts, providers=["CPUExecutionProvider"])
 
-    def encode(self, sentences: list[str], batch_size: int = ENCODE_BATCH, convert_to_numpy: bool = True,
+    def encode(self, sentences: list[str], batch_size: int = ENCODE_BATCH["float32"], convert_to_numpy: bool = True,
                show_progress_bar: bool = False) -> np.ndarray:
         """Vectors like ``SentenceTransformer.encode``: batches sorted by token length, padded to
         their longest text, mean over real tokens, L2-normalised."""

@@ -44,4 +44,10 @@ def load_predictor(directory: str | Path) -> LengthPredictor:
     except ValueError as e:
         raise ValueError(f"{directory}: {e}") from None
     model.conformal = ConformalTable.load(directory)
+    inner = getattr(model, "model", None)
+    if hasattr(inner, "n_jobs"):
+        # A loaded model predicts batches of at most a few hundred rows (the gateway's micro-batches,
+        # eval's batches of 64): joblib's per-call thread dispatch over 100 trees costs more (~25 ms a
+        # batch, measured) than the trees themselves, and the event loop needs the other core.
+        inner.n_jobs = 1
     return model

@@ -13,7 +13,7 @@ from sklearn.ensemble import RandomForestRegressor
 
 from predictor import safe_io
 from predictor.base import META_FILE, PredictItem
-from predictor.encoder import encode
+from predictor.encoder import configured_backend, configured_dtype, encode
 from predictor.features import magnus_features
 
 MODEL_FILE = "model.skops"
@@ -23,14 +23,21 @@ USER_CACHE = 16384  # distinct user texts kept (LRU, ~1.5 kB each)
 
 class MagnusPredictor:
     """RandomForestRegressor on Magnus features. Instruction embeddings are cached: an
-    application sends the same instruction with every request."""
+    application sends the same instruction with every request.
+
+    ``encoder_dtype`` is part of the model: the forest learned from vectors of that dtype, so it is
+    saved with it and a loaded model is always served in it (a model saved before the field was
+    float32). Measured on the Magnus validation rows: a float32-trained forest fed bfloat16 vectors
+    loses 2 % MAE; one trained on bfloat16 vectors matches float32 to 0.1 %."""
 
     kind = "magnus"
 
     def __init__(self, encoder_path: str | None = None, n_estimators: int = 100,
-                 max_depth: int | None = None, min_samples_leaf: int = 2, seed: int = 0) -> None:
+                 max_depth: int | None = None, min_samples_leaf: int = 2, seed: int = 0,
+                 encoder_dtype: str | None = None) -> None:
 
         self.encoder_path = encoder_path
+        self.encoder_dtype = encoder_dtype or configured_dtype(configured_backend())
         self.model = RandomForestRegressor(n_estimators=n_estimators, max_depth=max_depth,
                                            min_samples_leaf=min_samples_leaf, n_jobs=-1, random_state=seed)
         self._app_cache: OrderedDict[str, np.ndarray] = OrderedDict()
@@ -41,7 +48,7 @@ class MagnusPredictor:
         The encoder is deterministic, so a cached vector gives the identical prediction."""
         missing = list(dict.fromkeys(t for t in texts if t not in cache))
         if missing:
-            for text, vec in zip(missing, encode(missing, self.encoder_path), strict=True):
+            for text, vec in zip(missing, encode(missing, self.encoder_path, dtype=self.encoder_dtype), strict=True):
                 cache[text] = vec
         out = np.stack([cache[t] for t in texts])
         for t in dict.fromkeys(texts):
@@ -61,7 +68,8 @@ class MagnusPredictor:
 
     def features(self, items: Sequence[PredictItem], show_progress: bool = False) -> np.ndarray:
         if show_progress:  # a bulk run (training): plain encode with a progress bar, no LRU churn
-            user = encode([it.user_input for it in items], self.encoder_path, show_progress=True)
+            user = encode([it.user_input for it in items], self.encoder_path, show_progress=True,
+                          dtype=self.encoder_dtype)
         else:  # repeated user texts (retries, templated inputs) are encoded once
             user = self._cached(self._user_cache, [it.user_input for it in items], USER_CACHE)
         app = self._app_vectors([it.instruction for it in items])
@@ -86,13 +94,14 @@ class MagnusPredictor:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         safe_io.dump(self.model, directory / MODEL_FILE)
-        info = {"kind": self.kind, "encoder_path": self.encoder_path, **(meta or {})}
+        info = {"kind": self.kind, "encoder_path": self.encoder_path, "encoder_dtype": self.encoder_dtype,
+                **(meta or {})}
         (directory / META_FILE).write_text(json.dumps(info, indent=2, default=str))
 
     @classmethod
     def load(cls, directory: Path) -> MagnusPredictor:
         directory = Path(directory)
         meta = json.loads((directory / META_FILE).read_text())
-        self = cls(encoder_path=meta.get("encoder_path"))
+        self = cls(encoder_path=meta.get("encoder_path"), encoder_dtype=meta.get("encoder_dtype", "float32"))
         self.model = safe_io.load(directory / MODEL_FILE)
         return self

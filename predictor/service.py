@@ -124,21 +124,11 @@ class PredictorService:
             d = Path(self.settings.predictor_dir)
             meta = d / META_FILE
             key = (str(d), meta.stat().st_mtime_ns if meta.exists() else None)
-            return key, d.name, (lambda: self._load(d)) if meta.exists() else None
+            return key, d.name, (lambda: load_predictor(d)) if meta.exists() else None
         mtime = self.registry.active_mtime()
         version = self.registry.active() if mtime is not None else None
         path = self.registry.path(version) if version else None
-        return (version, mtime), version, (lambda: self._load(path)) if path else None
-
-    @staticmethod
-    def _load(directory: Path) -> LengthPredictor:
-        model = load_predictor(directory)
-        inner = getattr(model, "model", None)
-        if hasattr(inner, "n_jobs"):
-            # Micro-batches are small: joblib's per-call thread dispatch over 100 trees costs more
-            # (~30 ms) than the trees themselves, and the event loop needs the other core.
-            inner.n_jobs = 1
-        return model
+        return (version, mtime), version, (lambda: load_predictor(path)) if path else None
 
     def maybe_reload(self, force: bool = False) -> bool:
         """Load the model if the configured directory / ACTIVE version changed. Synchronous;
@@ -162,7 +152,14 @@ class PredictorService:
 
     def warmup(self) -> None:
         """Load the model and run one prediction so the first request does not pay for loading
-        the encoder / base model. The gateway calls this at startup (blocking)."""
+        the encoder / base model. The gateway calls this at startup (blocking).
+
+        Why on the predictor thread: torch's OpenMP runtime keeps a worker team per calling thread,
+        and a second team makes every small parallel region slower (measured: a GELU 0.23 -> 0.33 ms
+        once two threads had run torch ops); loading and warming up where predictions run keeps one."""
+        self._executor.submit(self._warm).result()
+
+    def _warm(self) -> None:
         self.maybe_reload(force=True)
         model = self.model
         if model is not None:

@@ -81,7 +81,8 @@ def _fit_forest(cls, items, y, ctx, options):
     if options.get("max_features") is not None:  # share of features tried per split
         model.model.set_params(max_features=options["max_features"])
     if getattr(cls, "kind", "") == "magnus":  # the paper's features go through the embedding cache
-        x = magnus_feature_matrix(items, ctx["cache_dir"], ctx["encoder_path"], show_progress=ctx["show_progress"])
+        x = magnus_feature_matrix(items, ctx["cache_dir"], ctx["encoder_path"], show_progress=ctx["show_progress"],
+                                  dtype=model.encoder_dtype)
         return model.fit(items, y, features=x)
     return model.fit(items, y)
 
@@ -113,7 +114,8 @@ def predict_items(model: LengthPredictor, items: Sequence[PredictItem], cache_di
                   batch_size: int = 256) -> np.ndarray:
     """Predictions for many items; Magnus goes through the embedding cache when one is given."""
     if getattr(model, "kind", "") == "magnus" and cache_dir is not None:
-        x = magnus_feature_matrix(items, cache_dir, getattr(model, "encoder_path", None))
+        x = magnus_feature_matrix(items, cache_dir, getattr(model, "encoder_path", None),
+                                  dtype=getattr(model, "encoder_dtype", None))
         return model.predict_features(x)
     out = [model.predict(items[i:i + batch_size]) for i in range(0, len(items), batch_size)]
     return np.concatenate(out) if out else np.zeros(0)

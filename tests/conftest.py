@@ -22,6 +22,13 @@ _finished = False
 if _WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+    os.environ.setdefault("COHORT_ENCODER_THREADS", "1")
+
+# Tests compare predictions across paths that batch texts differently (the embedding cache, the
+# live LRU path) to the last digit: float32 vectors do not depend on their batch, bfloat16 ones do
+# (1e-3, enough to flip a tree split). The bf16 path has its own tests with explicit settings
+# (tests/predictor/test_encoder_dtype.py); everything else runs in float32 on any CPU.
+os.environ.setdefault("COHORT_ENCODER_DTYPE", "float32")
 
 
 def pytest_unconfigure(config) -> None:

@@ -137,8 +137,8 @@ def test_magnus_vector_cache_identical_predictions(small_items, emb_cache, tmp_p
     model = fit_predictor("magnus", tr_items, tr_y, cache_dir=emb_cache, n_estimators=10)
     model.save(tmp_path / "m")
     fresh = load_predictor(tmp_path / "m")
-    # as PredictorService serves it: with n_jobs=-1 the trees' threads add up in any order (1e-14 noise)
-    fresh.model.n_jobs = 1
+    # load_predictor serves with n_jobs=1 (with -1 the trees' threads add up in any order: 1e-14 noise)
+    assert fresh.model.n_jobs == 1
     first = fresh.predict(va_items[:8])
     assert len(fresh._app_cache) == len({it.instruction for it in va_items[:8]})
     assert len(fresh._user_cache) == len({it.user_input for it in va_items[:8]})
