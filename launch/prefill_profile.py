@@ -23,9 +23,9 @@ import typer
 
 def profile_prefill(
     out: Path = typer.Option(Path("var/profile/prefill-cpu.json"), help="Where to store the samples."),
-    sizes: str = typer.Option("1,2,3,4,6,8", help="Batch sizes β."),
-    input_lens: str = typer.Option("16,48,80,112,144,176,208,256", help="Prompt tokens per row."),
-    repeats: int = typer.Option(2, help="Timed runs per visit of a shape, after one warm-up run."),
+    sizes: str = typer.Option("1,2,3,4,5,6,7,8", help="Batch sizes β (every one: the live decision asks for any β)."),
+    input_lens: str = typer.Option(",".join(str(n) for n in range(16, 257, 16)), help="Prompt tokens per row."),
+    repeats: int = typer.Option(4, help="Timed runs per visit of a shape, after one warm-up run."),
     rounds: int = typer.Option(4, help="Passes over the grid, each in a shuffled order (the sample is the "
                                "fastest of rounds × repeats runs, taken minutes apart)."),
     threads: int = typer.Option(1, help="torch CPU threads (1: the thread clock is the prefill's own compute)."),
