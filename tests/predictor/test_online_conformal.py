@@ -7,6 +7,7 @@ import asyncio
 import math
 
 import numpy as np
+import pytest
 
 from cohort.logdb import finish_request, get_db_engine, record_request
 from predictor.base import PredictItem
@@ -183,3 +184,21 @@ def test_residual_weights_are_solved_once_per_update_and_follow_it(monkeypatch) 
     assert solves == 2 and np.median(second / first) > 1.2
     fresh = OnlineResidual.from_dict(res.to_dict())  # no cache: solved from A and b alone
     np.testing.assert_allclose(fresh.correct(items[200:], point[200:]), second)
+
+
+def test_a_burst_of_misses_plans_at_the_capped_level_not_the_window_maximum() -> None:
+    """After a run of misses α falls below 0; the bound stays the window's 1 − α*/2 quantile (0.95
+    for q90), not its largest score, so one outlier does not set every row's memory plan."""
+    oc = OnlineConformal(min_rows=30)
+    n = 200
+    point = np.full(n, 10.0)
+    actual = np.expm1(np.log1p(point) + np.linspace(0.0, 1.0, n))  # scores spread evenly over [0, 1]
+    actual[-1] = 10_000.0  # one outlier: the window's largest score, log(10001/11) ≈ 6.8
+    oc.update(_items(n), point, actual, np.full(n, 1e9))  # planned generously: no misses yet
+    for _ in range(60):  # a burst of misses drives α below zero
+        oc.update(_items(1), np.array([10.0]), np.array([11.0]), np.array([10.0]))
+    g = oc.groups[f"|{GLOBAL}"]
+    assert g.alpha < 0
+    q = oc.group_quantile(_items(1)[0], None, None)
+    assert oc.max_level == pytest.approx(0.95)
+    assert q < 1.5 and q < max(g.scores)  # the 0.95 quantile of the window, far below the outlier
