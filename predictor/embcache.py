@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor.encoder import configured_backend, configured_dtype, default_encoder_path, encode
+from predictor.encoder import configured_backend, default_encoder_path, encode, resolve_dtype
 
 
 def _digest(text: str) -> str:
@@ -39,8 +39,7 @@ class EmbeddingCache:
 
     def __init__(self, cache_dir: str | Path, encoder_path: str | None = None, dtype: str | None = None) -> None:
         self.encoder_path = encoder_path
-        backend = configured_backend()
-        self.dtype = "float32" if backend == "onnx" else (dtype or configured_dtype(backend))
+        self.dtype = resolve_dtype(configured_backend(), dtype)
         self.dir = Path(cache_dir) / _encoder_id(encoder_path, self.dtype)
         self._index: dict[str, np.ndarray] = {}
         self._loaded: set[str] = set()

@@ -31,6 +31,7 @@ per-call overhead, not the padded arithmetic, dominates. docs/predictors.md has 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -44,6 +45,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from cohort.settings import get_settings
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "onnx")
 DTYPES = ("float32", "bfloat16")
@@ -95,6 +98,30 @@ def configured_dtype(backend: str) -> str:
     return "bfloat16" if cpu_has_amx() else "float32"
 
 
+def resolve_dtype(backend: str, requested: str | None = None) -> str:
+    """The dtype vectors are computed in: ``requested`` (a trained model's own) or the configured one,
+    except that under ``auto`` a bfloat16 model on a CPU without AMX is encoded in float32.
+
+    Why: bf16 without AMX is emulated — measured on this VM with oneDNN held to AVX-512 / AVX2:
+    56 / 27 texts/s against 202 / 218 in float32 — so a model trained where bf16 is fast would make
+    prediction 4–8× slower where it is not. Its forest then sees float32 vectors (a ~2 % MAE
+    shift, measured the other way round); a warning says so once. ``COHORT_ENCODER_DTYPE=bfloat16``
+    keeps bf16 regardless; the ONNX export is float32 only."""
+    if backend == "onnx":
+        return "float32"
+    dtype = requested or configured_dtype(backend)
+    if dtype == "bfloat16" and get_settings().encoder_dtype == "auto" and not cpu_has_amx():
+        _warn_emulated_bf16()
+        return "float32"
+    return dtype
+
+
+@lru_cache(maxsize=1)
+def _warn_emulated_bf16() -> None:
+    log.warning("a predictor trained on bfloat16 encoder vectors is served on a CPU without AMX: encoding in "
+                "float32 instead (bf16 would be emulated, 4-8x slower); retrain here for the model's own dtype")
+
+
 def _onnx_cache_root() -> Path:
 
     return Path(get_settings().data_dir) / "cache" / "onnx"
@@ -132,7 +159,7 @@ def encode(texts: Sequence[str], path: str | None = None, batch_size: int | None
     one; a trained model passes the dtype its vectors were made with (the ONNX backend is float32
     whatever is asked). ``batch_size`` None: the measured best for that dtype (``ENCODE_BATCH``)."""
     backend = backend or configured_backend()
-    dtype = "float32" if backend == "onnx" else (dtype or configured_dtype(backend))
+    dtype = resolve_dtype(backend, dtype)
     model = load_encoder(path, backend=backend, dtype=dtype)
     with _encoder_threads(backend):
         vectors = model.encode(list(texts), batch_size=batch_size or ENCODE_BATCH[dtype], convert_to_numpy=True,

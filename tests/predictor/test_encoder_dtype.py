@@ -80,6 +80,7 @@ def test_a_model_is_served_in_the_dtype_it_was_trained_with(tmp_path, monkeypatc
 
 def test_the_embedding_cache_keeps_dtypes_apart(tmp_path, monkeypatch):
     _use(monkeypatch, encoder_dtype="auto")
+    monkeypatch.setattr(enc, "cpu_has_amx", lambda: True)  # where bf16 is served as bf16
     fp32, bf16 = EmbeddingCache(tmp_path, None, "float32"), EmbeddingCache(tmp_path, None, "bfloat16")
     assert fp32.dir != bf16.dir and bf16.dir.name.endswith("-bfloat16")
     assert not fp32.dir.name.endswith("float32")  # caches written before dtypes existed stay valid
@@ -107,3 +108,30 @@ def test_encoder_threads_widen_only_the_forward(monkeypatch):
 
     after, during = ThreadPoolExecutor(1).submit(on_predictor_thread).result()
     assert (during, after) == (2, 1)
+
+
+def test_a_bf16_model_on_a_cpu_without_amx_is_encoded_in_float32(monkeypatch):
+    """bf16 is emulated without AMX (4-8x slower, measured): under auto a bf16-trained model's
+    texts are encoded in float32 there, and the embedding cache files them as float32."""
+    seen: list[str] = []
+
+    class Recorder:
+        def encode(self, texts, **_):
+            return np.zeros((len(texts), 384), np.float32)
+
+    def fake_load(path=None, device="cpu", backend="torch", cache_root=None, dtype="float32"):
+        seen.append(dtype)
+        return Recorder()
+
+    monkeypatch.setattr(enc, "load_encoder", fake_load)
+    monkeypatch.setattr(enc, "cpu_has_amx", lambda: False)
+    _use(monkeypatch, encoder_dtype="auto")
+    enc.encode(["a"], dtype="bfloat16", backend="torch")
+    assert enc.resolve_dtype("torch", "bfloat16") == "float32"
+    _use(monkeypatch, encoder_dtype="bfloat16")  # asked for explicitly: kept
+    enc.encode(["a"], dtype="bfloat16", backend="torch")
+    assert seen == ["float32", "bfloat16"]
+    monkeypatch.setattr(enc, "cpu_has_amx", lambda: True)
+    _use(monkeypatch, encoder_dtype="auto")
+    assert enc.resolve_dtype("torch", "bfloat16") == "bfloat16"
+    assert enc.resolve_dtype("onnx", "bfloat16") == "float32"
