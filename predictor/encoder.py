@@ -21,7 +21,7 @@ limit (code), so one long text in a 64-text batch multiplies the work of the oth
 87/s at 1; onnx 21/s, 71/s, 123/s, 109/s. Batch size changes only the padding, so the vectors
 are the same to float rounding.
 
-Why bfloat16 where the CPU has AMX (``COHORT_ENCODER_DTYPE=auto``): on a 2-core Sapphire Rapids VM
+Why bfloat16 where the CPU has AMX (``COHORT_ENCODER_DTYPE=auto``): on a 2-vCPU Xeon VM with AMX
 the torch encoder runs 118/s in float32 (batch 4) and 372/s with bfloat16 weights (batch 16; AMX
 tiles do the matmuls), vectors at cosine >= 0.9998 to float32; without AMX (AVX512-BF16 only) bf16
 measured no gain, so ``auto`` keeps float32 there. Larger batches pay off in bf16 because the
