@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor.encoder import configured_backend, default_encoder_path, encode, resolve_dtype
+from predictor.encoder import configured_backend, default_encoder_path, encode, encoding_dtype
 
 
 def _digest(text: str) -> str:
@@ -39,7 +39,7 @@ class EmbeddingCache:
 
     def __init__(self, cache_dir: str | Path, encoder_path: str | None = None, dtype: str | None = None) -> None:
         self.encoder_path = encoder_path
-        self.dtype = resolve_dtype(configured_backend(), dtype)
+        self.dtype = encoding_dtype(configured_backend(), dtype)
         self.dir = Path(cache_dir) / _encoder_id(encoder_path, self.dtype)
         self._index: dict[str, np.ndarray] = {}
         self._loaded: set[str] = set()

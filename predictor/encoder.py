@@ -98,7 +98,7 @@ def configured_dtype(backend: str) -> str:
     return "bfloat16" if cpu_has_amx() else "float32"
 
 
-def resolve_dtype(backend: str, requested: str | None = None) -> str:
+def encoding_dtype(backend: str, requested: str | None = None) -> str:
     """The dtype vectors are computed in: ``requested`` (a trained model's own) or the configured one,
     except that under ``auto`` a bfloat16 model on a CPU without AMX is encoded in float32.
 
@@ -159,7 +159,7 @@ def encode(texts: Sequence[str], path: str | None = None, batch_size: int | None
     one; a trained model passes the dtype its vectors were made with (the ONNX backend is float32
     whatever is asked). ``batch_size`` None: the measured best for that dtype (``ENCODE_BATCH``)."""
     backend = backend or configured_backend()
-    dtype = resolve_dtype(backend, dtype)
+    dtype = encoding_dtype(backend, dtype)
     model = load_encoder(path, backend=backend, dtype=dtype)
     with _encoder_threads(backend):
         vectors = model.encode(list(texts), batch_size=batch_size or ENCODE_BATCH[dtype], convert_to_numpy=True,

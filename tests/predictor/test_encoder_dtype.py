@@ -127,11 +127,11 @@ def test_a_bf16_model_on_a_cpu_without_amx_is_encoded_in_float32(monkeypatch):
     monkeypatch.setattr(enc, "cpu_has_amx", lambda: False)
     _use(monkeypatch, encoder_dtype="auto")
     enc.encode(["a"], dtype="bfloat16", backend="torch")
-    assert enc.resolve_dtype("torch", "bfloat16") == "float32"
+    assert enc.encoding_dtype("torch", "bfloat16") == "float32"
     _use(monkeypatch, encoder_dtype="bfloat16")  # asked for explicitly: kept
     enc.encode(["a"], dtype="bfloat16", backend="torch")
     assert seen == ["float32", "bfloat16"]
     monkeypatch.setattr(enc, "cpu_has_amx", lambda: True)
     _use(monkeypatch, encoder_dtype="auto")
-    assert enc.resolve_dtype("torch", "bfloat16") == "bfloat16"
-    assert enc.resolve_dtype("onnx", "bfloat16") == "float32"
+    assert enc.encoding_dtype("torch", "bfloat16") == "bfloat16"
+    assert enc.encoding_dtype("onnx", "bfloat16") == "float32"
