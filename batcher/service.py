@@ -68,13 +68,12 @@ class BatcherService:
 
     def refresh_instances(self, now: float) -> None:
         """Alive instances of our pool; Θ of the pool = the smallest Θ (a batch must fit anywhere)."""
-        raw = self.redis.hgetall(bus.INSTANCES)
+        infos = {name: InstanceInfo.from_dict(json.loads(js)) for name, js in self.redis.hgetall(bus.INSTANCES).items()}
+        mine = {name: info for name, info in infos.items() if info.pool == self.settings.pool}
+        beating = bus.alive(self.redis, mine)
         alive: dict[str, InstanceInfo] = {}
-        for name, js in raw.items():
-            info = InstanceInfo.from_dict(json.loads(js))
-            if info.pool != self.settings.pool:
-                continue
-            if self.redis.exists(bus.alive_key(name)):
+        for name, info in mine.items():
+            if beating.get(name):
                 alive[name] = info
             else:  # its heartbeat expired: the registration goes too (a restarted worker re-registers)
                 self.redis.hdel(bus.INSTANCES, name)

@@ -18,20 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor.encoder import configured_backend, default_encoder_path, encode, encoding_dtype
+from predictor.encoder import configured_backend, default_encoder_path, encode, encoder_id, encoding_dtype
 
 
 def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
 
 
-def _encoder_id(encoder_path: str | None, dtype: str) -> str:
+def _cache_dir_name(encoder_path: str | None, dtype: str) -> str:
     """The encoder and its dtype: bf16 vectors differ from fp32 ones in the 4th digit, and a cache
     must not hand one out for the other (fp32 keeps the id it always had)."""
-    path = encoder_path or default_encoder_path()
-    name = Path(path).name or "encoder"
     suffix = "" if dtype == "float32" else f"-{dtype}"
-    return f"{name}-{hashlib.blake2b(path.encode(), digest_size=6).hexdigest()}{suffix}"
+    return f"{encoder_id(encoder_path or default_encoder_path())}{suffix}"
 
 
 class EmbeddingCache:
@@ -40,7 +38,7 @@ class EmbeddingCache:
     def __init__(self, cache_dir: str | Path, encoder_path: str | None = None, dtype: str | None = None) -> None:
         self.encoder_path = encoder_path
         self.dtype = encoding_dtype(configured_backend(), dtype)
-        self.dir = Path(cache_dir) / _encoder_id(encoder_path, self.dtype)
+        self.dir = Path(cache_dir) / _cache_dir_name(encoder_path, self.dtype)
         self._index: dict[str, np.ndarray] = {}
         self._loaded: set[str] = set()
 

@@ -190,8 +190,8 @@ def _encoder_threads(backend: str) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _encoder_id(path: str) -> str:
-
+def encoder_id(path: str) -> str:
+    """A directory name for what was computed with the encoder at ``path`` (its name and a hash)."""
     return f"{Path(path).name or 'encoder'}-{hashlib.blake2b(path.encode(), digest_size=6).hexdigest()}"
 
 
@@ -211,7 +211,7 @@ class OnnxSentenceEncoder:
         self.tokenizer = st.tokenizer
         self.max_seq_length = int(st.max_seq_length)
         self.dim = int(st.get_embedding_dimension())
-        folder = Path(cache_root) / _encoder_id(path)
+        folder = Path(cache_root) / encoder_id(path)
         model_file = folder / "model.onnx"
         if not model_file.exists():
             _export(st, model_file)
