@@ -83,3 +83,16 @@ def admission_kv_tokens(contexts: Sequence[int], remaining: Sequence[int], page_
     18 % of a 4,096-token Θ at 50 rows and cost 6 % throughput in the simulator (docs/benchmarks.md).
     The one admission rule of the live worker (``workers.row_book``) and the simulator."""
     return rows_kv_peak(contexts, remaining) + (page_tokens // 2) * len(contexts)
+
+
+def running_set_fits(contexts: Sequence[int], remaining: Sequence[int], page_tokens: int, capacity_tokens: int,
+                     max_rows: int) -> bool:
+    """Whether a continuous instance may run these rows together (its running rows plus a joining
+    group): at most ``max_rows`` of them, and their planned KV (``admission_kv_tokens``) within
+    ``capacity_tokens``. The row cap is a latency rule, not a memory one: every running row adds
+    its context to each step's KV reads, so past a point another row slows all the others more
+    than it saves its own wait; with shortest-first admission the rows it keeps out are the long
+    ones (simulator, saturated Magnus trace: 256 → 224 rows cut spf's mean latency 0.76 → 0.70×
+    cb-fcfs; docs/benchmarks.md). An empty instance is the callers' case: it takes any group.
+    The one "may join" rule of the live worker (``workers.row_book``) and the simulator."""
+    return len(contexts) <= max_rows and admission_kv_tokens(contexts, remaining, page_tokens) <= capacity_tokens

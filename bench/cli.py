@@ -29,7 +29,7 @@ from bench.batch_job import PHASES as BATCH_PHASES
 from bench.batch_job import run_batch_bench as run_batch_job
 from bench.chaos import EXPERIMENTS, Outcome, run_all
 from bench.continuous import EngineLimits
-from bench.continuous_run import CB_FCFS, DEFAULT_GROUP_FRAC, physical_bound
+from bench.continuous_run import CB_FCFS, DEFAULT_GROUP_FRAC, DEFAULT_MAX_ROWS, physical_bound
 from bench.live import answer_digests, check_loopback, compare_answers, run_live_sync
 from bench.live_stack import parse_env, spawned_stack
 from bench.online_quantile import OnlineQuantile
@@ -100,6 +100,8 @@ def sim(
     headroom: float = typer.Option(0.0, help="Policies plan with Θ·(1−headroom): slack for under-predictions."),
     group_frac: float = typer.Option(DEFAULT_GROUP_FRAC, help="continuous: share of Θ one admission group is "
                                      "planned with."),
+    max_rows: int = typer.Option(DEFAULT_MAX_ROWS, help="continuous: most rows a cohort policy's instance runs at "
+                                 "once (COHORT_CONTINUOUS_MAX_ROWS); cb-fcfs keeps vLLM's 256."),
     spf_aging: float = typer.Option(DEFAULT_AGING, help="spf: predicted tokens of rank gained per second waiting."),
     online_quantile: bool = typer.Option(True, help="continuous, with --predictor: plan each arrival with the "
                                          "online recalibrated quantile fed by the simulated completions (the live "
@@ -150,7 +152,7 @@ def sim(
                 res = simulate(lists[oracle], key, inst.memory, tm, instances=instances,
                                max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens,
                                params=params, progress=bar.update, headroom=headroom, execution=ex,
-                               oom_recovery=rec, max_preemptions=max_preemptions, group_frac=group_frac,
+                               oom_recovery=rec, max_preemptions=max_preemptions, group_frac=group_frac, max_rows=max_rows,
                                online=OnlineQuantile(ConformalTable.load(pred)) if online else None)
             if not batch_time:
                 res.metrics["physical_bound_rps"] = physical_bound(lists[oracle], tm, inst.memory, instances,
@@ -162,6 +164,7 @@ def sim(
                   "instance": inst.describe(), "time_model": tm_desc, "policy_params": params,
                   "max_input_tokens": max_input_tokens, "headroom": headroom,
                   "quantile": "online" if online_quantile and pred is not None else "static", "rate": r, "group_frac": group_frac,
+                  "max_rows": max_rows,
                   "execution": modes, "oom_recovery": oom_recovery, "max_preemptions": max_preemptions,
                   "sim": sim_info}
         by_rate[f"{r:g}"] = {"config": config, "policies": results}

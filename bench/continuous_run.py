@@ -18,6 +18,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,17 @@ ENGINE_SCHEDULERS = (CB_FCFS, ADAPTIVE_FAIR)   # request-level schedulers: conti
 # Share of Θ a cohort policy plans one admission group with under ``continuous``: the live
 # batcher's default (COHORT_CONTINUOUS_GROUP_FRAC), so the simulator and the stack plan alike.
 DEFAULT_GROUP_FRAC = Settings.model_fields["continuous_group_frac"].default
+# Most rows a cohort policy's instance runs at once (COHORT_CONTINUOUS_MAX_ROWS): cohort's own cap,
+# where cb-fcfs and adaptive-fair keep vLLM's max_num_seqs (``EngineLimits``).
+DEFAULT_MAX_ROWS = Settings.model_fields["continuous_max_rows"].default
+
+
+def engine_limits(policy: str, limits: EngineLimits, max_rows: int) -> EngineLimits:
+    """The limits ``policy``'s instances run under: vLLM's for the request-level schedulers, the
+    same with cohort's row cap for a cohort policy."""
+    if policy in ENGINE_SCHEDULERS:
+        return limits
+    return replace(limits, max_num_seqs=min(limits.max_num_seqs, max_rows))
 
 
 def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime, limits: EngineLimits,

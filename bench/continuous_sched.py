@@ -9,7 +9,8 @@
   HRRN, VS…) still forms and orders batches, each planned with the policy's own KV rule under an
   admission budget (a share of Θ); a batch is an *admission group* the instance takes at a step
   boundary as soon as the KV peak of its rows plus the running rows, on planned lengths (q90 when
-  the predictor gives one), fits Θ (``batcher.elastic.admission_kv_tokens``). Rows that run out of pages
+  the predictor gives one), fits Θ and the rows stay within cohort's row cap
+  (``batcher.elastic.running_set_fits``, ``COHORT_CONTINUOUS_MAX_ROWS``). Rows that run out of pages
   anyway (under-predicted) are evicted largest predicted remaining first
   (``batcher.elastic.eviction_order``) and re-enter the policy as continuations.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from batcher.elastic import admission_kv_tokens, eviction_order
+from batcher.elastic import eviction_order, running_set_fits
 from batcher.policies.base import Policy
 from bench.continuous import EngineLimits, SimInstance, SimRow
 from cohort.types import Batch, ProfiledRequest
@@ -155,14 +156,12 @@ class GroupScheduler:
         rows = inst.rows
         if not rows and not joining:
             return True                       # an empty instance takes any group (too large: its rows fail)
-        if len(rows) + len(joining) + group.size > self.limits.max_num_seqs:
-            return False
         ctx = [r.kv + r.prompt - r.filled for r in rows]
         left = [r.planned_left for r in rows]
         for q in (*joining, *group.requests):
             ctx.append(q.input_tokens)
             left.append(max(1, q.planned_tokens))
-        return admission_kv_tokens(ctx, left, self.limits.page_tokens) <= inst.capacity_tokens
+        return running_set_fits(ctx, left, self.limits.page_tokens, inst.capacity_tokens, self.limits.max_num_seqs)
 
     def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]:
         out: list[ProfiledRequest] = []

@@ -45,7 +45,14 @@ from batcher.policies.base import BatchTimeModel
 from batcher.preemption import SwapLink
 from batcher.wma import total_wma, wma_gen
 from bench.continuous import EngineLimits
-from bench.continuous_run import DEFAULT_GROUP_FRAC, ENGINE_SCHEDULERS, make_scheduler, simulate_continuous
+from bench.continuous_run import (
+    DEFAULT_GROUP_FRAC,
+    DEFAULT_MAX_ROWS,
+    ENGINE_SCHEDULERS,
+    engine_limits,
+    make_scheduler,
+    simulate_continuous,
+)
 from bench.execution import EXECUTIONS, RECOVERIES, SimBatchRun, simulate_batch_run
 from bench.metrics import SimResult, TraceBook
 from bench.online_quantile import OnlineQuantile
@@ -114,7 +121,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
              execution: str = "static", oom_recovery: str = "split", max_preemptions: int = 8,
              limits: EngineLimits = EngineLimits(), group_frac: float = DEFAULT_GROUP_FRAC,
              preemption: PreemptionMode = "recompute", link: SwapLink | None = None, host_pages: int = 0,
-             online: OnlineQuantile | None = None) -> SimResult:
+             online: OnlineQuantile | None = None, max_rows: int = DEFAULT_MAX_ROWS) -> SimResult:
     """Run one policy over a request trace (sorted by arrival) on ``instances`` identical instances.
 
     ``requests`` must carry ``true_tokens``; the policy reads ``predicted_tokens`` (build the
@@ -128,13 +135,15 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     (``bench.execution``); the policies plan for the same execution (``PolicyContext.elastic``).
     The defaults are the papers' (static, split). ``execution="continuous"`` runs steps instead
     (``bench.continuous``: ``limits`` are the engine's, cohort policies plan admission groups with
-    Θ·``group_frac``; ``cb-fcfs`` is vLLM's default scheduler, ``adaptive-fair`` AdaptiveLLM's) on
+    Θ·``group_frac`` and run at most ``max_rows`` rows per instance; ``cb-fcfs`` is vLLM's default
+    scheduler, ``adaptive-fair`` AdaptiveLLM's) on
     the roofline time model, preempting by ``preemption`` (swap: ``host_pages`` behind ``link``),
     planning arrivals with ``online``'s current quantile when given (``bench.online_quantile``).
     """
     if execution == "continuous":
         base, _ = parse_policy(policy)
         params = {"threshold": DEFAULT_THRESHOLD, **(params or {})}
+        limits = engine_limits(base, limits, max_rows)
         sched = make_scheduler(base, memory, time_model, limits, params, max_input_tokens,  # type: ignore[arg-type]
                                max_tokens_limit, headroom, group_frac, max_preemptions)
         res = simulate_continuous(requests, policy, sched, memory, time_model, instances, limits,  # type: ignore[arg-type]

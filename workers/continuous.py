@@ -8,8 +8,9 @@ attending each row to its own context) and, at every step boundary:
 1. drops cancelled rows (their pages return at once);
 2. admits waiting work in order — rows it preempted first (recompute: prompt + generated tokens
    are prefilled again, their tokens kept), then the groups the batcher sent — while its KV plan
-   fits beside the running rows: the planned peak (``RowBook.planned_peak``: each row's context
-   plus its upper-quantile remaining length, rows leaving as they finish) within the pool. An
+   fits beside the running rows (``RowBook.fits``: the planned peak — each row's context plus its
+   upper-quantile remaining length, rows leaving as they finish — within the pool, and at most
+   ``COHORT_CONTINUOUS_MAX_ROWS`` rows). An
    empty instance always takes the head of the queue, so a plan that over-reserves never stalls;
 3. runs one packed forward and hands each row that produced a token to ``workers.rows`` (the
    same sampling, token limits and logprobs as the padded paths); the step's ``TokenEvent``s are
@@ -99,8 +100,8 @@ class ContinuousRun:
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, *, num_pages: int,
                  page_size: int = 16, token_budget: int = 512, max_preemptions: int = 8, emulate: bool = False,
                  clock: Callable[[], float] = time.time, swap: SwapPlan | None = None,
-                 shares: StepShares | None = None) -> None:
-        self.book = RowBook(num_pages, page_size, token_budget, max_preemptions)
+                 shares: StepShares | None = None, max_rows: int = 1 << 30) -> None:
+        self.book = RowBook(num_pages, page_size, token_budget, max_preemptions, max_rows)
         self.executor = PagedExecutor(model, self.book, dtype, device)
         self.swap = swap
         self.shares = shares or StepShares()    # background rows give way (batcher.row_priority)
@@ -243,10 +244,7 @@ class ContinuousRun:
         return set() if len(paused) == len(self.book.rows) else paused
 
     def _fits(self, joining: list[BookRow]) -> bool:
-        if not self.book.rows:
-            return True
-        peak = self.book.planned_peak([(r.prompt_len, r.planned_remaining) for r in joining])
-        return peak <= self.book.capacity_tokens
+        return self.book.fits([(r.prompt_len, r.planned_remaining) for r in joining])
 
     def _admit(self, out: StepOutput, running: set[int]) -> None:
         """Resumed rows of the levels running this step, then waiting groups, most urgent first (a

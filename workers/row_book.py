@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from batcher.elastic import admission_kv_tokens, eviction_order
+from batcher.elastic import eviction_order, running_set_fits
 from batcher.row_priority import least_urgent
 
 
@@ -32,7 +32,7 @@ class BookRow:
     prompt_len: int
     predicted_remaining: int = 0
     preemptions: int = 0
-    planned_remaining: int = 0  # tokens memory planning still reserves (upper quantile), for planned_peak
+    planned_remaining: int = 0  # tokens memory planning still reserves (upper quantile), for fits
     computed: int = 0  # KV entries written (prefilled prompt tokens + decoded tokens)
     priority: int = 0  # its request's priority: evictions take the least urgent level first
     pages: list[int] = field(default_factory=list)
@@ -81,9 +81,10 @@ class RowBook:
     """
 
     def __init__(self, num_pages: int, page_size: int = 16, token_budget: int = 512,
-                 max_preemptions: int = 8) -> None:
+                 max_preemptions: int = 8, max_rows: int = 1 << 30) -> None:
         self.pool = PagePool(num_pages)
         self.page_size, self.token_budget, self.max_preemptions = page_size, token_budget, max_preemptions
+        self.max_rows = max_rows  # most rows running at once (COHORT_CONTINUOUS_MAX_ROWS)
         self.rows: dict[str, BookRow] = {}  # insertion order = admission order
 
     @property
@@ -152,14 +153,16 @@ class RowBook:
             plan.decode = [r for r in plan.decode if r in self.rows]
         return plan
 
-    def planned_peak(self, joining: list[tuple[int, int]] = ()) -> int:
-        """KV tokens the running rows (plus ``joining`` rows, (context, planned remaining)) are
-        planned to need (``batcher.elastic.admission_kv_tokens``)."""
+    def fits(self, joining: list[tuple[int, int]]) -> bool:
+        """May ``joining`` rows ((context, planned remaining) each) join the running ones
+        (``batcher.elastic.running_set_fits``)? An empty book takes any group: rows whose prompt
+        alone outgrows the pool are failed by the caller."""
+        if not self.rows:
+            return True
         ctx = [r.prompt_len + max(0, r.computed - r.prompt_len) for r in self.rows.values()]
         rem = [r.planned_remaining for r in self.rows.values()]
-        ctx += [c for c, _ in joining]
-        rem += [g for _, g in joining]
-        return admission_kv_tokens(ctx, rem, self.page_size)
+        return running_set_fits(ctx + [c for c, _ in joining], rem + [g for _, g in joining], self.page_size,
+                                self.capacity_tokens, self.max_rows)
 
     @property
     def capacity_tokens(self) -> int:

@@ -127,3 +127,16 @@ def test_adaptive_fair_picks_the_queue_with_the_higher_mean_priority():
     s.add(mk(2, 16, 5, t=0.0), 0.0)                           # P at t=10: 10 / 16: the waiting mean wins
     assert not s.swap_in_first(inst, 10.0)
     assert s.admit(inst, 10.0, 8192)[0].id == "q2"            # highest P joins first
+
+
+def test_the_row_cap_binds_cohort_policies_not_the_baseline():
+    """``max_rows`` (COHORT_CONTINUOUS_MAX_ROWS) is cohort's own cap: its instances never run more
+    rows at once; cb-fcfs keeps vLLM's max_num_seqs, and every request is still answered."""
+    reqs = trace(300, rate=400.0, long_frac=0.3)
+    capped = run(reqs, "spf", max_rows=4)
+    free = run(reqs, "spf", max_rows=256)
+    cb = run(reqs, "cb-fcfs", max_rows=4)
+    assert capped.extra["limits"]["max_num_seqs"] == 4 and cb.extra["limits"]["max_num_seqs"] == 256
+    assert capped.metrics["mean_batch_size"] <= 4 < free.metrics["mean_batch_size"]
+    assert cb.metrics["mean_batch_size"] > 4
+    assert capped.metrics["completed"] == free.metrics["completed"] == len(reqs)

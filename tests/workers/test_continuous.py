@@ -113,6 +113,17 @@ def test_a_group_waits_until_its_plan_fits_beside_the_running_rows(engine):
     assert sorted(done) == ["A", "B"] and len(finished(outs)) == 3
 
 
+def test_the_row_cap_holds_a_group_until_a_row_leaves(engine):
+    # pages to spare, but at most 2 rows at once (COHORT_CONTINUOUS_MAX_ROWS): B joins the step
+    # after A's short row leaves, and every row is answered
+    run = make_run(engine, emulate=True, max_rows=2)
+    a = [req(0, PROMPTS[0], max_tokens=30, emulated_tokens=4), req(1, PROMPTS[1], max_tokens=30, emulated_tokens=20)]
+    b = [req(3, PROMPTS[3], max_tokens=30, emulated_tokens=5)]
+    outs, done, admitted = drive(run, {0: [("A", a), ("B", b)]}, engine)
+    assert admitted["A"] == 0 and 4 <= admitted["B"] < 20
+    assert sorted(done) == ["A", "B"] and len(finished(outs)) == 3
+
+
 def test_an_evicted_row_resumes_with_its_tokens_kept(engine, refs):
     # predictions far too short: the plan admits everyone, pages run out mid-decode, rows are evicted
     run = make_run(engine, num_pages=10, page_size=8)

@@ -56,3 +56,25 @@ def test_row_at_max_preemptions_is_evicted_last():
     book.commit(book.plan_step())
     plan = book.plan_step()
     assert plan.evicted == ["old"] and plan.decode == ["big"]
+
+
+def test_row_cap_keeps_a_group_out_until_a_row_leaves():
+    """``max_rows`` (COHORT_CONTINUOUS_MAX_ROWS) bounds the running set even with pages to spare;
+    an empty book still takes a group of any size."""
+    book = RowBook(num_pages=100, page_size=16, max_rows=3)
+    assert book.fits([(16, 4)] * 5)  # empty: the head of the queue always joins
+    book.admit([BookRow("a", 16, planned_remaining=4), BookRow("b", 16, planned_remaining=4)])
+    assert book.fits([(16, 4)])
+    assert not book.fits([(16, 4), (16, 4)])
+    book.release("a")
+    assert book.fits([(16, 4), (16, 4)])
+    assert not book.fits([(16, 4)] * 3)
+
+
+def test_fits_plans_the_kv_peak_of_running_and_joining_rows():
+    book = RowBook(num_pages=8, page_size=16)  # 128 tokens
+    book.admit([BookRow("a", 32, planned_remaining=32)])
+    # both rows hold 32 tokens; with the joining one planned at r ≤ 32 more, the peak is just
+    # before it leaves: 64 + 2r, plus half a page per row (16): r = 24 fills the 128 exactly
+    assert book.fits([(32, 24)])
+    assert not book.fits([(32, 25)])
