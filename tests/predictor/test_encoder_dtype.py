@@ -44,7 +44,11 @@ def test_bf16_vectors_barely_depend_on_their_batch():
     model = enc.load_encoder(None, dtype="bfloat16")
     alone = np.stack([np.asarray(model.encode([t], convert_to_numpy=True), np.float32)[0] for t in TEXTS])
     batched = np.asarray(model.encode(TEXTS, batch_size=16, convert_to_numpy=True), np.float32)
-    assert ((alone * batched).sum(1)).min() >= 0.999
+    na, nb = np.linalg.norm(alone, axis=1), np.linalg.norm(batched, axis=1)
+    assert ((alone * batched).sum(1) / (na * nb)).min() >= 0.9995
+    # the bf16 normalisation leaves a vector's length off 1 by up to ~0.3 % (CPUs without AMX
+    # round differently from those with it), alike whatever the batch
+    assert np.abs(na / nb - 1.0).max() <= 0.01
 
 
 @pytest.mark.parametrize(("choice", "amx", "backend", "want"), [
