@@ -92,7 +92,8 @@ def running_set_fits(contexts: Sequence[int], remaining: Sequence[int], page_tok
     ``capacity_tokens``. The row cap is a latency rule, not a memory one: every running row adds
     its context to each step's KV reads, so past a point another row slows all the others more
     than it saves its own wait; with shortest-first admission the rows it keeps out are the long
-    ones (simulator, saturated Magnus trace: 256 → 224 rows cut spf's mean latency 0.76 → 0.70×
-    cb-fcfs; docs/benchmarks.md). An empty instance is the callers' case: it takes any group.
+    ones (simulator, saturated Magnus trace, V100 / ChatGLM-6B: 256 → 224 rows cut spf's mean
+    latency 0.73 → 0.70× cb-fcfs; it depends on the step's make-up: on H100 / Llama-7B it cost
+    0.76 → 0.86×; docs/benchmarks.md). An empty instance is the callers' case: it takes any group.
     The one "may join" rule of the live worker (``workers.row_book``) and the simulator."""
     return len(contexts) <= max_rows and admission_kv_tokens(contexts, remaining, page_tokens) <= capacity_tokens

@@ -138,14 +138,15 @@ class Settings(BaseSettings):
         default=0.01, gt=0.0, le=1.0, description="continuous: the share of Θ the policy plans one batch (an "
         "admission group) with; small groups join a running set that is far from empty at many step boundaries "
         "instead of waiting for room for a big one (simulator, saturated Magnus trace: 0.05 against 0.25 cut "
-        "magnus's mean latency 8.95 → 8.35 s and spf's TTFT 2.20 → 1.40 s; 0.01 with the row cap below took "
-        "spf's TTFT from 0.43 to 0.41× cb-fcfs; docs/benchmarks.md).")
+        "magnus's mean latency 8.95 → 8.35 s and spf's TTFT 2.20 → 1.40 s; 0.01 with COHORT_SPF_AGING 3.5 took "
+        "spf's mean latency from 0.76 to 0.73x cb-fcfs there, and from 1.00 to 0.76x on H100 / Llama-7B; "
+        "docs/benchmarks.md).")
     continuous_max_rows: int = Field(
-        default=224, ge=1, description="continuous: most rows one instance runs at once (cohort's own cap; "
-        "vLLM's max_num_seqs is 256). Past a point another running row slows every step by its KV reads more "
-        "than it saves its own wait, and shortest-first admission keeps the long rows out "
-        "(batcher.elastic.running_set_fits; simulator, saturated Magnus trace, predicted lengths: 256 → 224 "
-        "with COHORT_SPF_AGING 3.5 took spf's mean latency from 0.76 to 0.70× cb-fcfs; docs/benchmarks.md).")
+        default=256, ge=1, description="continuous: most rows one instance runs at once (vLLM's max_num_seqs, "
+        "256, by default). Lower it where a step is bound by the running rows' KV reads: each row then slows "
+        "every other row's steps, and shortest-first admission keeps the long rows out (simulator, saturated "
+        "Magnus trace, V100 / ChatGLM-6B: 224 took spf's mean latency from 0.73 to 0.70x cb-fcfs; on H100 / "
+        "Llama-7B, where the steps' fixed cost dominates, 224 cost 0.76 -> 0.86x; docs/benchmarks.md).")
     kv_page_tokens: int = Field(default=16, ge=1, description="continuous: tokens per KV page.")
     step_token_budget: int = Field(
         default=512, ge=16, description="continuous: tokens one step may run (decode rows first, then "
@@ -223,8 +224,8 @@ class Settings(BaseSettings):
     # --- issue 18 item 5 (continuous simulator): the spf policy ---------------------------
     spf_aging: float = Field(default=3.5, ge=0.0, description="spf (shortest predicted first): predicted tokens "
                              "of rank a waiting request gains per second; 0 = pure SPF, large = FCFS. 3.5 keeps "
-                             "p99 within 1.5x of vLLM's FCFS in the simulator at the lowest mean latency, with "
-                             "the row cap COHORT_CONTINUOUS_MAX_ROWS (docs/benchmarks.md).")
+                             "p99 within 1.5x of vLLM's FCFS in the simulator (V100 / ChatGLM-6B, saturated) at "
+                             "the lowest mean latency (docs/benchmarks.md).")
 
     # --- issue 20: online recalibration of the predictor's upper quantile (predictor/online_conformal.py)
     predictor_online_conformal: bool = Field(
