@@ -71,11 +71,13 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
                         time_model: RooflineBatchTime, instances: int, limits: EngineLimits,
                         progress: Callable[[int], None] | None = None, preemption: PreemptionMode = "recompute",
                         link: SwapLink | None = None, host_pages: int = 0,
-                        online: OnlineQuantile | None = None) -> SimResult:
+                        online: OnlineQuantile | None = None, bound_limits: EngineLimits | None = None) -> SimResult:
     """Run the trace (sorted by arrival, ``true_tokens`` set) on ``instances`` continuous engines,
     each with ``host_pages`` of swap pool behind ``link`` (``preemption``: ``bench.continuous``).
     ``online``: arrivals are planned with the online quantile, fed by the completions
-    (``bench.online_quantile``); None plans with the trace's own bounds."""
+    (``bench.online_quantile``); None plans with the trace's own bounds. ``bound_limits``: the
+    engine's limits for the physical bound when ``limits`` carry a cohort policy's own row cap
+    (a scheduling choice, not the hardware's: every policy of a run is measured against one bound)."""
     if not hasattr(time_model, "step_seconds"):
         raise ValueError("continuous execution needs the roofline time model (a step cost), not a fitted one")
     t0 = time.perf_counter()
@@ -128,7 +130,7 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
                            recomputed_tokens=stats.recomputed_gen)
     metrics["swaps"], metrics["recomputes"] = stats.swaps, stats.recomputes
     metrics["mean_batch_size"] = stats.row_steps / stats.steps if stats.steps else 0.0
-    bound = physical_bound(requests, time_model, memory, instances, limits)
+    bound = physical_bound(requests, time_model, memory, instances, bound_limits or limits)
     extra = {"execution": "continuous", "policy": policy, "steps": stats.steps,
              "busy_frac": stats.busy_s / (instances * now) if now else 0.0, "dropped_kv_tokens": stats.dropped_kv,
              "preemption": preemption, "swaps": stats.swaps, "recomputes": stats.recomputes,

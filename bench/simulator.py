@@ -143,11 +143,11 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     if execution == "continuous":
         base, _ = parse_policy(policy)
         params = {"threshold": DEFAULT_THRESHOLD, **(params or {})}
-        limits = engine_limits(base, limits, max_rows)
-        sched = make_scheduler(base, memory, time_model, limits, params, max_input_tokens,  # type: ignore[arg-type]
+        run_limits = engine_limits(base, limits, max_rows)
+        sched = make_scheduler(base, memory, time_model, run_limits, params, max_input_tokens,  # type: ignore[arg-type]
                                max_tokens_limit, headroom, group_frac, max_preemptions)
-        res = simulate_continuous(requests, policy, sched, memory, time_model, instances, limits,  # type: ignore[arg-type]
-                                  progress, preemption, link, host_pages, online)
+        res = simulate_continuous(requests, policy, sched, memory, time_model, instances, run_limits,  # type: ignore[arg-type]
+                                  progress, preemption, link, host_pages, online, bound_limits=limits)
         res.extra["params"] = dict(params)
         return res
     t0 = time.perf_counter()

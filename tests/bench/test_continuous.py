@@ -140,3 +140,5 @@ def test_the_row_cap_binds_cohort_policies_not_the_baseline():
     assert capped.metrics["mean_batch_size"] <= 4 < free.metrics["mean_batch_size"]
     assert cb.metrics["mean_batch_size"] > 4
     assert capped.metrics["completed"] == free.metrics["completed"] == len(reqs)
+    # the cap is a scheduling choice: the physical bound stays the engine's, the same for every policy
+    assert capped.extra["physical_bound_rps"] == cb.extra["physical_bound_rps"]
