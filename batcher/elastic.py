@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from batcher.row_cost import DecodeStepCost, row_pays
+
 
 def peak_and_rank(input_len: int, gen_lens: Iterable[int]) -> tuple[int, int]:
     """(max_k k·(L + g_(k)), the smallest k reaching it): the peak and where it occurs (the
@@ -86,14 +88,17 @@ def admission_kv_tokens(contexts: Sequence[int], remaining: Sequence[int], page_
 
 
 def running_set_fits(contexts: Sequence[int], remaining: Sequence[int], page_tokens: int, capacity_tokens: int,
-                     max_rows: int) -> bool:
+                     max_rows: int, step_cost: DecodeStepCost | None = None, marginal_limit: float = 0.0) -> bool:
     """Whether a continuous instance may run these rows together (its running rows plus a joining
-    group): at most ``max_rows`` of them, and their planned KV (``admission_kv_tokens``) within
-    ``capacity_tokens``. The row cap is a latency rule, not a memory one: every running row adds
-    its context to each step's KV reads, so past a point another row slows all the others more
-    than it saves its own wait; with shortest-first admission the rows it keeps out are the long
-    ones (simulator, saturated Magnus trace, V100 / ChatGLM-6B: 256 → 224 rows cut spf's mean
-    latency 0.73 → 0.70× cb-fcfs; it depends on the step's make-up: on H100 / Llama-7B it cost
-    0.76 → 0.86×; docs/benchmarks.md). An empty instance is the callers' case: it takes any group.
+    group): their planned KV (``admission_kv_tokens``) within ``capacity_tokens``, at most
+    ``max_rows`` of them (vLLM's max_num_seqs, 256, by default), and the last row still paying for
+    itself on this instance's ``step_cost`` (``batcher.row_cost.row_pays`` with
+    ``marginal_limit``): past the point where a step is bound by the rows themselves, another row
+    adds little throughput but slows every other row, and with shortest-first admission the rows
+    kept out are the long ones (simulator, saturated Magnus trace: 0.73 -> 0.70x cb-fcfs mean
+    latency on V100 / ChatGLM-6B, no change on H100 / Llama-7B, where a fixed 224-row cap had cost
+    0.76 -> 0.86x; docs/benchmarks.md). An empty instance is the callers' case: it takes any group.
     The one "may join" rule of the live worker (``workers.row_book``) and the simulator."""
-    return len(contexts) <= max_rows and admission_kv_tokens(contexts, remaining, page_tokens) <= capacity_tokens
+    return (len(contexts) <= max_rows
+            and admission_kv_tokens(contexts, remaining, page_tokens) <= capacity_tokens
+            and row_pays(step_cost, len(contexts), sum(contexts), marginal_limit))

@@ -29,7 +29,13 @@ from bench.batch_job import PHASES as BATCH_PHASES
 from bench.batch_job import run_batch_bench as run_batch_job
 from bench.chaos import EXPERIMENTS, Outcome, run_all
 from bench.continuous import EngineLimits
-from bench.continuous_run import CB_FCFS, DEFAULT_GROUP_FRAC, DEFAULT_MAX_ROWS, physical_bound
+from bench.continuous_run import (
+    CB_FCFS,
+    DEFAULT_GROUP_FRAC,
+    DEFAULT_MARGINAL_COST,
+    DEFAULT_MAX_ROWS,
+    physical_bound,
+)
 from bench.live import answer_digests, check_loopback, compare_answers, run_live_sync
 from bench.live_stack import parse_env, spawned_stack
 from bench.online_quantile import OnlineQuantile
@@ -102,6 +108,10 @@ def sim(
                                      "planned with."),
     max_rows: int = typer.Option(DEFAULT_MAX_ROWS, help="continuous: most rows a cohort policy's instance runs at "
                                  "once (COHORT_CONTINUOUS_MAX_ROWS); cb-fcfs keeps vLLM's 256."),
+    marginal_cost: float = typer.Option(DEFAULT_MARGINAL_COST, min=0.0, max=1.0,
+                                        help="continuous: a row joins a cohort policy's instance while its marginal "
+                                        "step cost is at most this share of the running rows' mean "
+                                        "(COHORT_CONTINUOUS_MARGINAL_COST; 0 = off); cb-fcfs has no such rule."),
     spf_aging: float = typer.Option(DEFAULT_AGING, help="spf: predicted tokens of rank gained per second waiting."),
     online_quantile: bool = typer.Option(True, help="continuous, with --predictor: plan each arrival with the "
                                          "online recalibrated quantile fed by the simulated completions (the live "
@@ -153,6 +163,7 @@ def sim(
                                max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens,
                                params=params, progress=bar.update, headroom=headroom, execution=ex,
                                oom_recovery=rec, max_preemptions=max_preemptions, group_frac=group_frac, max_rows=max_rows,
+                               marginal_cost=marginal_cost,
                                online=OnlineQuantile(ConformalTable.load(pred)) if online else None)
             if not batch_time:
                 res.metrics["physical_bound_rps"] = physical_bound(lists[oracle], tm, inst.memory, instances,
@@ -164,7 +175,7 @@ def sim(
                   "instance": inst.describe(), "time_model": tm_desc, "policy_params": params,
                   "max_input_tokens": max_input_tokens, "headroom": headroom,
                   "quantile": "online" if online_quantile and pred is not None else "static", "rate": r, "group_frac": group_frac,
-                  "max_rows": max_rows,
+                  "max_rows": max_rows, "marginal_cost": marginal_cost,
                   "execution": modes, "oom_recovery": oom_recovery, "max_preemptions": max_preemptions,
                   "sim": sim_info}
         by_rate[f"{r:g}"] = {"config": config, "policies": results}

@@ -43,6 +43,9 @@ DEFAULT_GROUP_FRAC = Settings.model_fields["continuous_group_frac"].default
 # Most rows a cohort policy's instance runs at once (COHORT_CONTINUOUS_MAX_ROWS): cohort's own cap,
 # where cb-fcfs and adaptive-fair keep vLLM's max_num_seqs (``EngineLimits``).
 DEFAULT_MAX_ROWS = Settings.model_fields["continuous_max_rows"].default
+# A row joins a cohort policy's instance while its marginal step cost is at most this share of the
+# running rows' mean (COHORT_CONTINUOUS_MARGINAL_COST, ``batcher.row_cost``); cb-fcfs has no such rule.
+DEFAULT_MARGINAL_COST = Settings.model_fields["continuous_marginal_cost"].default
 
 
 def engine_limits(policy: str, limits: EngineLimits, max_rows: int) -> EngineLimits:
@@ -55,8 +58,9 @@ def engine_limits(policy: str, limits: EngineLimits, max_rows: int) -> EngineLim
 
 def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime, limits: EngineLimits,
                    params: dict[str, Any], max_input_tokens: int, max_tokens_limit: int, headroom: float,
-                   group_frac: float, max_preemptions: int) -> Scheduler:
-    """``cb-fcfs`` or a cohort policy (by base name) planning groups with Θ·group_frac."""
+                   group_frac: float, max_preemptions: int, marginal_cost: float = DEFAULT_MARGINAL_COST) -> Scheduler:
+    """``cb-fcfs`` or a cohort policy (by base name) planning groups with Θ·group_frac, its rows
+    joining while they pay for themselves on the roofline's step (``marginal_cost``)."""
     if policy == CB_FCFS:
         return FCFSScheduler(limits)
     if policy == ADAPTIVE_FAIR:
@@ -64,7 +68,7 @@ def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime,
     plan_mem = planning_memory(policy, memory, headroom, group_frac)
     ctx = PolicyContext(memory=plan_mem, estimator=time_model, max_input_tokens=max_input_tokens,
                         max_tokens_limit=max_tokens_limit, elastic=True)
-    return GroupScheduler(make_policy(policy, ctx, **params), limits, max_preemptions)
+    return GroupScheduler(make_policy(policy, ctx, **params), limits, max_preemptions, time_model, marginal_cost)
 
 
 def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, scheduler: Scheduler, memory: KVMemory,

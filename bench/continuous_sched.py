@@ -9,8 +9,9 @@
   HRRN, VS…) still forms and orders batches, each planned with the policy's own KV rule under an
   admission budget (a share of Θ); a batch is an *admission group* the instance takes at a step
   boundary as soon as the KV peak of its rows plus the running rows, on planned lengths (q90 when
-  the predictor gives one), fits Θ and the rows stay within cohort's row cap
-  (``batcher.elastic.running_set_fits``, ``COHORT_CONTINUOUS_MAX_ROWS``). Rows that run out of pages
+  the predictor gives one), fits Θ, the rows stay within ``max_num_seqs`` and the last one still
+  pays for itself on the roofline's step (``batcher.elastic.running_set_fits``,
+  ``COHORT_CONTINUOUS_MARGINAL_COST``). Rows that run out of pages
   anyway (under-predicted) are evicted largest predicted remaining first
   (``batcher.elastic.eviction_order``) and re-enter the policy as continuations.
 """
@@ -21,6 +22,7 @@ from collections import deque
 
 from batcher.elastic import eviction_order, running_set_fits
 from batcher.policies.base import Policy
+from batcher.row_cost import DecodeStepCost
 from bench.continuous import EngineLimits, SimInstance, SimRow
 from cohort.types import Batch, ProfiledRequest
 
@@ -135,10 +137,12 @@ class AdaptiveFairScheduler(FCFSScheduler):
 class GroupScheduler:
     """cohort's policy under continuous execution: batches are admission groups (module docstring)."""
 
-    def __init__(self, policy: Policy, limits: EngineLimits, max_preemptions: int = 8) -> None:
+    def __init__(self, policy: Policy, limits: EngineLimits, max_preemptions: int = 8,
+                 step_cost: DecodeStepCost | None = None, marginal_cost: float = 0.0) -> None:
         self.pol = policy
         self.limits = limits
         self.max_preemptions = max_preemptions
+        self.step_cost, self.marginal_cost = step_cost, marginal_cost  # batcher.row_cost
         self.pending: dict[int, Batch] = {}   # instance id -> the group it took and waits to fit
         self.queued = 0                      # requests in the policy, not yet in a group
 
@@ -161,7 +165,8 @@ class GroupScheduler:
         for q in (*joining, *group.requests):
             ctx.append(q.input_tokens)
             left.append(max(1, q.planned_tokens))
-        return running_set_fits(ctx, left, self.limits.page_tokens, inst.capacity_tokens, self.limits.max_num_seqs)
+        return running_set_fits(ctx, left, self.limits.page_tokens, inst.capacity_tokens, self.limits.max_num_seqs,
+                                self.step_cost, self.marginal_cost)
 
     def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]:
         out: list[ProfiledRequest] = []

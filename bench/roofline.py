@@ -144,6 +144,11 @@ class RooflineBatchTime:
         reads = self.weight_bytes + (decode_reads + prefill_reads) * self.delta_bytes
         return max(flops / self._F, reads / self._BW) + self.step_overhead_s
 
+    def decode_seconds(self, rows: int, context_tokens: float) -> float:
+        """One decode step of ``rows`` rows attending to ``context_tokens`` in all: the step cost
+        ``batcher.row_cost`` weighs another row with (``DecodeStepCost``)."""
+        return self.step_seconds(0.0, 0.0, 0.0, rows, context_tokens)
+
     def estimate(self, size: int, input_len: int, gen_len: int) -> float:
         """Scalar path in plain Python: the policies call it inside tight loops."""
         b, L, G = float(size), float(input_len), float(gen_len)

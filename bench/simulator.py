@@ -47,6 +47,7 @@ from batcher.wma import total_wma, wma_gen
 from bench.continuous import EngineLimits
 from bench.continuous_run import (
     DEFAULT_GROUP_FRAC,
+    DEFAULT_MARGINAL_COST,
     DEFAULT_MAX_ROWS,
     ENGINE_SCHEDULERS,
     engine_limits,
@@ -121,7 +122,8 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
              execution: str = "static", oom_recovery: str = "split", max_preemptions: int = 8,
              limits: EngineLimits = EngineLimits(), group_frac: float = DEFAULT_GROUP_FRAC,
              preemption: PreemptionMode = "recompute", link: SwapLink | None = None, host_pages: int = 0,
-             online: OnlineQuantile | None = None, max_rows: int = DEFAULT_MAX_ROWS) -> SimResult:
+             online: OnlineQuantile | None = None, max_rows: int = DEFAULT_MAX_ROWS,
+             marginal_cost: float = DEFAULT_MARGINAL_COST) -> SimResult:
     """Run one policy over a request trace (sorted by arrival) on ``instances`` identical instances.
 
     ``requests`` must carry ``true_tokens``; the policy reads ``predicted_tokens`` (build the
@@ -135,7 +137,8 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     (``bench.execution``); the policies plan for the same execution (``PolicyContext.elastic``).
     The defaults are the papers' (static, split). ``execution="continuous"`` runs steps instead
     (``bench.continuous``: ``limits`` are the engine's, cohort policies plan admission groups with
-    Θ·``group_frac`` and run at most ``max_rows`` rows per instance; ``cb-fcfs`` is vLLM's default
+    Θ·``group_frac`` and run at most ``max_rows`` rows per instance, each joining while its
+    marginal step cost is at most ``marginal_cost`` × the mean per row; ``cb-fcfs`` is vLLM's default
     scheduler, ``adaptive-fair`` AdaptiveLLM's) on
     the roofline time model, preempting by ``preemption`` (swap: ``host_pages`` behind ``link``),
     planning arrivals with ``online``'s current quantile when given (``bench.online_quantile``).
@@ -145,7 +148,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
         params = {"threshold": DEFAULT_THRESHOLD, **(params or {})}
         run_limits = engine_limits(base, limits, max_rows)
         sched = make_scheduler(base, memory, time_model, run_limits, params, max_input_tokens,  # type: ignore[arg-type]
-                               max_tokens_limit, headroom, group_frac, max_preemptions)
+                               max_tokens_limit, headroom, group_frac, max_preemptions, marginal_cost)
         res = simulate_continuous(requests, policy, sched, memory, time_model, instances, run_limits,  # type: ignore[arg-type]
                                   progress, preemption, link, host_pages, online, bound_limits=limits)
         res.extra["params"] = dict(params)

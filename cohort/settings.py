@@ -143,10 +143,18 @@ class Settings(BaseSettings):
         "docs/benchmarks.md).")
     continuous_max_rows: int = Field(
         default=256, ge=1, description="continuous: most rows one instance runs at once (vLLM's max_num_seqs, "
-        "256, by default). Lower it where a step is bound by the running rows' KV reads: each row then slows "
-        "every other row's steps, and shortest-first admission keeps the long rows out (simulator, saturated "
-        "Magnus trace, V100 / ChatGLM-6B: 224 took spf's mean latency from 0.73 to 0.70x cb-fcfs; on H100 / "
-        "Llama-7B, where the steps' fixed cost dominates, 224 cost 0.76 -> 0.86x; docs/benchmarks.md).")
+        "256, by default). COHORT_CONTINUOUS_MARGINAL_COST caps the rows by the step's make-up below it; a "
+        "fixed cap is a blunter tool (simulator, saturated Magnus trace: 224 took spf's mean latency from "
+        "0.73 to 0.70x cb-fcfs on V100 / ChatGLM-6B but cost 0.76 -> 0.86x on H100 / Llama-7B; "
+        "docs/benchmarks.md).")
+    continuous_marginal_cost: float = Field(
+        default=0.815, ge=0.0, le=1.0, description="continuous: a row joins only while its marginal "
+        "decode-step cost is at most this share of the running rows' mean cost per row (0 = off; "
+        "batcher.row_cost). The step's make-up decides how many rows run: where steps are bound by the rows "
+        "(V100 / ChatGLM-6B in the simulator, ~223 rows) another row buys little throughput and slows every "
+        "row; where a step's fixed part dominates (H100 / Llama-7B, the CPU worker) it never binds. "
+        "Simulator, saturated Magnus trace: spf mean latency 0.73 -> 0.70x cb-fcfs on V100, unchanged on "
+        "H100; docs/benchmarks.md.")
     kv_page_tokens: int = Field(default=16, ge=1, description="continuous: tokens per KV page.")
     step_token_budget: int = Field(
         default=512, ge=16, description="continuous: tokens one step may run (decode rows first, then "

@@ -9,8 +9,9 @@ attending each row to its own context) and, at every step boundary:
 2. admits waiting work in order — rows it preempted first (recompute: prompt + generated tokens
    are prefilled again, their tokens kept), then the groups the batcher sent — while its KV plan
    fits beside the running rows (``RowBook.fits``: the planned peak — each row's context plus its
-   upper-quantile remaining length, rows leaving as they finish — within the pool, and at most
-   ``COHORT_CONTINUOUS_MAX_ROWS`` rows). An
+   upper-quantile remaining length, rows leaving as they finish — within the pool, at most
+   ``COHORT_CONTINUOUS_MAX_ROWS`` rows, and the last one still paying for itself on this
+   instance's own measured steps, ``COHORT_CONTINUOUS_MARGINAL_COST``). An
    empty instance always takes the head of the queue, so a plan that over-reserves never stalls;
 3. runs one packed forward and hands each row that produced a token to ``workers.rows`` (the
    same sampling, token limits and logprobs as the padded paths); the step's ``TokenEvent``s are
@@ -44,7 +45,7 @@ from workers.decode_outputs import StepOutput
 from workers.paged_attention import context_slots
 from workers.paged_executor import PagedExecutor
 from workers.prompt_logprobs import prompt_logprobs
-from workers.row_book import BookRow, RowBook, StepPlan, pages_for
+from workers.row_book import DEFAULT_MAX_ROWS, BookRow, RowBook, StepPlan, pages_for
 from workers.rows import RowState, TokenStepper
 from workers.swap_pool import HostSwapPool
 
@@ -100,8 +101,8 @@ class ContinuousRun:
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, *, num_pages: int,
                  page_size: int = 16, token_budget: int = 512, max_preemptions: int = 8, emulate: bool = False,
                  clock: Callable[[], float] = time.time, swap: SwapPlan | None = None,
-                 shares: StepShares | None = None, max_rows: int = 1 << 30) -> None:
-        self.book = RowBook(num_pages, page_size, token_budget, max_preemptions, max_rows)
+                 shares: StepShares | None = None, max_rows: int = DEFAULT_MAX_ROWS, marginal_cost: float = 0.0) -> None:
+        self.book = RowBook(num_pages, page_size, token_budget, max_preemptions, max_rows, marginal_cost)
         self.executor = PagedExecutor(model, self.book, dtype, device)
         self.swap = swap
         self.shares = shares or StepShares()    # background rows give way (batcher.row_priority)
@@ -174,7 +175,9 @@ class ContinuousRun:
             try:
                 t0 = time.perf_counter()
                 logits = self.executor.run(plan, self.ids, self._hook, hooked) if plan.prefill or plan.decode else {}
-                self.shares.observe(time.perf_counter() - t0, {self._prio(r) for r in [*plan.decode, *(p[0] for p in plan.prefill)]})
+                spent = time.perf_counter() - t0
+                self.book.observe(plan, spent)
+                self.shares.observe(spent, {self._prio(r) for r in [*plan.decode, *(p[0] for p in plan.prefill)]})
                 break
             except torch.cuda.OutOfMemoryError as e:  # the safety net under the page pool
                 self._out_of_memory(plan, out, e)

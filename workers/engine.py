@@ -85,7 +85,7 @@ class LLMEngine:
                              num_pages=max(1, self.kv_capacity_tokens // s.kv_page_tokens),
                              page_size=s.kv_page_tokens, token_budget=s.step_token_budget,
                              max_preemptions=s.max_preemptions, emulate=s.emulate_lengths, swap=self.swap_plan(),
-                             max_rows=s.continuous_max_rows,
+                             max_rows=s.continuous_max_rows, marginal_cost=s.continuous_marginal_cost,
                              shares=StepShares(span=s.offline_priority, slowdown=s.background_slowdown,
                                                min_duty=s.background_min_duty))
 

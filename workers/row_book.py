@@ -16,7 +16,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batcher.elastic import eviction_order, running_set_fits
+from batcher.row_cost import OnlineStepCost
 from batcher.row_priority import least_urgent
+from cohort.settings import Settings
+
+DEFAULT_MAX_ROWS = Settings.model_fields["continuous_max_rows"].default  # vLLM's max_num_seqs
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -81,10 +85,15 @@ class RowBook:
     """
 
     def __init__(self, num_pages: int, page_size: int = 16, token_budget: int = 512,
-                 max_preemptions: int = 8, max_rows: int = 1 << 30) -> None:
+                 max_preemptions: int = 8, max_rows: int = DEFAULT_MAX_ROWS, marginal_cost: float = 0.0,
+                 step_cost: OnlineStepCost | None = None) -> None:
         self.pool = PagePool(num_pages)
         self.page_size, self.token_budget, self.max_preemptions = page_size, token_budget, max_preemptions
         self.max_rows = max_rows  # most rows running at once (COHORT_CONTINUOUS_MAX_ROWS)
+        # a row joins while it pays for itself on this instance's own steps (batcher.row_cost,
+        # COHORT_CONTINUOUS_MARGINAL_COST); the executor's caller feeds ``step_cost`` each step
+        self.marginal_cost = marginal_cost
+        self.step_cost = step_cost if step_cost is not None else OnlineStepCost()
         self.rows: dict[str, BookRow] = {}  # insertion order = admission order
 
     @property
@@ -162,7 +171,16 @@ class RowBook:
         ctx = [r.prompt_len + max(0, r.computed - r.prompt_len) for r in self.rows.values()]
         rem = [r.planned_remaining for r in self.rows.values()]
         return running_set_fits(ctx + [c for c, _ in joining], rem + [g for _, g in joining], self.page_size,
-                                self.capacity_tokens, self.max_rows)
+                                self.capacity_tokens, self.max_rows, self.step_cost, self.marginal_cost)
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """The executor ran ``plan`` (not committed yet) in ``seconds``: teach the step cost its
+        tokens and the context they attended to (each decode row its own, each prefill chunk its
+        row's cache up to the chunk's end)."""
+        tokens = len(plan.decode) + sum(n for _r, _s, n in plan.prefill)
+        kv = sum(self.rows[r].computed + 1 for r in plan.decode if r in self.rows)
+        kv += sum(start + n for _r, start, n in plan.prefill)
+        self.step_cost.observe(tokens, kv, seconds)
 
     @property
     def capacity_tokens(self) -> int:

@@ -142,3 +142,31 @@ def test_the_row_cap_binds_cohort_policies_not_the_baseline():
     assert capped.metrics["completed"] == free.metrics["completed"] == len(reqs)
     # the cap is a scheduling choice: the physical bound stays the engine's, the same for every policy
     assert capped.extra["physical_bound_rps"] == cb.extra["physical_bound_rps"]
+
+
+def test_the_marginal_cost_rule_binds_cohort_policies_not_the_baseline():
+    """COHORT_CONTINUOUS_MARGINAL_COST: on a step bound by the rows themselves a cohort policy's
+    instance stops admitting rows that no longer pay for themselves; cb-fcfs has no such rule, and
+    every request is still answered."""
+    reqs = trace(1500, rate=3000.0, long_frac=0.5)
+    held = run(reqs, "spf", tokens=400_000, marginal_cost=0.5)
+    free = run(reqs, "spf", tokens=400_000, marginal_cost=0.0)
+    cb = run(reqs, "cb-fcfs", tokens=400_000, marginal_cost=0.5)
+    cb_free = run(reqs, "cb-fcfs", tokens=400_000, marginal_cost=0.0)
+    assert held.metrics["mean_batch_size"] < 0.9 * free.metrics["mean_batch_size"]
+    assert cb.metrics["mean_batch_size"] == cb_free.metrics["mean_batch_size"]
+    assert held.metrics["completed"] == free.metrics["completed"] == len(reqs)
+
+
+@pytest.mark.parametrize(("gpu", "model", "binds"), [("v100-32gb", "chatglm-6b", True),
+                                                      ("h100-80gb", "llama-7b", False)])
+def test_the_default_marginal_cost_binds_where_the_rows_bound_the_step(gpu, model, binds):
+    """The documented behaviour of the default (docs/benchmarks.md): 256 rows of 150 tokens
+    pay for themselves on H100 / Llama-7B (a step's fixed part dominates) but not on V100 /
+    ChatGLM-6B (compute-bound), where the rule lets in about 223."""
+    from batcher.row_cost import row_pays
+    from bench.continuous_run import DEFAULT_MARGINAL_COST
+
+    tm = instance(gpu, model).time_model()
+    assert row_pays(tm, 256, 256 * 150, DEFAULT_MARGINAL_COST) is not binds
+    assert row_pays(tm, 200, 200 * 150, DEFAULT_MARGINAL_COST)

@@ -78,3 +78,42 @@ def test_fits_plans_the_kv_peak_of_running_and_joining_rows():
     # before it leaves: 64 + 2r, plus half a page per row (16): r = 24 fills the 128 exactly
     assert book.fits([(32, 24)])
     assert not book.fits([(32, 25)])
+
+
+class _LinearCost:
+    def __init__(self, a: float, b: float) -> None:
+        self.a, self.b = a, b
+        self.seen: list[tuple[int, int, float]] = []
+
+    def decode_seconds(self, rows: int, context_tokens: float) -> float:
+        return self.a + self.b * rows
+
+    def observe(self, tokens: int, kv_tokens: int, seconds: float) -> None:
+        self.seen.append((tokens, kv_tokens, seconds))
+
+
+def test_a_row_joins_only_while_it_pays_for_itself_on_the_steps():
+    """COHORT_CONTINUOUS_MARGINAL_COST: with steps of 10 + rows seconds and a limit of 0.5 a row
+    pays up to 10 rows (``batcher.row_cost.row_pays``), pages and the row cap to spare."""
+    cost = _LinearCost(10.0, 1.0)
+    book = RowBook(num_pages=1000, page_size=16, marginal_cost=0.5, step_cost=cost)  # type: ignore[arg-type]
+    book.admit([BookRow(f"r{i}", 16, planned_remaining=4) for i in range(9)])
+    assert book.fits([(16, 4)])
+    assert not book.fits([(16, 4), (16, 4)])
+    book.release("r0")
+    assert book.fits([(16, 4), (16, 4)])
+    assert RowBook(num_pages=1000, page_size=16, step_cost=cost).fits([(16, 4)] * 40)  # type: ignore[arg-type]
+
+
+def test_the_book_teaches_its_step_cost_each_step():
+    cost = _LinearCost(1.0, 0.0)
+    book = RowBook(num_pages=100, page_size=16, token_budget=40, step_cost=cost)  # type: ignore[arg-type]
+    book.admit([BookRow("a", 10), BookRow("b", 50)])
+    plan = book.plan_step()                    # a's whole prompt, then 30 of b's
+    book.observe(plan, 0.25)
+    assert cost.seen == [(40, 10 + 30, 0.25)]
+    book.commit(plan)
+    book.commit(book.plan_step())              # a decodes its first token, b prefills its last 20
+    plan = book.plan_step()                    # both decode, each attending to its own cache + the new token
+    book.observe(plan, 0.1)
+    assert cost.seen[-1] == (2, (11 + 1) + (50 + 1), 0.1)
