@@ -49,24 +49,25 @@ def row_pays(cost: DecodeStepCost | None, rows: int, context_tokens: int, limit:
 
 
 class OnlineStepCost:
-    """A worker's step cost learnt from its own steps: seconds ≈ a + b·tokens + c·kv_tokens, where
-    tokens are the step's decode rows plus prefill tokens and kv_tokens the context they attend to.
-    Least squares over the steps seen, older ones forgotten geometrically (``decay`` per step), so
-    a changed machine or model is followed within a few hundred steps; refitted every ``refit``
-    steps. Until ``min_steps`` steps, or when the steps never varied enough to tell the terms
-    apart, it answers None."""
+    """A worker's step cost learnt from its own steps: seconds ≈ a + b·decode rows + p·prefill
+    tokens + c·kv_tokens, kv_tokens being the context the step's tokens attend to. A decode row and
+    a prefill token are separate terms: a packed prefill runs its tokens as one matrix product,
+    while every decode row has its own attention (and, on a CPU, its own cache lane). Least squares
+    over the steps seen, older ones forgotten geometrically (``decay`` per step), so a changed
+    machine or model is followed within a few hundred steps; refitted every ``refit`` steps; every term is kept non-negative. Until ``min_steps`` steps it
+    answers None."""
 
     def __init__(self, decay: float = 0.995, min_steps: int = 64, refit: int = 32) -> None:
         self.decay, self.min_steps, self.refit = decay, min_steps, refit
-        self._xx = np.zeros((3, 3))
-        self._xy = np.zeros(3)
+        self._xx = np.zeros((4, 4))
+        self._xy = np.zeros(4)
         self.steps = 0
         self._coef: np.ndarray | None = None
 
-    def observe(self, tokens: int, kv_tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
+    def observe(self, decode_rows: int, prefill_tokens: int, kv_tokens: int, seconds: float) -> None:
+        if decode_rows + prefill_tokens <= 0 or seconds <= 0:
             return
-        x = np.array([1.0, float(tokens), float(kv_tokens)])
+        x = np.array([1.0, float(decode_rows), float(prefill_tokens), float(kv_tokens)])
         self._xx = self.decay * self._xx + np.outer(x, x)
         self._xy = self.decay * self._xy + x * seconds
         self.steps += 1
@@ -74,23 +75,31 @@ class OnlineStepCost:
             self._coef = self._solve()
 
     def _solve(self) -> np.ndarray | None:
-        # scale the columns so a tiny ridge term regularises all three alike
-        scale = np.sqrt(np.maximum(np.diag(self._xx), 1e-12))
-        a = self._xx / np.outer(scale, scale)
-        coef = np.linalg.solve(a + 1e-6 * np.eye(3), self._xy / scale) / scale
-        if not np.all(np.isfinite(coef)) or coef[1] < 0 or coef[0] + coef[1] <= 0:
-            return None
-        coef[2] = max(coef[2], 0.0)
-        coef[0] = max(coef[0], 0.0)
-        return coef
+        # no term of a step's cost is negative: a term the unconstrained fit makes negative (noise,
+        # or two terms that moved together) is dropped and the rest refitted
+        active = [0, 1, 2, 3]
+        scale = np.sqrt(np.maximum(np.diag(self._xx), 1e-12))   # so a tiny ridge treats every term alike
+        while active:
+            idx = np.array(active)
+            s = scale[idx]
+            xx = self._xx[np.ix_(idx, idx)] / np.outer(s, s)
+            sol = np.linalg.solve(xx + 1e-6 * np.eye(len(idx)), self._xy[idx] / s) / s
+            if not np.all(np.isfinite(sol)):
+                return None
+            if sol.min() >= 0:
+                coef = np.zeros(4)
+                coef[idx] = sol
+                return coef if coef[0] + coef[1] > 0 else None
+            active.pop(int(np.argmin(sol)))
+        return None
 
     @property
-    def coefficients(self) -> tuple[float, float, float] | None:
-        """(a, b, c) of the current fit, or None."""
-        return None if self._coef is None else (float(self._coef[0]), float(self._coef[1]), float(self._coef[2]))
+    def coefficients(self) -> tuple[float, float, float, float] | None:
+        """(a, b, p, c) of the current fit: fixed, per decode row, per prefill token, per context token."""
+        return None if self._coef is None else tuple(float(v) for v in self._coef)  # type: ignore[return-value]
 
     def decode_seconds(self, rows: int, context_tokens: float) -> float | None:
         if self._coef is None:
             return None
-        a, b, c = self._coef
+        a, b, _p, c = self._coef
         return float(a + b * rows + c * context_tokens)

@@ -12,15 +12,17 @@ path and the simulator would.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from batcher.elastic import eviction_order, running_set_fits
-from batcher.row_cost import OnlineStepCost
+from batcher.row_cost import OnlineStepCost, row_pays
 from batcher.row_priority import least_urgent
 from cohort.settings import Settings
 
 DEFAULT_MAX_ROWS = Settings.model_fields["continuous_max_rows"].default  # vLLM's max_num_seqs
+log = logging.getLogger(__name__)
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -94,6 +96,7 @@ class RowBook:
         # COHORT_CONTINUOUS_MARGINAL_COST); the executor's caller feeds ``step_cost`` each step
         self.marginal_cost = marginal_cost
         self.step_cost = step_cost if step_cost is not None else OnlineStepCost()
+        self._cost_logged = False
         self.rows: dict[str, BookRow] = {}  # insertion order = admission order
 
     @property
@@ -177,10 +180,19 @@ class RowBook:
         """The executor ran ``plan`` (not committed yet) in ``seconds``: teach the step cost its
         tokens and the context they attended to (each decode row its own, each prefill chunk its
         row's cache up to the chunk's end)."""
-        tokens = len(plan.decode) + sum(n for _r, _s, n in plan.prefill)
+        prefill = sum(n for _r, _s, n in plan.prefill)
         kv = sum(self.rows[r].computed + 1 for r in plan.decode if r in self.rows)
         kv += sum(start + n for _r, start, n in plan.prefill)
-        self.step_cost.observe(tokens, kv, seconds)
+        self.step_cost.observe(len(plan.decode), prefill, kv, seconds)
+        if not self._cost_logged and self.marginal_cost and (coef := self.step_cost.coefficients) is not None:
+            self._cost_logged = True
+            a, b, p, c = coef
+            most = next((n for n in range(2, self.max_rows + 1)
+                         if not row_pays(self.step_cost, n, n * 256, self.marginal_cost)), None)
+            log.info("step cost learnt from %d steps: %.2f ms + %.4f ms per decode row + %.4f ms per prefill "
+                     "token + %.3f us per context token; rows of 256-token context pay for themselves up to %s",
+                     self.step_cost.steps, a * 1e3, b * 1e3, p * 1e3, c * 1e6,
+                     most - 1 if most else f"the row cap ({self.max_rows})")
 
     @property
     def capacity_tokens(self) -> int:

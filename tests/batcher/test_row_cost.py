@@ -46,24 +46,27 @@ def test_online_step_cost_learns_the_steps_terms():
     est = OnlineStepCost(min_steps=64)
     assert est.decode_seconds(10, 1000) is None
     for k in range(400):
-        tokens = rng.randint(1, 200)
-        kv = tokens * rng.randint(50, 800)
-        est.observe(tokens, kv, (0.002 + 1e-4 * tokens + 2e-7 * kv) * rng.uniform(0.98, 1.02))
+        rows = rng.randint(1, 200)
+        prefill = rng.choice([0, 0, rng.randint(16, 512)])   # most steps only decode
+        kv = rows * rng.randint(50, 800) + prefill * rng.randint(1, 400)
+        true = 0.002 + 1e-4 * rows + 2e-5 * prefill + 2e-7 * kv
+        est.observe(rows, prefill, kv, true * rng.uniform(0.98, 1.02))
         if k == 62:
             assert est.coefficients is None     # not before min_steps
-    a, b, c = est.coefficients
+    a, b, p, c = est.coefficients
     assert a == pytest.approx(0.002, rel=0.15)
     assert b == pytest.approx(1e-4, rel=0.1)
+    assert p == pytest.approx(2e-5, rel=0.1)
     assert c == pytest.approx(2e-7, rel=0.1)
     assert est.decode_seconds(64, 64 * 400) == pytest.approx(0.002 + 64e-4 + 2e-7 * 64 * 400, rel=0.05)
 
 
 def test_online_step_cost_ignores_empty_steps_and_survives_steps_that_never_vary():
     est = OnlineStepCost(min_steps=8, refit=1)
-    est.observe(0, 0, 0.01)                     # nothing ran
-    est.observe(5, 100, 0.0)                    # no time measured
+    est.observe(0, 0, 0, 0.01)                  # nothing ran
+    est.observe(5, 0, 100, 0.0)                 # no time measured
     assert est.steps == 0
     for _ in range(50):
-        est.observe(4, 400, 0.003)              # one shape only: the terms cannot be told apart
+        est.observe(4, 0, 400, 0.003)           # one shape only: the terms cannot be told apart
     got = est.decode_seconds(4, 400)
     assert got is None or got == pytest.approx(0.003, rel=0.05)

@@ -88,8 +88,10 @@ class _LinearCost:
     def decode_seconds(self, rows: int, context_tokens: float) -> float:
         return self.a + self.b * rows
 
-    def observe(self, tokens: int, kv_tokens: int, seconds: float) -> None:
-        self.seen.append((tokens, kv_tokens, seconds))
+    def observe(self, decode_rows: int, prefill_tokens: int, kv_tokens: int, seconds: float) -> None:
+        self.seen.append((decode_rows, prefill_tokens, kv_tokens, seconds))
+
+    coefficients = None
 
 
 def test_a_row_joins_only_while_it_pays_for_itself_on_the_steps():
@@ -111,9 +113,9 @@ def test_the_book_teaches_its_step_cost_each_step():
     book.admit([BookRow("a", 10), BookRow("b", 50)])
     plan = book.plan_step()                    # a's whole prompt, then 30 of b's
     book.observe(plan, 0.25)
-    assert cost.seen == [(40, 10 + 30, 0.25)]
+    assert cost.seen == [(0, 40, 10 + 30, 0.25)]
     book.commit(plan)
     book.commit(book.plan_step())              # a decodes its first token, b prefills its last 20
     plan = book.plan_step()                    # both decode, each attending to its own cache + the new token
     book.observe(plan, 0.1)
-    assert cost.seen[-1] == (2, (11 + 1) + (50 + 1), 0.1)
+    assert cost.seen[-1] == (2, 0, (11 + 1) + (50 + 1), 0.1)
