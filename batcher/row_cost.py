@@ -9,10 +9,11 @@ row's steps; and with shortest-first admission the requests a full running set k
 the long ones. So a row joins only while its marginal cost is at most ``limit`` × the mean cost
 per row of the running set it joins (the step's *make-up*, not a fixed row count decides).
 
-Measured in the simulator (docs/benchmarks.md "A row cap from the step's make-up"): on V100 /
-ChatGLM-6B, compute-bound at ~200 rows, 0.815 binds near 224 rows and takes spf's mean latency
+Measured (docs/benchmarks.md "A row cap from the step's make-up"): on the simulator's V100 /
+ChatGLM-6B, compute-bound from ~170 rows, 0.815 binds near 223 rows and takes spf's mean latency
 from 0.73 to 0.70x cb-fcfs; on H100 / Llama-7B, bound by its fixed part, it never binds (a fixed
-224-row cap cost 0.76 -> 0.86x there); on the CPU worker (tiny model) 64 rows sit at 0.64.
+224-row cap cost 0.76 -> 0.86x there); the CPU worker (tiny model) measured its rows paying for
+themselves up to ~118, beyond the 64 groups it runs at once.
 
 ``row_pays`` is the rule; the step cost comes from the roofline in the simulator
 (``bench.roofline.RooflineBatchTime.decode_seconds``) and, on a live worker, from its own steps
@@ -48,17 +49,24 @@ def row_pays(cost: DecodeStepCost | None, rows: int, context_tokens: int, limit:
     return (full - less) * rows <= limit * full
 
 
+MIN_FIXED_SHARE = 0.01  # a fitted fixed part below this share of the mean step is not trusted
+
+
 class OnlineStepCost:
     """A worker's step cost learnt from its own steps: seconds ≈ a + b·decode rows + p·prefill
     tokens + c·kv_tokens, kv_tokens being the context the step's tokens attend to. A decode row and
     a prefill token are separate terms: a packed prefill runs its tokens as one matrix product,
     while every decode row has its own attention (and, on a CPU, its own cache lane). Least squares
     over the steps seen, older ones forgotten geometrically (``decay`` per step), so a changed
-    machine or model is followed within a few hundred steps; refitted every ``refit`` steps; every term is kept non-negative. Until ``min_steps`` steps it
-    answers None."""
+    machine or model is followed within a few hundred steps; refitted every ``refit`` steps; every
+    term is kept non-negative. It answers None until ``min_steps`` steps, and while the steps it
+    remembers have not varied their decode rows by at least ``min_row_spread`` (standard
+    deviation): with the row count nearly constant — one row for a while — the fixed part and the
+    per-row part cannot be told apart, and a guessed split would cap rows on no evidence; and when
+    the fit finds no fixed part at all (it would let no second row join)."""
 
-    def __init__(self, decay: float = 0.995, min_steps: int = 64, refit: int = 32) -> None:
-        self.decay, self.min_steps, self.refit = decay, min_steps, refit
+    def __init__(self, decay: float = 0.995, min_steps: int = 64, refit: int = 32, min_row_spread: float = 2.0) -> None:
+        self.decay, self.min_steps, self.refit, self.min_row_spread = decay, min_steps, refit, min_row_spread
         self._xx = np.zeros((4, 4))
         self._xy = np.zeros(4)
         self.steps = 0
@@ -74,7 +82,17 @@ class OnlineStepCost:
         if self.steps >= self.min_steps and (self._coef is None or self.steps % self.refit == 0):
             self._coef = self._solve()
 
+    def row_spread(self) -> float:
+        """Standard deviation of the decode rows over the remembered steps (weighted as the fit is)."""
+        w = self._xx[0, 0]
+        if w <= 0:
+            return 0.0
+        mean = self._xx[0, 1] / w
+        return float(np.sqrt(max(0.0, self._xx[1, 1] / w - mean * mean)))
+
     def _solve(self) -> np.ndarray | None:
+        if self.row_spread() < self.min_row_spread:
+            return None
         # no term of a step's cost is negative: a term the unconstrained fit makes negative (noise,
         # or two terms that moved together) is dropped and the rest refitted
         active = [0, 1, 2, 3]
@@ -89,7 +107,10 @@ class OnlineStepCost:
             if sol.min() >= 0:
                 coef = np.zeros(4)
                 coef[idx] = sol
-                return coef if coef[0] + coef[1] > 0 else None
+                # a step with (next to) no fixed part would make every second row cost as much as
+                # the first: no engine runs so, and trusting such a fit would stop all batching
+                mean_step = self._xy[0] / self._xx[0, 0]
+                return coef if coef[0] >= MIN_FIXED_SHARE * mean_step else None
             active.pop(int(np.argmin(sol)))
         return None
 

@@ -70,3 +70,26 @@ def test_online_step_cost_ignores_empty_steps_and_survives_steps_that_never_vary
         est.observe(4, 0, 400, 0.003)           # one shape only: the terms cannot be told apart
     got = est.decode_seconds(4, 400)
     assert got is None or got == pytest.approx(0.003, rel=0.05)
+
+
+def test_a_cost_learnt_from_one_row_at_a_time_does_not_cap_rows():
+    """With the decode rows never varying the fixed and per-row parts cannot be told apart: no
+    fit, so the rule does not bind on a guess; a spread of row counts gives one."""
+    rng = random.Random(1)
+    est = OnlineStepCost(min_steps=16, refit=1)
+    for _ in range(300):
+        est.observe(1, rng.choice([0, 64]), rng.randint(10, 400), 0.003 * rng.uniform(0.98, 1.02))
+    assert est.row_spread() < 1 and est.coefficients is None
+    assert row_pays(est, 5, 500, 0.815)
+    for _ in range(300):
+        rows = rng.randint(1, 64)
+        est.observe(rows, 0, rows * 100, 0.002 + 1e-4 * rows)
+    assert est.row_spread() > 2 and est.coefficients is not None
+
+
+def test_a_fit_without_a_fixed_part_is_not_trusted():
+    """Steps proportional to their rows would let no second row join: not a fit to act on."""
+    est = OnlineStepCost(min_steps=16, refit=1)
+    for rows in list(range(1, 40)) * 4:
+        est.observe(rows, 0, rows * 50, 1e-4 * rows)
+    assert est.coefficients is None and row_pays(est, 2, 100, 0.815)

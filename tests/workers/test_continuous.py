@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from batcher.preemption import SwapLink
+from batcher.row_cost import OnlineStepCost
 from cohort.protocol import FailureCode, FinishReason
 from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest, SamplingParams
@@ -90,6 +91,20 @@ def test_groups_join_mid_run_and_greedy_equals_generate(engine, refs):
                 for bid, rs in (("A", a), ("B", b)) for r in rs}
     assert streamed == {r.id: got[r.id].tokens for r in a + b}
     assert run.book.free_tokens == run.book.capacity_tokens
+
+
+def test_the_run_prices_rows_with_its_own_measured_steps(engine):
+    """COHORT_CONTINUOUS_MARGINAL_COST on a real run: every step the executor runs teaches the
+    book's step cost (``batcher.row_cost.OnlineStepCost``), which the join rule then reads."""
+    run = make_run(engine, emulate=True, marginal_cost=0.815)
+    run.book.step_cost = OnlineStepCost(min_steps=8, refit=1, min_row_spread=0.3)
+    reqs = [req(i, PROMPTS[i], max_tokens=30, emulated_tokens=n) for i, n in ((0, 20), (1, 12), (2, 16))]
+    drive(run, {0: [("A", reqs[:2])], 3: [("B", reqs[2:])]}, engine)
+    cost = run.book.step_cost
+    assert cost.steps >= 20                     # one observation per step that ran work
+    assert cost.coefficients is not None and min(cost.coefficients) >= 0
+    assert cost.decode_seconds(1, 16) > 0
+    assert run.book.marginal_cost == 0.815
 
 
 def test_rows_leave_as_they_finish_and_a_group_ends_with_its_last_row(engine):
