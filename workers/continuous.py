@@ -175,6 +175,8 @@ class ContinuousRun:
             try:
                 t0 = time.perf_counter()
                 logits = self.executor.run(plan, self.ids, self._hook, hooked) if plan.prefill or plan.decode else {}
+                if self.device.type == "cuda":  # the kernels run after launch: time the step, not its launch
+                    torch.cuda.synchronize(self.device)  # (sampling waits for them next anyway)
                 spent = time.perf_counter() - t0
                 self.book.observe(plan, spent)
                 self.shares.observe(spent, {self._prio(r) for r in [*plan.decode, *(p[0] for p in plan.prefill)]})
