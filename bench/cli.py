@@ -112,6 +112,9 @@ def sim(
                                         help="continuous: a row joins a cohort policy's instance while its marginal "
                                         "step cost is at most this share of the running rows' mean "
                                         "(COHORT_CONTINUOUS_MARGINAL_COST; 0 = off); cb-fcfs has no such rule."),
+    learnt_step_cost: bool = typer.Option(False, help="continuous: price that rule on a step cost learnt from the "
+                                          "simulated steps (batcher.row_cost.OnlineStepCost, as a live worker "
+                                          "learns its own) instead of the roofline itself."),
     spf_aging: float = typer.Option(DEFAULT_AGING, help="spf: predicted tokens of rank gained per second waiting."),
     online_quantile: bool = typer.Option(True, help="continuous, with --predictor: plan each arrival with the "
                                          "online recalibrated quantile fed by the simulated completions (the live "
@@ -163,7 +166,7 @@ def sim(
                                max_input_tokens=max_input_tokens, max_tokens_limit=max_tokens,
                                params=params, progress=bar.update, headroom=headroom, execution=ex,
                                oom_recovery=rec, max_preemptions=max_preemptions, group_frac=group_frac, max_rows=max_rows,
-                               marginal_cost=marginal_cost,
+                               marginal_cost=marginal_cost, learnt_step_cost=learnt_step_cost,
                                online=OnlineQuantile(ConformalTable.load(pred)) if online else None)
             if not batch_time:
                 res.metrics["physical_bound_rps"] = physical_bound(lists[oracle], tm, inst.memory, instances,
@@ -176,6 +179,7 @@ def sim(
                   "max_input_tokens": max_input_tokens, "headroom": headroom,
                   "quantile": "online" if online_quantile and pred is not None else "static", "rate": r, "group_frac": group_frac,
                   "max_rows": max_rows, "marginal_cost": marginal_cost,
+                  "step_cost": "learnt" if learnt_step_cost else "roofline",
                   "execution": modes, "oom_recovery": oom_recovery, "max_preemptions": max_preemptions,
                   "sim": sim_info}
         by_rate[f"{r:g}"] = {"config": config, "policies": results}

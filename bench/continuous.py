@@ -162,12 +162,16 @@ class ContinuousEngine:
     def __init__(self, tm: RooflineBatchTime, scheduler: Scheduler, limits: EngineLimits, stats: StepStats,
                  settle: Settle, first_token: Callable[[int, float], None], seq: list[int],
                  preemption: PreemptionMode = "recompute", link: SwapLink | None = None,
-                 dispatched: Callable[[int, float], None] | None = None) -> None:
+                 dispatched: Callable[[int, float], None] | None = None,
+                 step_observer: Callable[[int, int, int, float], None] | None = None) -> None:
         if preemption != "recompute" and link is None:
             raise ValueError("swap and adaptive preemption need the host link (GPU preset's PCIe bandwidth)")
         self.preemption = preemption
         self.link = link
         self.dispatched = dispatched   # a row joins (first scheduled: weighted turnaround)
+        # each step's (decode rows, prefill tokens, context tokens attended, seconds), as a live
+        # worker feeds its learnt step cost (``batcher.row_cost.OnlineStepCost.observe``)
+        self.step_observer = step_observer
         self.transfer = 0.0   # PCIe seconds of the step being built
         self.tm = tm
         self.sched = scheduler
@@ -326,7 +330,10 @@ class ContinuousEngine:
         if not self.limits.chunked_prefill and not d_rows:   # vLLM 0.2.5 pads every prompt to the longest
             width = float(max(n for _, n in sched))
             p_tok, p_pairs = width * len(sched), len(sched) * width * width / 2.0
-        end = now + self.tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads) + self.transfer
+        compute = self.tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads)
+        if self.step_observer is not None:
+            self.step_observer(int(d_rows), int(p_tok), int(d_reads + p_reads + p_tok), compute)
+        end = now + compute + self.transfer
         st = self.stats
         st.transfer_s += self.transfer
         self.transfer = 0.0

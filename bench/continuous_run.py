@@ -26,6 +26,7 @@ import numpy as np
 from batcher.memory import KVMemory
 from batcher.policies import PolicyContext, make_policy, planning_memory
 from batcher.preemption import SwapLink
+from batcher.row_cost import DecodeStepCost
 from bench.continuous import ContinuousEngine, EngineLimits, Scheduler, SimInstance, StepStats
 from bench.continuous_sched import AdaptiveFairScheduler, FCFSScheduler, GroupScheduler
 from bench.metrics import SimResult, TraceBook
@@ -58,9 +59,11 @@ def engine_limits(policy: str, limits: EngineLimits, max_rows: int) -> EngineLim
 
 def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime, limits: EngineLimits,
                    params: dict[str, Any], max_input_tokens: int, max_tokens_limit: int, headroom: float,
-                   group_frac: float, max_preemptions: int, marginal_cost: float = DEFAULT_MARGINAL_COST) -> Scheduler:
+                   group_frac: float, max_preemptions: int, marginal_cost: float = DEFAULT_MARGINAL_COST,
+                   step_cost: DecodeStepCost | None = None) -> Scheduler:
     """``cb-fcfs`` or a cohort policy (by base name) planning groups with Θ·group_frac, its rows
-    joining while they pay for themselves on the roofline's step (``marginal_cost``)."""
+    joining while they pay for themselves (``marginal_cost``) on ``step_cost``: the roofline's
+    step by default, or a cost learnt from the simulated steps as a live worker learns its own."""
     if policy == CB_FCFS:
         return FCFSScheduler(limits)
     if policy == ADAPTIVE_FAIR:
@@ -68,20 +71,23 @@ def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime,
     plan_mem = planning_memory(policy, memory, headroom, group_frac)
     ctx = PolicyContext(memory=plan_mem, estimator=time_model, max_input_tokens=max_input_tokens,
                         max_tokens_limit=max_tokens_limit, elastic=True)
-    return GroupScheduler(make_policy(policy, ctx, **params), limits, max_preemptions, time_model, marginal_cost)
+    return GroupScheduler(make_policy(policy, ctx, **params), limits, max_preemptions,
+                          time_model if step_cost is None else step_cost, marginal_cost)
 
 
 def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, scheduler: Scheduler, memory: KVMemory,
                         time_model: RooflineBatchTime, instances: int, limits: EngineLimits,
                         progress: Callable[[int], None] | None = None, preemption: PreemptionMode = "recompute",
                         link: SwapLink | None = None, host_pages: int = 0,
-                        online: OnlineQuantile | None = None, bound_limits: EngineLimits | None = None) -> SimResult:
+                        online: OnlineQuantile | None = None, bound_limits: EngineLimits | None = None,
+                        step_observer: Callable[[int, int, int, float], None] | None = None) -> SimResult:
     """Run the trace (sorted by arrival, ``true_tokens`` set) on ``instances`` continuous engines,
     each with ``host_pages`` of swap pool behind ``link`` (``preemption``: ``bench.continuous``).
     ``online``: arrivals are planned with the online quantile, fed by the completions
     (``bench.online_quantile``); None plans with the trace's own bounds. ``bound_limits``: the
     engine's limits for the physical bound when ``limits`` carry a cohort policy's own row cap
-    (a scheduling choice, not the hardware's: every policy of a run is measured against one bound)."""
+    (a scheduling choice, not the hardware's: every policy of a run is measured against one bound).
+    ``step_observer`` sees every step as a live worker's learnt step cost does."""
     if not hasattr(time_model, "step_seconds"):
         raise ValueError("continuous execution needs the roofline time model (a step cost), not a fitted one")
     t0 = time.perf_counter()
@@ -101,7 +107,7 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
                 online.completed(requests[j])
 
     engine = ContinuousEngine(time_model, scheduler, limits, stats, settle, book.first_token, [0],
-                              preemption, link, book.dispatched)
+                              preemption, link, book.dispatched, step_observer)
     heap: list[tuple[float, int]] = []
     idle = set(range(instances))
     i, now = 0, 0.0

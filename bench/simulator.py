@@ -43,6 +43,7 @@ from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import PolicyContext, make_policy, planning_memory
 from batcher.policies.base import BatchTimeModel
 from batcher.preemption import SwapLink
+from batcher.row_cost import OnlineStepCost
 from batcher.wma import total_wma, wma_gen
 from bench.continuous import EngineLimits
 from bench.continuous_run import (
@@ -123,7 +124,7 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
              limits: EngineLimits = EngineLimits(), group_frac: float = DEFAULT_GROUP_FRAC,
              preemption: PreemptionMode = "recompute", link: SwapLink | None = None, host_pages: int = 0,
              online: OnlineQuantile | None = None, max_rows: int = DEFAULT_MAX_ROWS,
-             marginal_cost: float = DEFAULT_MARGINAL_COST) -> SimResult:
+             marginal_cost: float = DEFAULT_MARGINAL_COST, learnt_step_cost: bool = False) -> SimResult:
     """Run one policy over a request trace (sorted by arrival) on ``instances`` identical instances.
 
     ``requests`` must carry ``true_tokens``; the policy reads ``predicted_tokens`` (build the
@@ -138,7 +139,9 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     The defaults are the papers' (static, split). ``execution="continuous"`` runs steps instead
     (``bench.continuous``: ``limits`` are the engine's, cohort policies plan admission groups with
     Θ·``group_frac`` and run at most ``max_rows`` rows per instance, each joining while its
-    marginal step cost is at most ``marginal_cost`` × the mean per row; ``cb-fcfs`` is vLLM's default
+    marginal step cost is at most ``marginal_cost`` × the mean per row — priced on the roofline,
+    or with ``learnt_step_cost`` on a cost learnt from the simulated steps (``OnlineStepCost``, one
+    for the run's identical instances) as a live worker prices it; ``cb-fcfs`` is vLLM's default
     scheduler, ``adaptive-fair`` AdaptiveLLM's) on
     the roofline time model, preempting by ``preemption`` (swap: ``host_pages`` behind ``link``),
     planning arrivals with ``online``'s current quantile when given (``bench.online_quantile``).
@@ -147,10 +150,13 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
         base, _ = parse_policy(policy)
         params = {"threshold": DEFAULT_THRESHOLD, **(params or {})}
         run_limits = engine_limits(base, limits, max_rows)
+        learnt = OnlineStepCost() if learnt_step_cost and base not in ENGINE_SCHEDULERS else None
         sched = make_scheduler(base, memory, time_model, run_limits, params, max_input_tokens,  # type: ignore[arg-type]
-                               max_tokens_limit, headroom, group_frac, max_preemptions, marginal_cost)
+                               max_tokens_limit, headroom, group_frac, max_preemptions, marginal_cost, learnt)
         res = simulate_continuous(requests, policy, sched, memory, time_model, instances, run_limits,  # type: ignore[arg-type]
-                                  progress, preemption, link, host_pages, online, bound_limits=limits)
+                                  progress, preemption, link, host_pages, online, bound_limits=limits,
+                                  step_observer=learnt.observe if learnt is not None else None)
+        res.extra["step_cost"] = "learnt" if learnt is not None else "roofline"
         res.extra["params"] = dict(params)
         return res
     t0 = time.perf_counter()

@@ -170,3 +170,16 @@ def test_the_default_marginal_cost_binds_where_the_rows_bound_the_step(gpu, mode
     tm = instance(gpu, model).time_model()
     assert row_pays(tm, 256, 256 * 150, DEFAULT_MARGINAL_COST) is not binds
     assert row_pays(tm, 200, 200 * 150, DEFAULT_MARGINAL_COST)
+
+
+def test_a_step_cost_learnt_from_the_steps_binds_as_the_roofline_does():
+    """``learnt_step_cost``: the rule priced on ``OnlineStepCost`` fed by the simulated steps (a
+    live worker's way) holds the running set back as the roofline's own cost does."""
+    reqs = trace(1500, rate=3000.0, long_frac=0.5)
+    roofline = run(reqs, "spf", tokens=400_000, marginal_cost=0.5)
+    learnt = run(reqs, "spf", tokens=400_000, marginal_cost=0.5, learnt_step_cost=True)
+    free = run(reqs, "spf", tokens=400_000, marginal_cost=0.0, learnt_step_cost=True)
+    assert learnt.extra["step_cost"] == "learnt" and roofline.extra["step_cost"] == "roofline"
+    assert learnt.metrics["mean_batch_size"] < 0.9 * free.metrics["mean_batch_size"]
+    assert learnt.metrics["mean_batch_size"] == pytest.approx(roofline.metrics["mean_batch_size"], rel=0.1)
+    assert learnt.metrics["completed"] == len(reqs)
