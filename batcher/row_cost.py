@@ -17,7 +17,9 @@ themselves up to ~118, beyond the 64 groups it runs at once.
 
 ``row_pays`` is the rule; the step cost comes from the roofline in the simulator
 (``bench.roofline.RooflineBatchTime.decode_seconds``) and, on a live worker, from its own steps
-(``OnlineStepCost``). Pure Python and NumPy: the worker and the simulator share it.
+(``OnlineStepCost``; a CUDA worker only — on a CPU the step times also measure the processes
+sharing its cores, ``workers.engine.LLMEngine.marginal_cost``). Pure Python and NumPy: the worker
+and the simulator share it.
 """
 
 from __future__ import annotations

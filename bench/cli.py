@@ -108,13 +108,10 @@ def sim(
                                      "planned with."),
     max_rows: int = typer.Option(DEFAULT_MAX_ROWS, help="continuous: most rows a cohort policy's instance runs at "
                                  "once (COHORT_CONTINUOUS_MAX_ROWS); cb-fcfs keeps vLLM's 256."),
-    marginal_cost: float = typer.Option(DEFAULT_MARGINAL_COST, min=0.0, max=1.0,
-                                        help="continuous: a row joins a cohort policy's instance while its marginal "
-                                        "step cost is at most this share of the running rows' mean "
-                                        "(COHORT_CONTINUOUS_MARGINAL_COST; 0 = off); cb-fcfs has no such rule."),
+    marginal_cost: float = typer.Option(DEFAULT_MARGINAL_COST, min=0.0, max=1.0, help="continuous: "
+                                        "COHORT_CONTINUOUS_MARGINAL_COST for cohort policies (0 = off; batcher.row_cost)."),
     learnt_step_cost: bool = typer.Option(False, help="continuous: price that rule on a step cost learnt from the "
-                                          "simulated steps (batcher.row_cost.OnlineStepCost, as a live worker "
-                                          "learns its own) instead of the roofline itself."),
+                                          "simulated steps (OnlineStepCost, as a worker does), not the roofline."),
     spf_aging: float = typer.Option(DEFAULT_AGING, help="spf: predicted tokens of rank gained per second waiting."),
     online_quantile: bool = typer.Option(True, help="continuous, with --predictor: plan each arrival with the "
                                          "online recalibrated quantile fed by the simulated completions (the live "

@@ -152,7 +152,9 @@ class Settings(BaseSettings):
         "decode-step cost is at most this share of the running rows' mean cost per row (0 = off; "
         "batcher.row_cost). The step's make-up decides how many rows run: where steps are bound by the rows "
         "(V100 / ChatGLM-6B in the simulator, ~223 rows) another row buys little throughput and slows every "
-        "row; where a step's fixed part dominates (H100 / Llama-7B) it never binds; the CPU worker measured ~118. "
+        "row; where a step's fixed part dominates (H100 / Llama-7B) it never binds. A CUDA worker learns its step "
+        "cost from its own steps; a CPU worker does not apply the rule (its step times measure the processes "
+        "sharing its cores). "
         "Simulator, saturated Magnus trace: spf mean latency 0.73 -> 0.70x cb-fcfs on V100, unchanged on "
         "H100; docs/benchmarks.md.")
     kv_page_tokens: int = Field(default=16, ge=1, description="continuous: tokens per KV page.")
