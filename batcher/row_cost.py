@@ -43,9 +43,8 @@ def row_pays(cost: DecodeStepCost | None, rows: int, context_tokens: int, limit:
     rule caps how many rows run, it does not rank rows by their prompts). ``limit`` 0: off."""
     if limit <= 0 or cost is None or rows <= 1:
         return True
-    per_row = context_tokens / rows
-    full = cost.decode_seconds(rows, per_row * rows)
-    less = cost.decode_seconds(rows - 1, per_row * (rows - 1))
+    full = cost.decode_seconds(rows, context_tokens)
+    less = cost.decode_seconds(rows - 1, context_tokens * (rows - 1) / rows)
     if full is None or less is None or full <= 0:
         return True
     return (full - less) * rows <= limit * full

@@ -179,7 +179,10 @@ class RowBook:
     def observe(self, plan: StepPlan, seconds: float) -> None:
         """The executor ran ``plan`` (not committed yet) in ``seconds``: teach the step cost its
         tokens and the context they attended to (each decode row its own, each prefill chunk its
-        row's cache up to the chunk's end)."""
+        row's cache up to the chunk's end). Nothing to learn while the rule is off: no one reads it,
+        and this runs on the decode thread every step."""
+        if not self.marginal_cost:
+            return
         prefill = sum(n for _r, _s, n in plan.prefill)
         kv = sum(self.rows[r].computed + 1 for r in plan.decode if r in self.rows)
         kv += sum(start + n for _r, start, n in plan.prefill)

@@ -109,7 +109,8 @@ def test_a_row_joins_only_while_it_pays_for_itself_on_the_steps():
 
 def test_the_book_teaches_its_step_cost_each_step():
     cost = _LinearCost(1.0, 0.0)
-    book = RowBook(num_pages=100, page_size=16, token_budget=40, step_cost=cost)  # type: ignore[arg-type]
+    book = RowBook(num_pages=100, page_size=16, token_budget=40, marginal_cost=0.815,
+                   step_cost=cost)  # type: ignore[arg-type]
     book.admit([BookRow("a", 10), BookRow("b", 50)])
     plan = book.plan_step()                    # a's whole prompt, then 30 of b's
     book.observe(plan, 0.25)
@@ -119,3 +120,12 @@ def test_the_book_teaches_its_step_cost_each_step():
     plan = book.plan_step()                    # both decode, each attending to its own cache + the new token
     book.observe(plan, 0.1)
     assert cost.seen[-1] == (2, 0, (11 + 1) + (50 + 1), 0.1)
+
+
+def test_a_book_with_the_rule_off_learns_nothing():
+    """COHORT_CONTINUOUS_MARGINAL_COST 0 (or a CPU worker): the decode thread skips the fit."""
+    cost = _LinearCost(1.0, 0.0)
+    book = RowBook(num_pages=100, page_size=16, token_budget=40, step_cost=cost)  # type: ignore[arg-type]
+    book.admit([BookRow("a", 10)])
+    book.observe(book.plan_step(), 0.25)
+    assert cost.seen == []
