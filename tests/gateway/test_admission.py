@@ -60,7 +60,9 @@ def test_more_urgent_request_enters_a_full_queue(tmp_path):
     async def scenario():
         async with gateway(tmp_path, max_pending=1, request_timeout_s=0.15) as (app, client, redis):
             first = asyncio.create_task(client.post("/v1/generate", json={"input": "a", "priority": 5}))
-            await asyncio.sleep(0.1)
+            deadline = time.monotonic() + 10.0  # its profiling may be slow on a busy CPU: wait until it is queued
+            while await redis.llen(KEYS.incoming) < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             await redis.set(KEYS.worst_priority, 5)  # what the batcher publishes once it has taken it
             same = await client.post("/v1/generate", json={"input": "b", "priority": 5})
             urgent = asyncio.create_task(client.post("/v1/chat/completions", json={"messages": MSG, "priority": -2}))
