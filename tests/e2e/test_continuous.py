@@ -76,25 +76,33 @@ def test_request_that_cannot_fit_alone_fails_507(stack):
 
 
 def test_worker_killed_with_several_groups_running_loses_nothing(stack):
-    # 200 tokens each, sent 0.05 s apart: on a fast CPU a 120-token request sent 0.3 s after the
-    # last had finished before its successor joined, no two groups ever ran at once, and the kill
-    # found nothing to requeue (a flaky run: 60 s of waiting, then requeues 0)
-    bodies = [{"input": f"long job {i}", "max_tokens": 200, "emulated_tokens": 200} for i in range(4)]
+    # Two groups must run at once when the worker dies. By construction: a 500-token blocker is
+    # seen running before the 200-token jobs are sent, so they join beside it (on a fast CPU four
+    # jobs sent one after another could each finish before the next joined: the kill then found
+    # nothing to requeue).
+    blocker = {"input": "long job blocker", "max_tokens": 500, "emulated_tokens": 500}
+    bodies = [{"input": f"long job {i}", "max_tokens": 200, "emulated_tokens": 200} for i in range(3)]
 
-    async def scenario() -> list[httpx.Response]:
-        task = asyncio.create_task(_post_all(stack.url, bodies, stagger_s=0.05))
+    async def running_groups(at_least: int) -> None:
         deadline = time.time() + 60
-        while time.time() < deadline:  # until the worker runs at least two groups at once
+        while time.time() < deadline:
             running = [k for k in stack.redis.scan_iter("cohort:batch:*:admitted")
                        if not stack.redis.exists(k.replace(":admitted", ":done"))]
-            if len(running) >= 2:
-                break
+            if len(running) >= at_least:
+                return
             await asyncio.sleep(0.05)
+        raise AssertionError(f"fewer than {at_least} groups ran at once within 60 s")
+
+    async def scenario() -> list[httpx.Response]:
+        first = asyncio.create_task(_post_all(stack.url, [blocker]))
+        await running_groups(1)
+        rest = asyncio.create_task(_post_all(stack.url, bodies, stagger_s=0.05))
+        await running_groups(2)
         stack.kill("worker")
         stack.spawn("worker2", "worker")
-        return await task
+        return (await first) + (await rest)
 
     responses = asyncio.run(scenario())
     assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
-    assert [r.json()["generated_tokens"] for r in responses] == [200] * 4
+    assert [r.json()["generated_tokens"] for r in responses] == [500, 200, 200, 200]
     assert int(stack.redis.hget("cohort:stats", "requeues") or 0) >= 2
