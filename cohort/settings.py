@@ -249,6 +249,10 @@ class Settings(BaseSettings):
     predictor_online_min_rows: int = Field(
         default=30, ge=1, description="Scores a group needs before its own online bound is used "
         "(fewer: the pool-wide online bound, then the model's static table).")
+    predictor_online_clusters: int = Field(
+        default=8, ge=0, description="Prompt clusters (k of an online k-means over the instruction's static "
+        "MiniLM vector) that unlabelled traffic is calibrated in, between the instruction and the pool-wide "
+        "group; 0: none. See predictor/prompt_clusters.py and docs/predictors.md.")
     predictor_online_correction: bool = Field(
         default=True, description="Also correct the point prediction online: a forgetting ridge on the log "
         "residual over cross-source cues, learnt from completions (needs COHORT_PREDICTOR_ONLINE_CONFORMAL).")

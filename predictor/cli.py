@@ -347,6 +347,8 @@ def replay_command(
     online: bool = typer.Option(True, help="Online conformal recalibration (off: the static table only)."),
     gamma: float | None = typer.Option(None, help="ACI step size (default COHORT_PREDICTOR_ONLINE_GAMMA)."),
     online_window: int | None = typer.Option(None, help="Online window (default COHORT_PREDICTOR_ONLINE_WINDOW)."),
+    shuffle: int | None = typer.Option(None, help="Interleave the files' rows in a random order with this seed "
+                                       "(mixed traffic) instead of one file after the other."),
 ) -> None:
     """Stream rows in order through predict → complete → learn (the live code path) and report
     τ, MAE and q90 coverage per window of rows and over the last rows. Starts from a fresh online
@@ -359,6 +361,10 @@ def replay_command(
         raise typer.BadParameter("--part must be all, train or val")
     base = _settings()
     recs = load_split(data, part, limit_per_file=limit_per_file)
+    if shuffle is not None:
+        import random
+
+        random.Random(shuffle).shuffle(recs)
     items, y = records_to_items(recs, base.model)
     if not task_labels:
         items = [PredictItem(it.instruction, it.user_input, it.input_tokens) for it in items]
@@ -375,7 +381,8 @@ def replay_command(
         res = replay(svc, items, y, sources=np.array([r.task for r in recs]), chunk=chunk, window=window,
                      final=final, progress=True)
         svc.close()
-    res = {"model": str(model), "data": [str(p) for p in data], "part": part, "task_labels": task_labels, **res}
+    res = {"model": str(model), "data": [str(p) for p in data], "part": part, "task_labels": task_labels,
+           "shuffle": shuffle, "clusters": base.predictor_online_clusters, **res}
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(res, indent=2))
     if plot is not None:

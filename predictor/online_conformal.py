@@ -6,7 +6,8 @@ model under-predicts code answers), so the q90 bound covered 66 % of new rows in
 one row in three outgrew its memory plan. Coverage has to come back by itself, from the lengths
 the model actually produces, within a few hundred completions.
 
-The rule, per group (model pool × task, else pool × application instruction, else pool-wide):
+The rule, per group (model pool × task, else pool × application instruction, then pool × prompt
+cluster where ``predictor.prompt_clusters`` has one, else pool-wide):
 - a **rolling window** of the last ``window`` scores ``s = log1p(actual) − log1p(point)`` (the
   same score as the static table, so the two agree on what "covered" means);
 - **adaptive conformal inference** (Gibbs & Candès 2021) on the level: after each completion
@@ -95,13 +96,15 @@ class OnlineConformal:
 
     # --- groups ---------------------------------------------------------------------------------
     @staticmethod
-    def keys(item: PredictItem, pool: str | None = None) -> tuple[str, ...]:
-        """Groups of ``item``, most specific first: (pool × task, else pool × instruction), pool-wide,
-        then the same two across pools (a caller that does not name its pool still gets a bound
-        learnt from every completion)."""
+    def keys(item: PredictItem, pool: str | None = None, cluster: str | None = None) -> tuple[str, ...]:
+        """Groups of ``item``, most specific first: (pool × task, else pool × instruction), pool ×
+        prompt cluster (``predictor.prompt_clusters``; None: not clustered), pool-wide, then the same
+        across pools (a caller that does not name its pool still gets a bound learnt from every
+        completion)."""
         own = task_key(item.task) if item.task else instruction_key(item.instruction)
-        shared = (f"|{own}", f"|{GLOBAL}")
-        return shared if not pool else (f"{pool}|{own}", f"{pool}|{GLOBAL}", *shared)
+        mine = (own, cluster, GLOBAL) if cluster else (own, GLOBAL)
+        shared = tuple(f"|{k}" for k in mine)
+        return shared if not pool else (*(f"{pool}|{k}" for k in mine), *shared)
 
     def _state(self, key: str) -> GroupState:
         g = self.groups.get(key)
@@ -122,10 +125,11 @@ class OnlineConformal:
         cap never binds, are unchanged to the last digit (docs/predictors.md)."""
         return 1.0 - (1.0 - self.level) / 2.0
 
-    def group_quantile(self, item: PredictItem, pool: str | None, static: ConformalTable | None) -> float:
+    def group_quantile(self, item: PredictItem, pool: str | None, static: ConformalTable | None,
+                       cluster: str | None = None) -> float:
         """The log-ratio bound for ``item``: its first online group with ``min_rows`` scores, else the
         static table."""
-        for key in self.keys(item, pool):
+        for key in self.keys(item, pool, cluster):
             g = self.groups.get(key)
             q = None if g is None else g.quantile(self.min_rows, self.max_level)
             if q is not None:
@@ -136,36 +140,41 @@ class OnlineConformal:
 
     # --- the two calls --------------------------------------------------------------------------
     def upper(self, items: Sequence[PredictItem], point: np.ndarray, static: ConformalTable | None = None,
-              pool: str | None | Sequence[str | None] = None) -> np.ndarray:
+              pool: str | None | Sequence[str | None] = None,
+              clusters: Sequence[str | None] | None = None) -> np.ndarray:
         """Current upper bound per item (≥ point; +inf when nothing at all is calibrated).
-        ``pool``: one model pool for all items, or one per item."""
+        ``pool``: one model pool for all items, or one per item; ``clusters``: each item's prompt
+        cluster key (None: not clustered)."""
         p = np.maximum(np.asarray(point, float), 0.0)
         pools = _per_item(pool, len(items))
+        cls = [None] * len(items) if clusters is None else list(clusters)
         memo: dict[tuple[str, ...], float] = {}  # one window sort per group and call, not per item
         q = np.empty(len(items))
-        for i, (it, pl) in enumerate(zip(items, pools, strict=True)):
-            keys = (*self.keys(it, pl), static.group_of(it) if static is not None else "")
+        for i, (it, pl, cl) in enumerate(zip(items, pools, cls, strict=True)):
+            keys = (*self.keys(it, pl, cl), static.group_of(it) if static is not None else "")
             if keys not in memo:
-                memo[keys] = self.group_quantile(it, pl, static)
+                memo[keys] = self.group_quantile(it, pl, static, cl)
             q[i] = memo[keys]
         return np.maximum(np.expm1(np.log1p(p) + np.maximum(q, 0.0)), p)
 
     def update(self, items: Sequence[PredictItem], point: np.ndarray, actual: np.ndarray,
                upper: np.ndarray | None = None, static: ConformalTable | None = None,
-               pool: str | None | Sequence[str | None] = None) -> None:
+               pool: str | None | Sequence[str | None] = None,
+               clusters: Sequence[str | None] | None = None) -> None:
         """Learn from completed rows, in completion order. ``upper`` = the bounds the rows were
         planned with (NaN where unknown, e.g. rows logged before the log DB kept the bound); where
-        it is unknown the current bound stands in for it."""
+        it is unknown the current bound stands in for it. ``clusters``: as for ``upper``."""
         s = scores(actual, point)
         pools = _per_item(pool, len(items))
+        cls = [None] * len(items) if clusters is None else list(clusters)
         for i, it in enumerate(items):
             if upper is None or not np.isfinite(upper[i]):
-                bound = float(self.upper([it], np.asarray([point[i]]), static, pools[i])[0])
+                bound = float(self.upper([it], np.asarray([point[i]]), static, pools[i], [cls[i]])[0])
             else:
                 bound = float(upper[i])
             err = float(float(actual[i]) > bound)
             self.updates += 1
-            for key in self.keys(it, pools[i]):
+            for key in self.keys(it, pools[i], cls[i]):
                 g = self._state(key)
                 g.alpha += self.gamma * ((1.0 - self.level) - err)
                 g.alpha = min(max(g.alpha, -1.0), 1.0)  # bounded (ACI's α stays in [−γ, 1+γ] anyway)

@@ -1,7 +1,8 @@
 """The online state of one predictor service (issue 20): the conformal windows, the residual
-correction and the log-DB cursor, in one JSON file written atomically.
+correction, the prompt clusters and the log-DB cursor, in one JSON file written atomically.
 
-Why one file: the two parts and the cursor must move together — after a restart the service
+Why one file: the parts and the cursor must move together (and a cluster key in the windows
+must name the clusters saved beside them) — after a restart the service
 must not learn a completion twice (cursor behind the state) or skip one (cursor ahead of it).
 It lives next to the registry's versions (``<data_dir>/models/predictor/online_state.json``).
 """
@@ -15,24 +16,28 @@ from typing import Any
 
 from predictor.online_conformal import OnlineConformal
 from predictor.online_residual import OnlineResidual
+from predictor.prompt_clusters import PromptClusters
 
 STATE_FILE = "online_state.json"
 
 
-def save_state(path: str | Path, conformal: OnlineConformal, residual: OnlineResidual | None) -> None:
-    """Write both parts (the cursor is the conformal part's) via a temporary file + ``os.replace``."""
+def save_state(path: str | Path, conformal: OnlineConformal, residual: OnlineResidual | None,
+               clusters: PromptClusters | None = None) -> None:
+    """Write every part (the cursor is the conformal part's) via a temporary file + ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"conformal": conformal.to_dict(), "residual": None if residual is None else residual.to_dict()}
+    state = {"conformal": conformal.to_dict(), "residual": None if residual is None else residual.to_dict(),
+             "clusters": None if clusters is None else clusters.to_dict()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, path)
 
 
-def load_state(path: str | Path, conformal_opts: dict[str, Any], residual_opts: dict[str, Any] | None
-               ) -> tuple[OnlineConformal, OnlineResidual | None]:
+def load_state(path: str | Path, conformal_opts: dict[str, Any], residual_opts: dict[str, Any] | None,
+               cluster_opts: dict[str, Any] | None = None
+               ) -> tuple[OnlineConformal, OnlineResidual | None, PromptClusters | None]:
     """The saved state (settings override its parameters), or fresh parts when there is none or it
-    cannot be read. ``residual_opts`` None: no residual correction."""
+    cannot be read. ``residual_opts`` / ``cluster_opts`` None: no residual correction / no clusters."""
     try:
         d = json.loads(Path(path).read_text())
         conformal = OnlineConformal.from_dict(d["conformal"], **conformal_opts)
@@ -40,6 +45,11 @@ def load_state(path: str | Path, conformal_opts: dict[str, Any], residual_opts: 
         residual = None
         if residual_opts is not None:
             residual = OnlineResidual.from_dict({**saved, **residual_opts}) if saved else OnlineResidual(**residual_opts)
-        return conformal, residual
+        clusters = None
+        if cluster_opts is not None:
+            kept = d.get("clusters")
+            clusters = PromptClusters.from_dict(kept, **cluster_opts) if kept else PromptClusters(**cluster_opts)
+        return conformal, residual, clusters
     except (OSError, ValueError, KeyError, TypeError):
-        return OnlineConformal(**conformal_opts), None if residual_opts is None else OnlineResidual(**residual_opts)
+        return (OnlineConformal(**conformal_opts), None if residual_opts is None else OnlineResidual(**residual_opts),
+                None if cluster_opts is None else PromptClusters(**cluster_opts))

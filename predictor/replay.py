@@ -29,6 +29,7 @@ from predictor.service import PredictorService
 
 WINDOW_ROWS = 250
 FINAL_ROWS = 500
+MAX_MARKED_SHIFTS = 12  # more source changes than this: interleaved traffic, plotted per source
 
 
 def _window_metrics(actual: np.ndarray, point: np.ndarray, upper: np.ndarray | None,
@@ -79,7 +80,7 @@ def replay(service: PredictorService, items: Sequence[PredictItem], actual: np.n
     has_up = not np.isnan(upper).all()
     has_static = table is not None
 
-    def metrics(sel: slice) -> dict[str, Any]:
+    def metrics(sel: slice | np.ndarray) -> dict[str, Any]:
         return _window_metrics(actual[sel], point[sel], upper[sel] if has_up else None,
                                static[sel] if has_static else None, raw[sel])
 
@@ -89,11 +90,21 @@ def replay(service: PredictorService, items: Sequence[PredictItem], actual: np.n
         w = {"rows": sel.stop, "first_row": start, **metrics(sel)}
         if sources is not None:
             w["source"] = max(set(sources[sel]), key=list(sources[sel]).count)
+            if has_up:  # mixed traffic: is each kind covered, not only the mixture?
+                w["q90_coverage_per_source"] = {
+                    str(name): coverage(actual[sel][m], upper[sel][m]) for name in dict.fromkeys(sources[sel])
+                    if (m := np.asarray(sources[sel]) == name).sum() >= 10}
         windows.append(w)
     segments = [] if sources is None else [
         {"source": str(sources[i]), "first_row": i} for i in range(n) if i == 0 or sources[i] != sources[i - 1]]
+    last = np.arange(n) >= n - final
+    picked = {} if sources is None else {
+        str(name): np.flatnonzero(last & (np.asarray(sources) == name)) for name in dict.fromkeys(sources)}
+    per_source = {name: metrics(idx) for name, idx in picked.items() if len(idx) > 1}
     return {"rows": n, "chunk": chunk, "window": window, "windows": windows, "segments": segments,
             "final": metrics(slice(max(0, n - final), n)),
+            # each source's rows among the last ``final``: on mixed traffic, coverage per kind of request
+            "final_per_source": per_source,
             "online": None if service.online is None else {
                 "window": service.online.window, "gamma": service.online.gamma,
                 "min_rows": service.online.min_rows, "level": service.online.level}}
@@ -118,10 +129,17 @@ def plot_replay(result: dict[str, Any], out: Path, title: str) -> None:
     ax1.axhspan(0.85, 0.95, color="green", alpha=0.08)
     ax1.set_ylabel(f"q90 coverage per {result['window']} rows")
     ax1.set_ylim(0.4, 1.02)
-    for seg in result.get("segments", [])[1:]:  # where the source changes (the shift)
-        for ax in (ax1, ax2):
-            ax.axvline(seg["first_row"], color="red", lw=1, alpha=0.6)
-        ax1.text(seg["first_row"], 0.42, f" → {seg['source']}", color="red", fontsize=7)
+    segments = result.get("segments", [])
+    if len(segments) <= MAX_MARKED_SHIFTS:
+        for seg in segments[1:]:  # where the source changes (the shift)
+            for ax in (ax1, ax2):
+                ax.axvline(seg["first_row"], color="red", lw=1, alpha=0.6)
+            ax1.text(seg["first_row"], 0.42, f" → {seg['source']}", color="red", fontsize=7)
+    else:  # interleaved sources: one online coverage line per source instead of a marker per change
+        for name in dict.fromkeys(k for w in ws for k in w.get("q90_coverage_per_source", {})):
+            pts = [(w["rows"], w["q90_coverage_per_source"][name]) for w in ws
+                   if name in w.get("q90_coverage_per_source", {})]
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], ".:", lw=1, label=f"online, {name} rows")
     ax1.legend(fontsize=8, loc="lower right")
     ax1.set_title(title)
     ax2.plot(x, [w["tau"] for w in ws], "o-", color="tab:purple", label="τ, online-corrected")

@@ -19,7 +19,8 @@ The upper quantile is the *current* one (issue 20): with ``COHORT_PREDICTOR_ONLI
 (default on) the service reads completed requests from the log DB every
 ``predictor_online_interval_s`` (off the event loop), corrects the point prediction by a
 residual model learnt online (``predictor.online_residual``, ``COHORT_PREDICTOR_ONLINE_CORRECTION``)
-and recalibrates the bound online per pool × task / instruction (``predictor.online_conformal``);
+and recalibrates the bound online per pool × task / instruction / prompt cluster
+(``predictor.online_conformal``, ``predictor.prompt_clusters``);
 the state is saved next to the registry's versions (``predictor.online_state``), so a restart
 continues from it. ``observe`` is that learning step, shared by the live
 path and ``cohort predictor replay``.
@@ -47,6 +48,7 @@ from predictor.loading import load_predictor
 from predictor.online_conformal import OnlineConformal
 from predictor.online_residual import OnlineResidual
 from predictor.online_state import STATE_FILE, load_state, save_state
+from predictor.prompt_clusters import PromptClusters
 from predictor.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -102,8 +104,9 @@ class PredictorService:
         self.online_path = self.registry.root / STATE_FILE
         self.online: OnlineConformal | None = None
         self.residual: OnlineResidual | None = None
+        self.clusters: PromptClusters | None = None
         if settings.predictor_online_conformal:
-            self.online, self.residual = self._load_online()
+            self.online, self.residual, self.clusters = self._load_online()
         self._syncing = False
         self._next_sync = time.monotonic() + settings.predictor_online_interval_s
 
@@ -202,25 +205,29 @@ class PredictorService:
         point, upper = predict_bounds(model, items)
         if self.online is not None:
             static = getattr(model, "conformal", None)
+            clustered = self.clusters is not None and self.clusters.fitted is not None
+            vectors = self.clusters.vectors(items) if clustered else None  # no encoding before the first fit
             with self._online_lock:
                 if self.residual is not None:
                     self.residual.follow(version)
                     point = self.residual.correct(items, point, pools)
                     upper = None if static is None else static.upper(items, point)
-                live = self.online.upper(items, point, static, pools)
+                clusters = None if self.clusters is None else self.clusters.assign(items, vectors)
+                live = self.online.upper(items, point, static, pools, clusters)
             if upper is None and not np.isfinite(live).any():
                 return point, None, version
             upper = np.where(np.isfinite(live), live, point if upper is None else upper)
         return point, upper, version
 
     # --- online recalibration (issue 20) ----------------------------------------------------------
-    def _load_online(self) -> tuple[OnlineConformal, OnlineResidual | None]:
+    def _load_online(self) -> tuple[OnlineConformal, OnlineResidual | None, PromptClusters | None]:
         s = self.settings
         conformal = {"window": s.predictor_online_window, "gamma": s.predictor_online_gamma,
                      "min_rows": s.predictor_online_min_rows}
         residual = ({"forget": s.predictor_online_forget, "ridge": s.predictor_online_ridge}
                     if s.predictor_online_correction else None)
-        return load_state(self.online_path, conformal, residual)
+        clusters = {"k": s.predictor_online_clusters} if s.predictor_online_clusters > 0 else None
+        return load_state(self.online_path, conformal, residual, clusters)
 
     def observe(self, items: Sequence[PredictItem], point: np.ndarray, actual: np.ndarray,
                 upper: np.ndarray | None = None, pools: Sequence[str | None] | None = None,
@@ -234,13 +241,19 @@ class PredictorService:
         if self.residual is not None and raw is None and model is not None:
             # on the prediction thread: models keep LRU vector caches that one thread may touch at a time
             raw = np.asarray(self._executor.submit(model.predict, list(items)).result(), float)
+        vectors = None if self.clusters is None else self.clusters.vectors(items)
         with self._online_lock:
+            clusters = None if self.clusters is None else self.clusters.assign(items, vectors)
             self.online.update(items, np.asarray(point, float), np.asarray(actual, float),
                                None if upper is None else np.asarray(upper, float),
-                               getattr(model, "conformal", None), pools)
+                               getattr(model, "conformal", None), pools, clusters)
             if self.residual is not None and raw is not None:
                 self.residual.follow(self.version)
                 self.residual.update(items, raw, np.asarray(actual, float), pools)
+            # after the update: the rows were learnt under the keys they were planned with
+            refit = self.clusters is not None and self.clusters.observe(items, vectors)
+        if refit:  # outside the lock: predictions go on with the old centroids meanwhile
+            self.clusters.refit()
 
     def sync_completions(self, limit: int = 5000) -> int:
         """Read requests completed since the saved cursor from the log DB, ``observe`` them and save
@@ -262,7 +275,7 @@ class PredictorService:
                      pools=[r.get("model") for r in used])
         with self._online_lock:
             self.online.cursor = max(float(r["finished"]) for r in rows)
-            save_state(self.online_path, self.online, self.residual)
+            save_state(self.online_path, self.online, self.residual, self.clusters)
         return len(used)
 
     def _maybe_sync_background(self) -> None:

@@ -41,3 +41,35 @@ def test_cli_replay_windows_final_and_plot(data_paths, tmp_path, monkeypatch):
         assert not (tmp_path / "var" / "models").exists()  # a replay never touches the live online state
     finally:
         settings_mod.get_settings.cache_clear()
+
+
+@pytest.mark.data
+def test_cli_replay_of_interleaved_sources_reports_each_source(data_paths, tmp_path, monkeypatch):
+    """``--shuffle``: two tasks' rows interleaved (mixed, unlabelled traffic). The report covers each
+    source over the final rows and per window, the run says how many prompt clusters it used, and
+    the plot draws one coverage line per source instead of a marker per source change."""
+    from cohort import settings as settings_mod
+    from predictor.cli import app
+
+    monkeypatch.setenv("COHORT_DATA_DIR", str(tmp_path / "var"))
+    monkeypatch.setenv("COHORT_PREDICTOR_ONLINE_CLUSTERS", "2")
+    settings_mod.get_settings.cache_clear()
+    try:
+        runner = CliRunner()
+        td = [p for p in data_paths if p.name.startswith("td")][0]
+        code = [p for p in data_paths if p.name.startswith("ct_java_cs")][0]
+        r = runner.invoke(app, ["train", "--kind", "linear", "--data", str(td), "--out", str(tmp_path / "lin"),
+                                "--limit-per-file", "400"])
+        assert r.exit_code == 0, r.output
+        out, png = tmp_path / "mixed.json", tmp_path / "mixed.png"
+        r = runner.invoke(app, ["replay", "--model", str(tmp_path / "lin"), "--data", str(td), "--data", str(code),
+                                "--limit-per-file", "300", "--shuffle", "0", "--window", "200", "--final", "300",
+                                "--json", str(out), "--plot", str(png)])
+        assert r.exit_code == 0, r.output
+        res = json.loads(out.read_text())
+        assert res["shuffle"] == 0 and res["clusters"] == 2 and len(res["segments"]) > 12 and png.is_file()
+        assert set(res["final_per_source"]) == {"td", "ct_java_cs"}
+        assert sum(m["n"] for m in res["final_per_source"].values()) == 300
+        assert all(set(w["q90_coverage_per_source"]) == {"td", "ct_java_cs"} for w in res["windows"])
+    finally:
+        settings_mod.get_settings.cache_clear()
