@@ -241,7 +241,9 @@ class PredictorService:
         if self.residual is not None and raw is None and model is not None:
             # on the prediction thread: models keep LRU vector caches that one thread may touch at a time
             raw = np.asarray(self._executor.submit(model.predict, list(items)).result(), float)
-        vectors = None if self.clusters is None else self.clusters.vectors(items)
+        # on the prediction thread too: the static encoder's tokenizer is the one the models use, and a
+        # HF fast tokenizer called from two threads at once can fail ("Already borrowed")
+        vectors = None if self.clusters is None else self._executor.submit(self.clusters.vectors, list(items)).result()
         with self._online_lock:
             clusters = None if self.clusters is None else self.clusters.assign(items, vectors)
             self.online.update(items, np.asarray(point, float), np.asarray(actual, float),
