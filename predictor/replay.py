@@ -97,11 +97,14 @@ def replay(service: PredictorService, items: Sequence[PredictItem], actual: np.n
         windows.append(w)
     segments = [] if sources is None else [
         {"source": str(sources[i]), "first_row": i} for i in range(n) if i == 0 or sources[i] != sources[i - 1]]
+    mixed = len(segments) > MAX_MARKED_SHIFTS  # interleaved sources: a change at every other row says nothing
+    if mixed:
+        segments = []
     last = np.arange(n) >= n - final
     picked = {} if sources is None else {
         str(name): np.flatnonzero(last & (np.asarray(sources) == name)) for name in dict.fromkeys(sources)}
     per_source = {name: metrics(idx) for name, idx in picked.items() if len(idx) > 1}
-    return {"rows": n, "chunk": chunk, "window": window, "windows": windows, "segments": segments,
+    return {"rows": n, "chunk": chunk, "window": window, "windows": windows, "segments": segments, "mixed": mixed,
             "final": metrics(slice(max(0, n - final), n)),
             # each source's rows among the last ``final``: on mixed traffic, coverage per kind of request
             "final_per_source": per_source,
@@ -129,9 +132,8 @@ def plot_replay(result: dict[str, Any], out: Path, title: str) -> None:
     ax1.axhspan(0.85, 0.95, color="green", alpha=0.08)
     ax1.set_ylabel(f"q90 coverage per {result['window']} rows")
     ax1.set_ylim(0.4, 1.02)
-    segments = result.get("segments", [])
-    if len(segments) <= MAX_MARKED_SHIFTS:
-        for seg in segments[1:]:  # where the source changes (the shift)
+    if not result.get("mixed"):
+        for seg in result.get("segments", [])[1:]:  # where the source changes (the shift)
             for ax in (ax1, ax2):
                 ax.axvline(seg["first_row"], color="red", lw=1, alpha=0.6)
             ax1.text(seg["first_row"], 0.42, f" → {seg['source']}", color="red", fontsize=7)
