@@ -120,7 +120,8 @@ class PromptClusters:
             self.anchors = c.copy()
         else:
             moved = np.sum(c * self.anchors, axis=1) < RENAME_COS
-            generations = [g + 1 if m else g for g, m in zip(old[1], moved, strict=True)]
+            # a generation is the number of the fit it began at: never the same key twice for a slot
+            generations = [self.fits if m else g for g, m in zip(old[1], moved, strict=True)]
             self.anchors[moved] = c[moved]
         self.fitted = (c, generations)
         self.since_fit = 0
