@@ -5,6 +5,9 @@ replay benchmark measures coverage on recorded data; this reads it from the live
 gateway writes each request's planned bound (``requests.predicted_upper``) at admission and the
 worker its actual length at completion — so a deployment can check its coverage on its own traffic.
 Only rows a model planned count (``service.model_planned``, the same rule the online learner uses).
+Where the service has fitted prompt clusters (``predictor.prompt_clusters``, saved in its online
+state) the report also splits the rows by cluster, so an operator sees whether each kind of
+traffic is covered and not only the mixture. Rows are put in the clusters as they are *now*.
 """
 
 from __future__ import annotations
@@ -19,13 +22,19 @@ import typer
 
 from cohort.logdb import finished_requests, get_db_engine
 from cohort.settings import get_settings
+from predictor.base import PredictItem
+from predictor.online_state import STATE_FILE, load_state
+from predictor.prompt_clusters import PromptClusters
+from predictor.registry import Registry
 from predictor.service import model_planned
 
 
-def planned_coverage(rows: list[dict[str, Any]], last: int | None = None) -> dict[str, Any]:
+def planned_coverage(rows: list[dict[str, Any]], last: int | None = None,
+                     clusters: PromptClusters | None = None) -> dict[str, Any]:
     """Coverage of the logged planned bound per model pool and overall, over the last ``last`` rows
     (in completion order) that a model planned and that carry their bound; ``n`` 0 and coverage None
-    when there are none (e.g. a log DB written before the bound was logged)."""
+    when there are none (e.g. a log DB written before the bound was logged). With fitted
+    ``clusters``, also per prompt cluster."""
     used = [r for r in rows if model_planned(r) and r.get("predicted_upper") is not None]
     if last:
         used = used[-last:]
@@ -42,7 +51,24 @@ def planned_coverage(rows: list[dict[str, Any]], last: int | None = None) -> dic
     pools: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in used:
         pools[r.get("model") or ""].append(r)
-    return {"all": stats(used), "pools": {p: stats(rs) for p, rs in sorted(pools.items())}}
+    report = {"all": stats(used), "pools": {p: stats(rs) for p, rs in sorted(pools.items())}}
+    if clusters is not None and clusters.fitted is not None and used:
+        keys = clusters.assign([PredictItem(r.get("instruction") or "", r.get("user_input") or "",
+                                            int(r.get("input_tokens") or 0)) for r in used])
+        by_cluster: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r, key in zip(used, keys, strict=True):
+            by_cluster[str(key)].append(r)
+        report["clusters"] = {k: stats(rs) for k, rs in sorted(by_cluster.items())}
+    return report
+
+
+def saved_clusters() -> PromptClusters | None:
+    """The prompt clusters in the predictor service's saved online state (None: off or none yet)."""
+    s = get_settings()
+    if s.predictor_online_clusters <= 0:
+        return None
+    path = Registry(s.data_dir, "predictor").root / STATE_FILE
+    return load_state(path, {}, None, {"k": s.predictor_online_clusters})[2] if path.is_file() else None
 
 
 def coverage_command(
@@ -51,10 +77,12 @@ def coverage_command(
     json_out: Path = typer.Option(None, "--json", help="Write the report here too."),
 ) -> None:
     """Live q90 coverage: the share of completed requests that stayed within the bound they were
-    planned with, per model pool, read from the configured log DB."""
+    planned with, per model pool (and per prompt cluster once there are any), read from the
+    configured log DB."""
     engine = get_db_engine(get_settings().database_url)
     report = {"since_s": since_s, "last": last,
-              **planned_coverage(finished_requests(engine, since=time.time() - since_s), last or None)}
+              **planned_coverage(finished_requests(engine, since=time.time() - since_s), last or None,
+                                 saved_clusters())}
     typer.echo(json.dumps(report, indent=2))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,11 @@ import asyncio
 
 import numpy as np
 
-from cohort.logdb import finish_request, get_db_engine, record_request
+from cohort.logdb import finish_request, finished_requests, get_db_engine, record_request
 from predictor.base import PredictItem
 from predictor.baselines import MeanPredictor
 from predictor.conformal import GLOBAL, ConformalTable
+from predictor.live_coverage import planned_coverage
 from predictor.online_conformal import OnlineConformal
 from predictor.online_state import load_state, save_state
 from predictor.prompt_clusters import PromptClusters, cluster_text
@@ -143,3 +144,9 @@ def test_the_service_clusters_real_prompts_with_the_static_encoder(settings) -> 
     upper_a = asyncio.run(svc.predict_bounds(a, 2000)).upper
     upper_b = asyncio.run(svc.predict_bounds(b, 2000)).upper
     assert upper_a is not None and upper_b is not None and upper_a > 3 * upper_b
+    # `cohort predictor coverage` splits the logged rows by the clusters saved in the online state:
+    # every code row outgrew the 44 tokens it was planned with, every tool call stayed within it
+    _, _, saved = load_state(svc.online_path, {}, None, {"k": 4})
+    report = planned_coverage(finished_requests(engine, since=0.0), None, saved)
+    assert report["all"]["n"] == 120 and report["all"]["q90_coverage"] == 0.5
+    assert report["clusters"][ka]["q90_coverage"] == 0.0 and report["clusters"][kb]["q90_coverage"] == 1.0
