@@ -8,7 +8,10 @@ residual fitted online fixes most of it within a few hundred completions.
 
 The model: ``log1p(actual) − log1p(point) ≈ w · x`` with ``x`` = [1, log point, shape features,
 cross-source cues (``predictor.cues``), 128 hashed words of the request — the instruction's last
-line (where a long system-style preamble ends in the actual ask) and the input], a ridge regression with exponential forgetting (recursive
+line (where a long system-style preamble ends in the actual ask) and the input — and a one-hot of
+the request's prompt cluster (``predictor.prompt_clusters``; zeros before the clusters are fitted):
+a bias per kind of traffic, which the words of the ask alone do not carry when the kind is named
+earlier in the instruction, e.g. the tool a tool-use prompt grants], a ridge regression with exponential forgetting (recursive
 least squares in its batch form: ``A ← λA + xxᵀ``, ``b ← λb + x·r``, ``w = (A + αI)⁻¹ b``). The ridge
 pulls ``w`` to 0 (no correction) until completions say otherwise, so on traffic the model already
 predicts well the correction stays near zero; λ forgets old traffic (effective memory 1/(1−λ) rows).
@@ -43,12 +46,18 @@ def _ask(instruction: str) -> str:
     return lines[-1] if lines else instruction
 
 
-def correction_features(items: Sequence[PredictItem], point: np.ndarray) -> np.ndarray:
-    """[1, log1p(point) − 4, shape features, cues, hashed words] per item (centred logs keep the
-    ridge fair)."""
+def correction_features(items: Sequence[PredictItem], point: np.ndarray, slots: Sequence[int | None] | None = None,
+                        n_slots: int = 0) -> np.ndarray:
+    """[1, log1p(point) − 4, shape features, cues, hashed words, cluster one-hot of ``n_slots``] per
+    item (centred logs keep the ridge fair). ``slots``: each item's cluster number, None where it
+    has none."""
     lp = np.log1p(np.maximum(np.asarray(point, float), 0.0)).reshape(-1, 1) - 4.0
     words = _WORDS.transform([f"{_ask(it.instruction)} {it.user_input}" for it in items]).toarray()
-    return np.hstack([np.ones((len(items), 1)), lp, shape_features(items), cue_features(items), words])
+    onehot = np.zeros((len(items), n_slots))
+    for i, slot in enumerate(slots or ()):
+        if slot is not None and 0 <= slot < n_slots:
+            onehot[i, slot] = 1.0
+    return np.hstack([np.ones((len(items), 1)), lp, shape_features(items), cue_features(items), words, onehot])
 
 
 @dataclass
@@ -58,6 +67,7 @@ class OnlineResidual:
     forget: float = FORGET
     ridge: float = RIDGE
     min_rows: int = MIN_ROWS
+    clusters: int = 0  # prompt-cluster slots in the features (``COHORT_PREDICTOR_ONLINE_CLUSTERS``)
     a: dict[str, np.ndarray] = field(default_factory=dict)
     b: dict[str, np.ndarray] = field(default_factory=dict)
     n: dict[str, float] = field(default_factory=dict)  # forgetting-weighted row count
@@ -82,13 +92,18 @@ class OnlineResidual:
                 self._w[key] = np.linalg.solve(a + self.ridge * np.eye(len(a)), self.b[key])
         return self._w[key]
 
+    def features(self, items: Sequence[PredictItem], point: np.ndarray,
+                 slots: Sequence[int | None] | None = None) -> np.ndarray:
+        return correction_features(items, point, slots, self.clusters)
+
     def shift(self, items: Sequence[PredictItem], point: np.ndarray,
-              pools: Sequence[str | None] | None = None, x: np.ndarray | None = None) -> np.ndarray:
+              pools: Sequence[str | None] | None = None, x: np.ndarray | None = None,
+              slots: Sequence[int | None] | None = None) -> np.ndarray:
         """Log-space correction per item (0 where no pool has ``min_rows`` completions yet)."""
         if not items:
             return np.zeros(0)
         pools = list(pools) if pools is not None else [None] * len(items)
-        x = correction_features(items, point) if x is None else x
+        x = self.features(items, point, slots) if x is None else x
         out = np.zeros(len(items))
         cache: dict[str, np.ndarray | None] = {}
         for i, pool in enumerate(pools):
@@ -101,18 +116,18 @@ class OnlineResidual:
         return np.clip(out, -MAX_SHIFT, MAX_SHIFT)
 
     def correct(self, items: Sequence[PredictItem], point: np.ndarray,
-                pools: Sequence[str | None] | None = None) -> np.ndarray:
+                pools: Sequence[str | None] | None = None, slots: Sequence[int | None] | None = None) -> np.ndarray:
         """The corrected point prediction (≥ 1 token)."""
         p = np.asarray(point, float)
-        return np.maximum(np.expm1(np.log1p(np.maximum(p, 0.0)) + self.shift(items, p, pools)), 1.0)
+        return np.maximum(np.expm1(np.log1p(np.maximum(p, 0.0)) + self.shift(items, p, pools, slots=slots)), 1.0)
 
     def update(self, items: Sequence[PredictItem], point: np.ndarray, actual: np.ndarray,
-               pools: Sequence[str | None] | None = None) -> None:
+               pools: Sequence[str | None] | None = None, slots: Sequence[int | None] | None = None) -> None:
         """Learn from completed rows: ``point`` is the *model's* prediction, before correction."""
         if not items:
             return
         pools = list(pools) if pools is not None else [None] * len(items)
-        x = correction_features(items, point)
+        x = self.features(items, point, slots)
         r = np.log1p(np.maximum(np.asarray(actual, float), 0.0)) - np.log1p(np.maximum(np.asarray(point, float), 0))
         for key in {SHARED, *(p for p in pools if p)}:
             sel = np.array([key == SHARED or p == key for p in pools])
@@ -127,15 +142,16 @@ class OnlineResidual:
             self._w.pop(key, None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"forget": self.forget, "ridge": self.ridge, "min_rows": self.min_rows, "version": self.version,
+        return {"forget": self.forget, "ridge": self.ridge, "min_rows": self.min_rows, "clusters": self.clusters,
+                "version": self.version,
                 "a": {k: v.tolist() for k, v in self.a.items()}, "b": {k: v.tolist() for k, v in self.b.items()},
                 "n": self.n}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OnlineResidual:
         self = cls(forget=float(d["forget"]), ridge=float(d["ridge"]), min_rows=int(d["min_rows"]),
-                   version=d.get("version"))
-        width = correction_features([PredictItem("", "", 0)], np.ones(1)).shape[1]
+                   clusters=int(d.get("clusters", 0)), version=d.get("version"))
+        width = self.features([PredictItem("", "", 0)], np.ones(1)).shape[1]
         for k, v in d.get("a", {}).items():
             a = np.asarray(v, float)
             if a.shape == (width, width):  # a state written with other features is dropped, not misread

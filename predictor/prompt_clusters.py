@@ -48,6 +48,11 @@ def cluster_text(item: PredictItem) -> str:
     return instr[-TEXT_CHARS:] if instr else item.user_input[:TEXT_CHARS]
 
 
+def cluster_slot(key: str | None) -> int | None:
+    """The centroid number in a cluster key ``clu:<n>.<generation>`` (None for None)."""
+    return None if key is None else int(key.split(":", 1)[1].split(".", 1)[0])
+
+
 def _default_embed(texts: Sequence[str]) -> np.ndarray:
     from predictor.magnus_fast import static_encode  # loads the tokenizer and table once, on first use
 

@@ -48,7 +48,7 @@ from predictor.loading import load_predictor
 from predictor.online_conformal import OnlineConformal
 from predictor.online_residual import OnlineResidual
 from predictor.online_state import STATE_FILE, load_state, save_state
-from predictor.prompt_clusters import PromptClusters
+from predictor.prompt_clusters import PromptClusters, cluster_slot
 from predictor.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,10 @@ def _limit_threads(n: int) -> None:
     from threadpoolctl import threadpool_limits  # comes with scikit-learn
 
     threadpool_limits(limits=n, user_api="openmp")
+
+
+def _slots(keys: list[str | None] | None) -> list[int | None] | None:
+    return None if keys is None else [cluster_slot(k) for k in keys]
 
 
 class PredictorService:
@@ -208,11 +212,11 @@ class PredictorService:
             clustered = self.clusters is not None and self.clusters.fitted is not None
             vectors = self.clusters.vectors(items) if clustered else None  # no encoding before the first fit
             with self._online_lock:
+                clusters = None if self.clusters is None else self.clusters.assign(items, vectors)
                 if self.residual is not None:
                     self.residual.follow(version)
-                    point = self.residual.correct(items, point, pools)
+                    point = self.residual.correct(items, point, pools, _slots(clusters))
                     upper = None if static is None else static.upper(items, point)
-                clusters = None if self.clusters is None else self.clusters.assign(items, vectors)
                 live = self.online.upper(items, point, static, pools, clusters)
             if upper is None and not np.isfinite(live).any():
                 return point, None, version
@@ -224,8 +228,8 @@ class PredictorService:
         s = self.settings
         conformal = {"window": s.predictor_online_window, "gamma": s.predictor_online_gamma,
                      "min_rows": s.predictor_online_min_rows}
-        residual = ({"forget": s.predictor_online_forget, "ridge": s.predictor_online_ridge}
-                    if s.predictor_online_correction else None)
+        residual = ({"forget": s.predictor_online_forget, "ridge": s.predictor_online_ridge,
+                     "clusters": s.predictor_online_clusters} if s.predictor_online_correction else None)
         clusters = {"k": s.predictor_online_clusters} if s.predictor_online_clusters > 0 else None
         return load_state(self.online_path, conformal, residual, clusters)
 
@@ -251,7 +255,7 @@ class PredictorService:
                                getattr(model, "conformal", None), pools, clusters)
             if self.residual is not None and raw is not None:
                 self.residual.follow(self.version)
-                self.residual.update(items, raw, np.asarray(actual, float), pools)
+                self.residual.update(items, raw, np.asarray(actual, float), pools, _slots(clusters))
             # after the update: the rows were learnt under the keys they were planned with
             refit = self.clusters is not None and self.clusters.observe(items, vectors)
         if refit:  # outside the lock: predictions go on with the old centroids meanwhile

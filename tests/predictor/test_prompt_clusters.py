@@ -150,3 +150,36 @@ def test_the_service_clusters_real_prompts_with_the_static_encoder(settings) -> 
     report = planned_coverage(finished_requests(engine, since=0.0), None, saved)
     assert report["all"]["n"] == 120 and report["all"]["q90_coverage"] == 0.5
     assert report["clusters"][ka]["q90_coverage"] == 0.0 and report["clusters"][kb]["q90_coverage"] == 1.0
+
+
+def test_the_point_correction_learns_a_bias_per_cluster_that_the_words_of_the_ask_do_not_carry() -> None:
+    """Two kinds of prompts with the same last line (the ask) and the same input, told apart only
+    earlier in the instruction (as the tool a tool-use prompt grants): one answers 3x the model's
+    prediction, the other 1/3. Without clusters the correction can only split the difference; with
+    a slot per cluster it corrects each kind; a state saved with another number of slots is dropped
+    on loading, not misread."""
+    from predictor.online_residual import OnlineResidual
+
+    rng = np.random.default_rng(3)
+    kinds = rng.choice([0, 1], 800)
+    items = [PredictItem(f"tool: {'alpha' if k else 'omega'}\nAnswer the question.", "What is 7?", 5)
+             for k in kinds]
+    point = rng.uniform(20, 80, 800)
+    actual = np.expm1(np.log1p(point) + np.where(kinds == 1, np.log(3.0), -np.log(3.0)) + rng.normal(0, 0.1, 800))
+    slots = [int(k) for k in kinds]
+    plain, by_cluster = OnlineResidual(), OnlineResidual(clusters=2)
+    for i in range(0, 600, 50):
+        plain.update(items[i:i + 50], point[i:i + 50], actual[i:i + 50])
+        by_cluster.update(items[i:i + 50], point[i:i + 50], actual[i:i + 50], slots=slots[i:i + 50])
+
+    def worst(res: OnlineResidual, s) -> float:
+        got = res.correct(items[600:], point[600:], slots=s)
+        return float(np.abs(np.log1p(got) - np.log1p(actual[600:])).mean())
+
+    assert worst(plain, None) > 0.8  # log(3) ≈ 1.1: each kind still off by most of its factor
+    assert worst(by_cluster, slots[600:]) < 0.25
+    back = OnlineResidual.from_dict({**by_cluster.to_dict(), "clusters": 4})
+    assert back.a == {}  # features of another width: start again
+    same = OnlineResidual.from_dict(by_cluster.to_dict())
+    np.testing.assert_allclose(same.correct(items[600:], point[600:], slots=slots[600:]),
+                               by_cluster.correct(items[600:], point[600:], slots=slots[600:]))
