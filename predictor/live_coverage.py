@@ -22,11 +22,9 @@ import typer
 
 from cohort.logdb import finished_requests, get_db_engine
 from cohort.settings import get_settings
-from predictor.base import PredictItem
-from predictor.online_state import STATE_FILE, load_state
+from predictor.online_state import load_state, state_path
 from predictor.prompt_clusters import PromptClusters
-from predictor.registry import Registry
-from predictor.service import model_planned
+from predictor.service import logged_item, model_planned
 
 
 def planned_coverage(rows: list[dict[str, Any]], last: int | None = None,
@@ -53,8 +51,7 @@ def planned_coverage(rows: list[dict[str, Any]], last: int | None = None,
         pools[r.get("model") or ""].append(r)
     report = {"all": stats(used), "pools": {p: stats(rs) for p, rs in sorted(pools.items())}}
     if clusters is not None and clusters.fitted is not None and used:
-        keys = clusters.assign([PredictItem(r.get("instruction") or "", r.get("user_input") or "",
-                                            int(r.get("input_tokens") or 0)) for r in used])
+        keys = clusters.assign([logged_item(r) for r in used])
         by_cluster: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r, key in zip(used, keys, strict=True):
             by_cluster[str(key)].append(r)
@@ -67,7 +64,7 @@ def saved_clusters() -> PromptClusters | None:
     s = get_settings()
     if s.predictor_online_clusters <= 0:
         return None
-    path = Registry(s.data_dir, "predictor").root / STATE_FILE
+    path = state_path(s.data_dir)
     return load_state(path, {}, None, {"k": s.predictor_online_clusters})[2] if path.is_file() else None
 
 

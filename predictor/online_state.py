@@ -17,8 +17,14 @@ from typing import Any
 from predictor.online_conformal import OnlineConformal
 from predictor.online_residual import OnlineResidual
 from predictor.prompt_clusters import PromptClusters
+from predictor.registry import Registry
 
 STATE_FILE = "online_state.json"
+
+
+def state_path(data_dir: str | Path) -> Path:
+    """Where a deployment's predictor service keeps its online state: next to the registry's versions."""
+    return Registry(data_dir, "predictor").root / STATE_FILE
 
 
 def save_state(path: str | Path, conformal: OnlineConformal, residual: OnlineResidual | None,

@@ -120,7 +120,7 @@ class PromptClusters:
             km = KMeans(k, n_init=3, max_iter=100, random_state=self.seed).fit(x)
         c = km.cluster_centers_ / np.maximum(np.linalg.norm(km.cluster_centers_, axis=1, keepdims=True), 1e-9)
         c = c.astype(np.float32)
-        if old is None or len(old[0]) != k or self.anchors is None or len(self.anchors) != k:
+        if old is None or len(old[0]) != k or self.anchors is None:
             generations = [self.fits] * k  # a new numbering: its keys never collide with an older fit's
             self.anchors = c.copy()
         else:

@@ -47,7 +47,7 @@ from predictor.hotswap import HotSwap
 from predictor.loading import load_predictor
 from predictor.online_conformal import OnlineConformal
 from predictor.online_residual import OnlineResidual
-from predictor.online_state import STATE_FILE, load_state, save_state
+from predictor.online_state import load_state, save_state, state_path
 from predictor.prompt_clusters import PromptClusters, cluster_slot
 from predictor.registry import Registry
 
@@ -84,6 +84,12 @@ def _slots(keys: list[str | None] | None) -> list[int | None] | None:
     return None if keys is None else [cluster_slot(k) for k in keys]
 
 
+def logged_item(row: dict) -> PredictItem:
+    """A completed log-DB row as the item it was predicted for (what learning and reports read)."""
+    return PredictItem(row.get("instruction") or "", row.get("user_input") or "", int(row.get("input_tokens") or 0),
+                       row.get("task"))
+
+
 class PredictorService:
     """``await predict(item, max_tokens) -> (tokens, version | None)``; see the module docstring."""
 
@@ -105,7 +111,7 @@ class PredictorService:
         self.batches_run = 0
         self.items_predicted = 0
         self._online_lock = threading.Lock()
-        self.online_path = self.registry.root / STATE_FILE
+        self.online_path = state_path(settings.data_dir)
         self.online: OnlineConformal | None = None
         self.residual: OnlineResidual | None = None
         self.clusters: PromptClusters | None = None
@@ -271,8 +277,7 @@ class PredictorService:
         if not rows:
             return 0
         used = [r for r in rows if model_planned(r)]
-        self.observe([PredictItem(r.get("instruction") or "", r.get("user_input") or "",
-                                  int(r.get("input_tokens") or 0), r.get("task")) for r in used],
+        self.observe([logged_item(r) for r in used],
                      np.array([r["predicted_tokens"] for r in used], float),
                      np.array([r["actual_tokens"] for r in used], float),
                      # the bound each row was planned with (the ACI miss); NaN: not logged, use today's

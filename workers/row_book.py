@@ -187,7 +187,7 @@ class RowBook:
         kv = sum(self.rows[r].computed + 1 for r in plan.decode if r in self.rows)
         kv += sum(start + n for _r, start, n in plan.prefill)
         self.step_cost.observe(len(plan.decode), prefill, kv, seconds)
-        if not self._cost_logged and self.marginal_cost and (coef := self.step_cost.coefficients) is not None:
+        if not self._cost_logged and (coef := self.step_cost.coefficients) is not None:
             self._cost_logged = True
             a, b, p, c = coef
             most = next((n for n in range(2, self.max_rows + 1)
