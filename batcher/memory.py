@@ -58,10 +58,13 @@ class KVMemory:
 
     @classmethod
     def for_pool(cls, instances: Iterable[Any]) -> KVMemory:
-        """A pool's memory (InstanceInfo-like items): the largest Δ and the smallest Θ, because a
-        batch must fit whichever instance takes it."""
+        """A pool's memory (InstanceInfo-like items): the fewest KV tokens any instance holds, at
+        the largest Δ, because a batch must fit whichever instance takes it. In tokens, so an
+        upstream instance (whose Δ may be a unit: ``workers.upstream_start``) mixes with built-in ones."""
         items = list(instances)
-        return cls(delta_bytes=max(i.delta_bytes for i in items), theta_bytes=min(i.theta_bytes for i in items))
+        delta = max(i.delta_bytes for i in items)
+        tokens = min(i.theta_bytes // i.delta_bytes if i.delta_bytes > 0 else i.theta_bytes for i in items)
+        return cls(delta_bytes=delta, theta_bytes=tokens * delta)
 
     @property
     def theta_tokens(self) -> int:

@@ -100,6 +100,28 @@ class Settings(BaseSettings):
         description="Prediction before any model is trained: 'max_tokens' (memory-safe) or a number.",
     )
 
+    # --- upstream engines: cohort schedules, an OpenAI-compatible server runs ------------------
+    upstream: str | None = Field(
+        default=None, description="Base URL (ending in /v1) of an OpenAI-compatible server (vLLM, SGLang, "
+        "`transformers serve`): `cohort worker` then runs as an upstream instance of its pool, streaming its "
+        "rows to that server instead of loading a model. COHORT_MODEL must name the same model (its tokenizer "
+        "counts the tokens).")
+    upstreams: str = Field(
+        default="", description="Comma-separated upstream base URLs: `cohort serve` starts one upstream worker "
+        "per URL instead of the built-in model worker.")
+    upstream_api_key: str | None = Field(default=None, description="Bearer key for the upstream servers.")
+    upstream_model: str | None = Field(
+        default=None, description="The upstream's model id; unset: the first one its /v1/models lists.")
+    upstream_kv_tokens: int | None = Field(
+        default=None, ge=1, description="KV tokens an upstream holds, where it does not publish them (vLLM "
+        "publishes num_gpu_blocks x block_size on /metrics, and that wins).")
+    upstream_priority: Literal["auto", "on", "off"] = Field(
+        default="auto", description="Pass the policy's order as the request's `priority` (vLLM/SGLang with "
+        "--scheduling-policy priority). auto: on until the server refuses it.")
+    upstream_timeout_s: float = Field(
+        default=60.0, gt=0, description="An upstream that sends nothing on a stream this long is down: its "
+        "unfinished rows continue elsewhere.")
+
     # --- batcher --------------------------------------------------------------------------
     policy: str = Field(default="magnus", description="vs | glp | abp | magnus | s3 | s3-hrrn | slo-dbs | odbs | "
                         "slo-odbs | spf")

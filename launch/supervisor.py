@@ -44,6 +44,8 @@ def serve_all(s: Settings, host: str | None = None, port: int | None = None, wit
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
+    if s.upstreams:  # one upstream worker per URL instead of the built-in model worker (also from .env)
+        env["COHORT_UPSTREAMS"] = s.upstreams
     embedded = None
     if not s.redis_url:
         embedded = EmbeddedRedis(s.data_dir / "redis", maxmemory_mb=s.redis_maxmemory_mb)

@@ -39,26 +39,38 @@ class Stack:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
         self.args: dict[str, tuple[str, ...]] = {}
+        self.extra_env: dict[str, dict[str, str]] = {}
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+    def spawn(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+        """Start ``cohort <args>`` as process ``name``; ``env`` adds variables for this one alone."""
         out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # closed with the process
-        p = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], env=self.env, stdout=out,
+        extra = dict(env or {})
+        p = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], env={**self.env, **extra}, stdout=out,
                              stderr=subprocess.STDOUT if out else None)
         self.procs[name] = p
         self.args[name] = args
+        self.extra_env[name] = extra
         log.info("started %s (pid %d)", name, p.pid)
         return p
 
     def restart(self, name: str) -> subprocess.Popen:
         """Start a process that died again, with the same role and arguments."""
-        return self.spawn(name, *self.args[name])
+        return self.spawn(name, *self.args[name], env=self.extra_env.get(name))
+
+    def upstreams(self) -> list[str]:
+        """The upstream base URLs the stack fronts (COHORT_UPSTREAMS), in order."""
+        return [u.strip() for u in self.env.get("COHORT_UPSTREAMS", "").split(",") if u.strip()]
 
     def start_core(self, host: str, port: int, learning: bool = False) -> Stack:
         """Worker, batcher and gateway: the request path (and the learning worker, which runs
-        the retraining that /admin/retrain enqueues)."""
-        self.spawn("worker", "worker")
+        the retraining that /admin/retrain enqueues). With COHORT_UPSTREAMS, one upstream worker
+        per URL instead of the built-in model worker."""
+        for i, url in enumerate(self.upstreams()):
+            self.spawn(f"upstream-{i}", "worker", env={"COHORT_UPSTREAM": url})
+        if not self.upstreams():
+            self.spawn("worker", "worker")
         if learning:
             self.spawn("learning", "worker", "learning")
         self.spawn("batcher", "batcher")

@@ -40,7 +40,12 @@ def worker(ctx: typer.Context) -> None:
 
     _setup_logging()
     s = get_settings()
-    rt = runtime.start(s)
+    if s.upstream:  # an upstream instance: no model here, its server runs the rows
+        from workers.upstream_start import start_upstream
+
+        rt = runtime.install(start_upstream(s))
+    else:
+        rt = runtime.start(s)
     try:
         celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_for_pool(s.pool),
                                 "-n", f"{rt.name}@%h", "--loglevel=INFO", "--without-gossip",
@@ -69,3 +74,18 @@ def profile(out: Path = typer.Option(None, help="Where to store samples (default
         typer.echo(f"skipping {len(too_big)} shapes that exceed the instance's KV memory: {too_big}", err=True)
     samples = run_profile(engine, [shape for shape in grid if engine.fits(*shape)], out)
     typer.echo(json.dumps({"samples": len(samples), "out": str(out)}))
+
+
+@app.command("export-model")
+def export_model(out: Path = typer.Argument(..., help="Folder to write (config, weights, tokenizer).")) -> None:
+    """Save the configured model and its tokenizer as an HF model folder, so another engine
+    (vLLM, `transformers serve`) can serve the very model cohort's own worker runs — the built-in
+    random-weight Llama included — for upstream tests and side-by-side benchmarks."""
+    from workers.model import load_model  # torch + transformers: see worker()
+
+    _setup_logging()
+    model, tok, _device = load_model(get_settings())
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    typer.echo(json.dumps({"model": str(out)}))

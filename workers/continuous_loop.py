@@ -48,10 +48,28 @@ class GroupHandle:
 
     def render(self, upd: GroupUpdate) -> GroupUpdate:
         stopped = self.text.render(upd.out)
+        for req in upd.out.evicted:  # handed back to the batcher: held-back text and ids go out first
+            self.text.evict(req, upd.out)
         if stopped:
             self.loop.cancel(stopped)
         upd.alive = [r for r in upd.alive if r not in self.text.ended]
         return upd
+
+
+def drain(outbox: queue.Queue[list[Update]], timeout_s: float) -> list[Update]:
+    """Every update an engine loop has produced since the last call, in order and rendered (at
+    most ``timeout_s`` of waiting for the first): one reader drains them all at once, so a reader
+    that fell behind catches up in one round."""
+    try:
+        bundles = [outbox.get(timeout=timeout_s)]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            bundles.append(outbox.get_nowait())
+        except queue.Empty:
+            break
+    return [(h, h.render(u)) for bundle in bundles for h, u in bundle]
 
 
 class ContinuousLoop:
@@ -80,19 +98,7 @@ class ContinuousLoop:
         return handle
 
     def updates(self, timeout_s: float) -> list[Update]:
-        """Every update the engine has produced since the last call, in order and rendered (at
-        most ``timeout_s`` of waiting for the first): one reader drains them all at once, so a
-        reader that fell behind catches up in one round."""
-        try:
-            bundles = [self.outbox.get(timeout=timeout_s)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                bundles.append(self.outbox.get_nowait())
-            except queue.Empty:
-                break
-        return [(h, h.render(u)) for bundle in bundles for h, u in bundle]
+        return drain(self.outbox, timeout_s)
 
     def cancel(self, request_ids: Iterable[str]) -> None:
         with self._lock:

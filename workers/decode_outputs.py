@@ -38,6 +38,7 @@ class TokenEvent:
     first_token_at: float | None
     finish: FinishReason | None = None  # the engine ended the row (EOS, its length)
     scored: TokenLogprob | None = None  # the token's logprobs, when the request asked for them
+    piece: str | None = None            # its text as an upstream server rendered it (then not decoded here)
 
 
 @dataclass

@@ -36,6 +36,21 @@ class RowText:
         self.unsent_logprobs: list[TokenLogprob] = []                 # one per unsent id (when asked)
         self.scored = req.sampling.logprobs is not None
         self.total_tokens = req.done_tokens
+        self.server_text: str | None = None                           # upstream rows: the server's text
+
+    def push(self, ev: TokenEvent) -> str:
+        """The text this token adds: decoded here, or as the upstream server rendered it (its
+        detokenizer is the reference, and a text-only server's ids are cohort's re-tokenization)."""
+        if ev.piece is None:
+            return self.detok.push(ev.token)
+        if self.server_text is None:
+            self.server_text = self.detok.text()
+        self.detok.ids.append(ev.token)
+        self.server_text += ev.piece
+        return ev.piece
+
+    def text(self) -> str:
+        return self.detok.text() if self.server_text is None else self.server_text
 
     def take_ids(self) -> list[int]:
         """The unsent ids (with their logprobs when the request asked for them), now sent."""
@@ -79,9 +94,9 @@ class TextStage:
             t.unsent_ids.append(ev.token)
             if ev.scored is not None:
                 t.unsent_logprobs.append(ev.scored)
-            t.pending += t.detok.push(ev.token)
+            t.pending += t.push(ev)
             if t.max_stop:
-                text = t.detok.text()
+                text = t.text()
                 for s in ev.req.sampling.stop:
                     cut = text.find(s, max(0, t.sent - len(s)))
                     if cut >= 0:
@@ -115,7 +130,7 @@ class TextStage:
     def finish(self, t: RowText, reason: FinishReason, ev: TokenEvent, out: StepOutput,
                text: str | None = None) -> None:
         self.send(t, len(t.pending), out)
-        done = RowResult(t.req, t.detok.text() if text is None else text, ev.total_tokens, reason,
+        done = RowResult(t.req, t.text() if text is None else text, ev.total_tokens, reason,
                          ev.first_token_at, ev.at)
         self.forget(t.req.id)
         if self.streaming:

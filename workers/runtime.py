@@ -1,5 +1,6 @@
-"""Per-process worker state: the loaded engine, the Redis client, the log DB, and the
-instance's registration + heartbeat (the batcher counts idle instances from these)."""
+"""Per-process worker state: the loaded engine (or, for an upstream instance, the server it feeds:
+``workers.upstream_start``), the Redis client, the log DB, and the instance's registration +
+heartbeat (the batcher counts idle instances from these)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -30,12 +32,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class Runtime:
     settings: Settings
-    engine: LLMEngine
+    engine: LLMEngine  # an upstream instance's has only ``request_prompt_ids`` (UpstreamPrompts)
     redis: redis.Redis
     db: object
     info: InstanceInfo
-    loop: ContinuousLoop | None = None  # continuous execution on the packed path
+    loop: ContinuousLoop | None = None  # continuous execution on the packed path (or an UpstreamLoop)
     publisher: GroupPublisher | None = None  # ... and the one thread that reports for its groups
+    # what to advertise now: None withdraws the instance (an upstream whose server is down)
+    status: Callable[[], InstanceInfo | None] | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -43,6 +47,13 @@ class Runtime:
         return self.info.name
 
     def heartbeat_once(self) -> None:
+        if self.status is not None:
+            info = self.status()
+            if info is None:
+                self.redis.hdel(bus.INSTANCES, self.name)
+                self.redis.delete(bus.alive_key(self.name))
+                return
+            self.info = info
         pipe = self.redis.pipeline()
         pipe.hset(bus.INSTANCES, self.name, dumps(self.info.to_dict()))
         pipe.set(bus.alive_key(self.name), str(time.time()), ex=max(1, int(self.settings.instance_ttl_s)))
@@ -124,6 +135,13 @@ def start(settings: Settings) -> Runtime:
                  info.theta_bytes, info.delta_bytes)
         _runtime = rt
     return _runtime
+
+
+def install(rt: Runtime) -> Runtime:
+    """Make ``rt`` this process's runtime (an upstream instance's, built by ``workers.upstream_start``)."""
+    global _runtime
+    _runtime = rt
+    return rt
 
 
 def get() -> Runtime:

@@ -1,0 +1,256 @@
+"""Talking to an upstream engine: an OpenAI-compatible server (vLLM, SGLang, `transformers serve`)
+that runs the rows cohort schedules. One ``httpx.AsyncClient`` (one connection pool) serves every
+stream of the instance.
+
+What a server can do is found once, at start, by ``probe`` — not guessed from its name:
+
+* ``token_ids``: it takes the prompt as token ids and streams the generated ids back (vLLM's
+  ``return_token_ids``), so cohort tokenizes once and a continuation resumes from exact ids.
+  Otherwise the prompt goes as text and each streamed chunk is one token whose ids cohort's own
+  tokenizer gives (the same model's tokenizer: COHORT_MODEL).
+* fields it refuses: a server that answers 422 naming unexpected fields (``transformers serve``)
+  gets requests without them; ``ignore_eos`` and ``priority`` are the ones that matter.
+* ``priority``: vLLM refuses a non-zero priority unless it runs ``--scheduling-policy priority``.
+
+Capacity comes from vLLM's ``/metrics`` (``vllm:cache_config_info``: num_gpu_blocks × block_size)
+where it is published (``kv_tokens_from_metrics``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from cohort.types import ProfiledRequest
+
+log = logging.getLogger(__name__)
+
+# the fields a row's request may carry beyond the standard completions fields (vLLM's extras)
+EXTRA_FIELDS = ("ignore_eos", "return_token_ids", "priority", "top_k", "repetition_penalty")
+
+
+class UpstreamDown(RuntimeError):
+    """The server did not answer, broke a stream or answered 5xx: its rows continue elsewhere."""
+
+
+class UpstreamRefused(RuntimeError):
+    """The server answered 4xx to a row's request: the row fails with the server's reason."""
+
+
+@dataclass
+class Capabilities:
+    """What ``probe`` found the server does."""
+
+    token_ids: bool = False
+    refused: set[str] = field(default_factory=set)  # fields it answers 422 to: never sent
+    priority: bool = True
+    logprobs: bool = False
+
+    def describe(self) -> str:
+        return (f"prompt as {'token ids' if self.token_ids else 'text'}, priority {'on' if self.priority else 'off'}, "
+                f"logprobs {'yes' if self.logprobs else 'no'}, refuses {sorted(self.refused) or 'nothing'}")
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of a row's answer."""
+
+    text: str = ""
+    ids: list[int] | None = None          # the server's ids for this piece (token_ids servers)
+    finish: str | None = None             # "stop" | "length" on the last piece
+    logprobs: list[list] | None = None    # one TokenLogprob per id, when asked and given
+    completion_tokens: int | None = None  # usage, when the server sends it
+
+
+_UNEXPECTED = re.compile(r"[Uu]nexpected fields[^{]*\{([^}]*)\}")
+_INFO = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.M)
+
+
+def kv_tokens_from_metrics(text: str) -> int | None:
+    """KV tokens a vLLM server holds: num_gpu_blocks × block_size from ``vllm:cache_config_info``
+    (the override, ``--num-gpu-blocks-override``, when set). None when the metric is absent."""
+    m = _INFO.search(text)
+    if not m:
+        return None
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+    try:
+        blocks = labels.get("num_gpu_blocks_override")
+        blocks = int(blocks) if blocks not in (None, "", "None") else int(labels["num_gpu_blocks"])
+        return blocks * int(labels["block_size"])
+    except (KeyError, ValueError):
+        return None
+
+
+def gauge(text: str, name: str) -> float | None:
+    """The sum of a Prometheus gauge's samples (every label set), None when absent."""
+    vals = [float(v) for v in re.findall(rf'^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$', text, re.M)]
+    return sum(vals) if vals else None
+
+
+def refused_fields(body: str) -> set[str]:
+    """Field names a 422 body says the server does not accept (``transformers serve``'s wording)."""
+    m = _UNEXPECTED.search(body)
+    return {f.strip().strip("'\"") for f in m.group(1).split(",")} if m else set()
+
+
+def parse_chunk(data: dict[str, Any]) -> Chunk:
+    """One SSE ``data:`` object of a streamed completion as a ``Chunk``."""
+    ch = Chunk()
+    usage = data.get("usage") or {}
+    ch.completion_tokens = usage.get("completion_tokens")
+    choices = data.get("choices") or []
+    if not choices:
+        return ch
+    c = choices[0]
+    ch.text = c.get("text") or ""
+    ch.finish = c.get("finish_reason")
+    ids = c.get("token_ids")
+    ch.ids = list(ids) if ids is not None else None
+    lp = c.get("logprobs")
+    if lp and lp.get("token_logprobs") is not None:
+        tops = lp.get("top_logprobs") or [None] * len(lp["token_logprobs"])
+        ch.logprobs = [[v, [[_token_id(k), w] for k, w in (top or {}).items()]]
+                       for v, top in zip(lp["token_logprobs"], tops, strict=False)]
+        if ch.ids is None and all(str(t).startswith("token_id:") for t in lp.get("tokens") or ["x"]):
+            ch.ids = [_token_id(t) for t in lp["tokens"]]
+    return ch
+
+
+def _token_id(t: str) -> int:
+    """vLLM's ``return_tokens_as_token_ids`` form "token_id:123"; -1 for plain text tokens."""
+    return int(t.split(":", 1)[1]) if str(t).startswith("token_id:") else -1
+
+
+class UpstreamServer:
+    """One upstream server: its model, what it accepts, and the streams of its rows."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
+                 timeout_s: float = 60.0, max_connections: int = 1024) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
+        self.model = model
+        self.caps = Capabilities()
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(
+            headers=headers, timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self.client.get(f"{self.root}/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def metrics(self) -> str | None:
+        try:
+            r = await self.client.get(f"{self.root}/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        return r.text if r.status_code == 200 else None
+
+    async def discover_model(self) -> str:
+        """The model id to send: the configured one, else the first the server lists."""
+        if self.model:
+            return self.model
+        r = await self.client.get(f"{self.base_url}/models", timeout=10.0)
+        r.raise_for_status()
+        data = r.json().get("data") or []
+        if not data:
+            raise UpstreamDown(f"{self.base_url}/models lists no model")
+        self.model = data[0]["id"]
+        return self.model
+
+    async def probe(self, prompt_ids: list[int], prompt_text: str) -> Capabilities:
+        """Find what the server does with one-token requests (see the module docstring)."""
+        caps = self.caps
+        body = {"prompt": prompt_ids, "max_tokens": 1, "return_token_ids": True, "ignore_eos": True,
+                "logprobs": 1, "priority": 1}
+        for _ in range(len(EXTRA_FIELDS) + 3):
+            sent = {k: v for k, v in body.items() if k not in caps.refused}
+            try:
+                chunks = [c async for c in self.stream(sent)]
+            except UpstreamRefused as e:
+                msg = str(e)
+                named = refused_fields(msg)
+                if named:
+                    caps.refused |= named
+                elif "priority" in msg.lower() and "priority" not in caps.refused:
+                    caps.priority = False
+                    caps.refused.add("priority")
+                elif isinstance(body["prompt"], list):
+                    body["prompt"] = prompt_text  # it takes text prompts only
+                elif "logprobs" not in caps.refused:
+                    caps.refused.add("logprobs")
+                else:
+                    raise
+                continue
+            caps.token_ids = isinstance(sent["prompt"], list) and any(c.ids is not None for c in chunks)
+            caps.logprobs = "logprobs" not in caps.refused and any(c.logprobs for c in chunks)
+            caps.priority = caps.priority and "priority" not in caps.refused
+            return caps
+        raise UpstreamDown(f"{self.base_url} refused every form of a one-token completion")
+
+    def body(self, req: ProfiledRequest, prompt: list[int] | str, max_tokens: int, priority: int | None) -> dict:
+        """A row's request: its prompt, token budget and sampling, as far as the server takes them."""
+        s = req.sampling
+        b: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": s.temperature,
+                             "top_p": s.top_p}
+        if s.seed is not None:
+            b["seed"] = s.seed
+        if s.stop:
+            b["stop"] = list(s.stop)
+        if s.presence_penalty:
+            b["presence_penalty"] = s.presence_penalty
+        if s.frequency_penalty:
+            b["frequency_penalty"] = s.frequency_penalty
+        if s.logit_bias:
+            b["logit_bias"] = {str(k): v for k, v in s.logit_bias}
+        if s.logprobs is not None:
+            b["logprobs"] = s.logprobs
+        if s.top_k:
+            b["top_k"] = s.top_k
+        if s.repetition_penalty != 1.0:
+            b["repetition_penalty"] = s.repetition_penalty
+        if s.ignore_eos or req.emulated_tokens is not None:
+            b["ignore_eos"] = True
+        if self.caps.token_ids:
+            b["return_token_ids"] = True
+        if priority is not None and self.caps.priority:
+            b["priority"] = priority
+        return {k: v for k, v in b.items() if k not in self.caps.refused}
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[Chunk]:
+        """Stream one completion; closing the iterator closes the connection (vLLM then aborts
+        the request). Raises ``UpstreamRefused`` on 4xx, ``UpstreamDown`` on anything else."""
+        payload = {**body, "model": self.model, "stream": True, "stream_options": {"include_usage": True}}
+        payload = {k: v for k, v in payload.items() if k not in self.caps.refused}
+        try:
+            async with self.client.stream("POST", f"{self.base_url}/completions", json=payload) as r:
+                if r.status_code >= 400:
+                    text = (await r.aread()).decode(errors="replace")[:2000]
+                    if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
+                        raise UpstreamRefused(f"{r.status_code}: {text}")
+                    raise UpstreamDown(f"{r.status_code}: {text}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    obj = json.loads(data)
+                    if "error" in obj:  # an error event mid-stream
+                        raise UpstreamDown(json.dumps(obj["error"])[:500])
+                    yield parse_chunk(obj)
+        except httpx.HTTPError as e:
+            raise UpstreamDown(f"{type(e).__name__}: {e}") from e
+        except json.JSONDecodeError as e:
+            raise UpstreamDown(f"unreadable stream: {e}") from e

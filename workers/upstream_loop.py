@@ -1,0 +1,352 @@
+"""An upstream instance's engine loop: the admission groups the batcher sends run as streaming
+completions on an OpenAI-compatible server (``workers.upstream_api``), on one asyncio thread.
+
+It has the continuous loop's face (``submit``, ``updates``, ``cancel``), so the instance's one
+publisher (``workers.group_publisher``) reports for it unchanged: the same Redis streams, log-DB
+rows, metrics and completions as the built-in engine. What differs is who decodes:
+
+* **Admission.** Groups wait in the order the batcher sent them (the policy's order) and join
+  while the running rows plus the group fit the server's KV capacity by the one running-set rule
+  (``batcher.elastic.running_set_fits``: contexts and planned remaining tokens) — so the engine
+  runs just under its KV capacity and is never held below it — and while the server reports no
+  queue of its own (vLLM's ``num_requests_waiting``). An empty instance takes any group.
+* **Order.** Each row carries ``priority`` = its client priority, then its group's admission
+  number, where the server takes one (vLLM/SGLang ``--scheduling-policy priority``).
+* **Failure.** A stream that breaks, times out or answers 5xx marks the server down: every
+  unfinished row goes back to the batcher as a continuation from the tokens it streamed (another
+  instance of the pool resumes it), waiting groups go back whole, the instance stops heart-beating
+  until the server's /health answers again. A 4xx fails that row with the server's reason.
+* **Cancel.** A row the client left (or a stop string ended) has its stream closed: vLLM aborts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from batcher.elastic import running_set_fits
+from cohort.protocol import FailureCode, FinishReason
+from cohort.types import Batch, ProfiledRequest
+from workers.continuous_loop import GroupHandle, GroupUpdate, Update, drain
+from workers.decode_outputs import StepOutput, TokenEvent
+from workers.row_text import TextStage
+from workers.upstream_api import (
+    Chunk,
+    UpstreamDown,
+    UpstreamRefused,
+    UpstreamServer,
+    gauge,
+    kv_tokens_from_metrics,
+)
+
+log = logging.getLogger(__name__)
+PRIORITY_SPAN = 1_000_000  # admission numbers within one client priority
+
+
+@dataclass
+class _Row:
+    req: ProfiledRequest
+    prompt_ids: list[int]
+    group: _Group
+    new_ids: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    task: asyncio.Task | None = None
+    ended: bool = False
+
+    @property
+    def context(self) -> int:
+        return len(self.prompt_ids) + len(self.req.generated_ids) + len(self.new_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens planning still reserves for it (``workers.rows.RowState.planned_remaining``)."""
+        return max(1, min(self.req.planned_tokens, self.req.max_tokens) - len(self.new_ids))
+
+    @property
+    def limit(self) -> int:
+        """Tokens it may still generate: an emulated length (benchmarks) or max_tokens."""
+        e = self.req.emulated_tokens
+        return self.req.max_tokens if e is None else max(1, min(e, self.req.max_tokens))
+
+
+@dataclass
+class _Group:
+    batch: Batch
+    handle: GroupHandle
+    rows: list[_Row] = field(default_factory=list)
+    admitted: bool = False
+    told_admitted: bool = False
+    out: StepOutput = field(default_factory=StepOutput)
+    generated: int = 0
+    dirty: bool = False
+
+    @property
+    def alive(self) -> list[str]:
+        return [r.req.id for r in self.rows if not r.ended]
+
+
+class UpstreamLoop:
+    """Owns the asyncio thread, the server client and the groups it runs."""
+
+    def __init__(self, server: UpstreamServer, tokenizer, capacity_tokens: int, *, page_tokens: int = 16,
+                 max_rows: int = 256, use_priority: bool = True, poll_s: float = 2.0) -> None:
+        self.server, self.tok = server, tokenizer
+        self.capacity_tokens, self.page_tokens, self.max_rows = capacity_tokens, page_tokens, max_rows
+        self.use_priority, self.poll_s = use_priority, poll_s
+        self.down = False
+        self.server_waiting = 0.0
+        self.outbox: queue.Queue[list[Update]] = queue.Queue()
+        self._waiting: list[_Group] = []
+        self._groups: dict[str, _Group] = {}
+        self._rows: dict[str, _Row] = {}
+        self._admissions = 0
+        self._flush_scheduled = False
+        self._aloop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="upstream-loop", daemon=True)
+        self._thread.start()
+        self._call(self._watch())
+
+    # --- the continuous loop's face (called from other threads) --------------------------------
+    def submit(self, batch: Batch, prompt_ids: Sequence[list[int]]) -> GroupHandle:
+        """Queue a group for admission. While the server is down the group goes straight back to
+        the batcher, and this (Celery) thread waits a moment before taking the next batch, so a
+        pool's other instances get it instead of a down one bouncing it."""
+        handle = GroupHandle(self, batch.id, TextStage(self.tok))
+        self._aloop.call_soon_threadsafe(self._take, batch, list(prompt_ids), handle)
+        if self.down:
+            time.sleep(1.0)
+        return handle
+
+    def updates(self, timeout_s: float) -> list[Update]:
+        return drain(self.outbox, timeout_s)
+
+    def cancel(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        self._aloop.call_soon_threadsafe(self._cancel, ids)
+
+    def stop(self) -> None:
+        self._aloop.call_soon_threadsafe(self._aloop.stop)
+        self._thread.join(timeout=10)
+
+    @property
+    def running_rows(self) -> int:
+        return sum(not r.ended for r in self._rows.values())
+
+    # --- the asyncio thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._aloop)
+        self._aloop.run_forever()
+
+    def _call(self, coro) -> None:
+        self._aloop.call_soon_threadsafe(lambda: self._aloop.create_task(coro))
+
+    def _take(self, batch: Batch, prompt_ids: list[list[int]], handle: GroupHandle) -> None:
+        g = _Group(batch, handle)
+        g.rows = [_Row(req, ids, g, first_token_at=req.first_token_at)
+                  for req, ids in zip(batch.requests, prompt_ids, strict=True)]
+        self._groups[batch.id] = g
+        self._waiting.append(g)
+        self._admit()
+
+    def _fits(self, g: _Group) -> bool:
+        running = [r for r in self._rows.values() if not r.ended]
+        if not running:
+            return True
+        if self.server_waiting > 0:
+            return False
+        rows = running + g.rows
+        return running_set_fits([r.context for r in rows], [r.remaining for r in rows], self.page_tokens,
+                                self.capacity_tokens, self.max_rows)
+
+    def _admit(self) -> None:
+        if self.down:
+            for g in self._waiting:
+                self._hand_back(g)
+            self._waiting.clear()
+            return
+        while self._waiting and self._fits(self._waiting[0]):
+            g = self._waiting.pop(0)
+            g.admitted = g.dirty = True
+            self._admissions += 1
+            for row in g.rows:
+                if row.ended:  # cancelled while it waited
+                    continue
+                self._rows[row.req.id] = row
+                prio = row.req.priority * PRIORITY_SPAN + self._admissions % PRIORITY_SPAN
+                row.task = self._aloop.create_task(self._stream(row, prio if self.use_priority else None))
+            self._schedule_flush()
+
+    def _hand_back(self, g: _Group) -> None:
+        """A group that never ran goes back to the batcher whole."""
+        for row in g.rows:
+            row.ended = True
+            g.out.evicted.append(row.req)
+        g.dirty = True
+        self._schedule_flush()
+
+    def _prompt(self, row: _Row) -> list[int] | str:
+        if self.server.caps.token_ids:
+            return [*row.prompt_ids, *row.req.generated_ids]
+        if not row.req.generated_ids:
+            return row.req.prompt
+        return row.req.prompt + self.tok.decode(row.req.generated_ids, skip_special_tokens=True)
+
+    async def _stream(self, row: _Row, priority: int | None) -> None:
+        req = row.req
+        if (req.sampling.logprobs is not None or req.sampling.prompt_logprobs is not None) and not self.server.caps.logprobs:
+            self._fail(row, "this pool's upstream server does not return logprobs; ask without logprobs")
+            return
+        body = self.server.body(req, self._prompt(row), row.limit, priority)
+        finish: str | None = None
+        try:
+            async for ch in self.server.stream(body):
+                self._accept(row, ch)
+                if ch.finish:
+                    finish = ch.finish
+            if finish is None:
+                raise UpstreamDown("the stream ended without a finish reason")
+            self._finish(row, finish)
+        except asyncio.CancelledError:  # the client left, a stop string ended it, or the server went down
+            if not row.ended:
+                row.ended = True
+                self._row_ended(row)
+            raise
+        except UpstreamRefused as e:
+            self._fail(row, f"the upstream server refused this request: {e}")
+        except UpstreamDown as e:
+            self._mark_down(str(e))
+            self._evict(row)
+        except Exception as e:  # never leave a row hanging
+            log.exception("row %s on the upstream failed", req.id)
+            self._fail(row, f"{type(e).__name__}: {e}")
+
+    def _accept(self, row: _Row, ch: Chunk) -> None:
+        """One streamed piece as token events: one per server id, or one per chunk from a text-only
+        server (each of its chunks is one token; its ids are cohort's re-tokenization)."""
+        if ch.ids is not None:
+            ids, pieces = ch.ids, [ch.text] + [""] * max(0, len(ch.ids) - 1)
+        elif ch.text:
+            enc = self.tok.encode(ch.text, add_special_tokens=False)
+            ids, pieces = [enc[-1] if enc else (self.tok.unk_token_id or 0)], [ch.text]
+        else:
+            return
+        now = time.time()
+        g = row.group
+        for i, (tok, piece) in enumerate(zip(ids, pieces, strict=True)):
+            if row.ended or len(row.new_ids) >= row.limit:
+                return
+            row.new_ids.append(tok)
+            g.generated += 1
+            if row.first_token_at is None:
+                row.first_token_at = now
+            scored = ch.logprobs[i] if ch.logprobs and i < len(ch.logprobs) else None
+            g.out.tokens.append(TokenEvent(row.req, tok, row.req.done_tokens + len(row.new_ids), now,
+                                           row.first_token_at, None, scored, piece=piece))
+        g.dirty = True
+        self._schedule_flush()
+
+    def _finish(self, row: _Row, finish: str) -> None:
+        if row.ended:
+            return
+        reason = FinishReason.LENGTH if finish == "length" else FinishReason.STOP
+        if reason is FinishReason.LENGTH and len(row.new_ids) < row.req.max_tokens:
+            reason = FinishReason.STOP  # an emulated length ended it, as the built-in engine says
+        row.group.out.tokens.append(TokenEvent(row.req, None, row.req.done_tokens + len(row.new_ids), time.time(),
+                                               row.first_token_at, reason))
+        row.ended = True
+        self._row_ended(row)
+
+    def _fail(self, row: _Row, message: str) -> None:
+        if row.ended:
+            return
+        row.group.out.failed.append((row.req, FailureCode.BATCH_FAILED, message))
+        row.ended = True
+        self._row_ended(row)
+
+    def _evict(self, row: _Row) -> None:
+        """Back to the batcher from what it streamed (``ProfiledRequest.continuation``)."""
+        if row.ended:
+            return
+        req = row.req if row.req.prompt_ids is not None else replace(row.req, prompt_ids=row.prompt_ids)
+        row.group.out.evicted.append(req.continuation(list(row.new_ids), row.first_token_at)
+                                     if row.new_ids else req)
+        row.ended = True
+        self._row_ended(row)
+
+    def _row_ended(self, row: _Row) -> None:
+        self._rows.pop(row.req.id, None)
+        row.group.dirty = True
+        self._schedule_flush()
+        self._admit()
+
+    def _cancel(self, ids: list[str]) -> None:
+        for rid in ids:
+            row = self._rows.get(rid)
+            if row is not None and row.task is not None:
+                row.task.cancel()
+            for g in self._waiting:  # not yet admitted: it just leaves its group
+                for r in g.rows:
+                    if r.req.id == rid:
+                        r.ended = True
+                        g.dirty = True
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._aloop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Everything the groups produced since the last flush, as one bundle for the publisher."""
+        self._flush_scheduled = False
+        bundle: list[Update] = []
+        for bid, g in list(self._groups.items()):
+            if not g.dirty:
+                continue
+            done = all(r.ended for r in g.rows) and (g.admitted or g not in self._waiting)
+            upd = GroupUpdate(g.out, g.alive, g.generated, g.admitted and not g.told_admitted, done)
+            g.told_admitted = g.told_admitted or g.admitted
+            g.out, g.dirty = StepOutput(), False
+            bundle.append((g.handle, upd))
+            if done:
+                del self._groups[bid]
+        if bundle:
+            self.outbox.put(bundle)
+
+    def _mark_down(self, why: str) -> None:
+        if not self.down:
+            log.warning("upstream %s is down (%s): its rows continue on other instances of the pool",
+                        self.server.base_url, why)
+            self.down = True
+            for row in list(self._rows.values()):
+                if row.task is not None and not row.ended:
+                    row.task.cancel()
+                    self._evict(row)
+            self._admit()
+
+    async def _watch(self) -> None:
+        """Every ``poll_s``: a down server's /health (it comes back when that answers), a vLLM
+        server's KV capacity and queue from its /metrics."""
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                if self.down:
+                    if await self.server.healthy():
+                        log.info("upstream %s answers /health again: back in the pool", self.server.base_url)
+                        self.down = False
+                    continue
+                text = await self.server.metrics()
+                if text:
+                    cap = kv_tokens_from_metrics(text)
+                    if cap:
+                        self.capacity_tokens = cap
+                    self.server_waiting = gauge(text, "vllm:num_requests_waiting") or 0.0
+                    self._admit()
+            except Exception:  # the watch never dies
+                log.exception("watching upstream %s failed", self.server.base_url)
+
+

@@ -1,0 +1,112 @@
+"""Starting an upstream instance (COHORT_UPSTREAM): no model is loaded; the worker finds the
+server's model, what it accepts and its KV capacity, and advertises itself in its pool like any
+instance — Θ and Δ in the same units, so ``batcher.memory.KVMemory.for_pool`` mixes it with
+built-in instances — withdrawing itself while the server is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from dataclasses import replace
+
+import httpx
+
+from batcher.memory import kv_bytes_per_token
+from cohort import bus
+from cohort.logdb import get_db_engine
+from cohort.settings import DEFAULT_MODEL, Settings
+from cohort.tokenizer import load_tokenizer, prompt_token_ids
+from cohort.types import InstanceInfo, ProfiledRequest
+from workers.group_publisher import GroupPublisher
+from workers.runtime import Runtime
+from workers.upstream_api import UpstreamDown, UpstreamServer, kv_tokens_from_metrics
+from workers.upstream_loop import UpstreamLoop
+
+log = logging.getLogger(__name__)
+START_WAIT_S = 300.0  # how long a starting worker waits for its server to answer
+
+
+class UpstreamPrompts:
+    """The one engine duty an upstream instance keeps: a request's prompt ids, counted by the
+    same tokenizer as the gateway (the server's model's: COHORT_MODEL)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def request_prompt_ids(self, req: ProfiledRequest) -> list[int]:
+        return list(req.prompt_ids) if req.prompt_ids is not None else prompt_token_ids([req.prompt], self.model)[0]
+
+
+def delta_bytes(model: str) -> int:
+    """Δ of the served model, from its config when cohort can read it (the built-in model's
+    shape for the default); 1 otherwise — Θ is then in tokens, which is all the rule needs."""
+    try:
+        if model == DEFAULT_MODEL:
+            from workers.model import TINY_LLAMA
+
+            return kv_bytes_per_token({**TINY_LLAMA, "torch_dtype": "float32"})
+        from transformers import AutoConfig
+
+        return kv_bytes_per_token(AutoConfig.from_pretrained(model).to_dict())
+    except Exception:  # a model id only the server knows
+        return 1
+
+
+async def _connect(server: UpstreamServer, probe_ids: list[int], probe_text: str) -> str | None:
+    """Wait for the server, then read its model, what it accepts and its published capacity."""
+    deadline = time.monotonic() + START_WAIT_S
+    try:
+        while True:
+            try:
+                await server.discover_model()
+                caps = await server.probe(probe_ids, probe_text)
+                log.info("upstream %s serves %s: %s", server.base_url, server.model, caps.describe())
+                return await server.metrics()
+            except (UpstreamDown, httpx.HTTPError, ValueError, KeyError) as e:  # still starting
+                if time.monotonic() > deadline:
+                    raise UpstreamDown(f"{server.base_url} did not answer in {START_WAIT_S:.0f} s: {e}") from e
+                log.info("waiting for upstream %s (%s)", server.base_url, e)
+            await asyncio.sleep(2.0)
+    finally:
+        await server.close()
+
+
+def start_upstream(settings: Settings) -> Runtime:
+    """Connect to the server, register the instance, start its heartbeat."""
+    s = settings
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per streamed row otherwise
+    tok = load_tokenizer(s.model)
+    server = UpstreamServer(s.upstream, s.upstream_api_key, s.upstream_model, s.upstream_timeout_s)
+    probe_text = "Hello"
+    metrics = asyncio.run(_connect(server, prompt_token_ids([probe_text], s.model)[0], probe_text))
+    caps = server.caps
+    # the probe's event loop is gone: the loop's own thread gets a fresh client on its own loop
+    server = UpstreamServer(s.upstream, s.upstream_api_key, server.model, s.upstream_timeout_s)
+    server.caps = caps
+    published = kv_tokens_from_metrics(metrics) if metrics else None
+    capacity = published or s.upstream_kv_tokens or s.continuous_max_rows * (s.max_input_tokens // 4 + 256)
+    if not (published or s.upstream_kv_tokens):
+        log.warning("upstream %s publishes no KV capacity and COHORT_UPSTREAM_KV_TOKENS is unset: planning with "
+                    "%d tokens", s.upstream, capacity)
+    loop = UpstreamLoop(server, tok, capacity, page_tokens=s.kv_page_tokens, max_rows=s.continuous_max_rows,
+                        use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and caps.priority))
+    delta = delta_bytes(s.model)
+    name = s.instance_name or f"{socket.gethostname()}-{os.getpid()}-upstream"
+    info = InstanceInfo(name=name, pool=s.pool, model=s.model, theta_bytes=capacity * delta, delta_bytes=delta,
+                        device=f"upstream:{s.upstream}", started=time.time(),
+                        served_model_name=s.served_model_name or s.model)
+
+    def status() -> InstanceInfo | None:
+        return None if loop.down else replace(info, theta_bytes=loop.capacity_tokens * delta)
+
+    rt = Runtime(s, UpstreamPrompts(s.model), bus.connect(s.resolved_redis_url), get_db_engine(s.database_url),
+                 info, loop=loop, status=status)
+    rt.publisher = GroupPublisher(rt, loop)
+    rt.start_heartbeat()
+    log.info("upstream instance %s registered in pool %s: %d KV tokens (%s)", name, s.pool, capacity,
+             "published by the server" if published else "configured")
+    return rt
