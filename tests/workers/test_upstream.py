@@ -1,0 +1,171 @@
+"""Upstream instances without a server: what is read from a server's answers (metrics, refusals,
+stream chunks), the pool rule in tokens, and the loop's admission, order, hand-back and cancel
+against a scripted server (the real servers run in tests/e2e/test_upstream.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from batcher.memory import KVMemory
+from cohort.tokenizer import load_tokenizer
+from cohort.types import Batch, InstanceInfo, ProfiledRequest
+from workers.upstream_api import (
+    Capabilities,
+    Chunk,
+    UpstreamDown,
+    gauge,
+    kv_tokens_from_metrics,
+    parse_chunk,
+    refused_fields,
+)
+from workers.upstream_loop import PRIORITY_SPAN, UpstreamLoop
+
+VLLM_METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="320",num_gpu_blocks_override="None"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+"""
+
+
+def test_what_a_server_publishes_and_refuses():
+    assert kv_tokens_from_metrics(VLLM_METRICS) == 320 * 16
+    assert kv_tokens_from_metrics(VLLM_METRICS.replace('override="None"', 'override="40"')) == 40 * 16
+    assert kv_tokens_from_metrics("# nothing here\n") is None
+    assert gauge(VLLM_METRICS, "vllm:num_requests_waiting") == 3.0
+    assert gauge(VLLM_METRICS, "vllm:absent") is None
+    assert refused_fields('{"detail":"Unexpected fields in the request: {\'ignore_eos\', \'priority\'}"}') == {
+        "ignore_eos", "priority"}
+
+
+def test_a_chunk_with_token_ids_and_logprobs():
+    ch = parse_chunk({"choices": [{"index": 0, "text": " hi", "token_ids": [7, 8], "finish_reason": None,
+                                   "logprobs": {"tokens": ["token_id:7", "token_id:8"], "token_logprobs": [-0.5, -1.0],
+                                                "top_logprobs": [{"token_id:7": -0.5}, {"token_id:8": -1.0}]}}]})
+    assert (ch.text, ch.ids, ch.finish) == (" hi", [7, 8], None)
+    assert ch.logprobs == [[-0.5, [[7, -0.5]]], [-1.0, [[8, -1.0]]]]
+    usage = parse_chunk({"choices": [], "usage": {"completion_tokens": 9}})
+    assert usage.completion_tokens == 9 and usage.ids is None
+
+
+def test_a_pool_mixing_units_plans_with_the_fewest_tokens():
+    builtin = InstanceInfo("a", "p", "m", theta_bytes=2048 * 1000, delta_bytes=2048)
+    upstream = InstanceInfo("b", "p", "m", theta_bytes=500, delta_bytes=1)
+    assert KVMemory.for_pool([builtin, upstream]).theta_tokens == 500
+    assert KVMemory.for_pool([builtin]).theta_tokens == 1000
+
+
+class ScriptedServer:
+    """Streams ``max_tokens`` one-token chunks per row; fails every stream after ``fail_after``
+    tokens when set. Records each row's request body."""
+
+    base_url = "scripted"
+
+    def __init__(self, fail_after: int | None = None, delay_s: float = 0.002) -> None:
+        self.caps = Capabilities(token_ids=True)
+        self.fail_after, self.delay_s = fail_after, delay_s
+        self.bodies: list[dict] = []
+        self.closed: list[str] = []
+
+    def body(self, req, prompt, max_tokens, priority):
+        return {"id": req.id, "prompt": prompt, "max_tokens": max_tokens, "priority": priority}
+
+    async def stream(self, body):
+        self.bodies.append(body)
+        try:
+            for i in range(body["max_tokens"]):
+                await asyncio.sleep(self.delay_s)
+                if self.fail_after is not None and i == self.fail_after:
+                    raise UpstreamDown("connection reset")
+                last = i == body["max_tokens"] - 1
+                yield Chunk(text=f" w{i}", ids=[2000 + i], finish="length" if last else None)
+        finally:
+            self.closed.append(body["id"])
+
+    async def healthy(self):
+        return False
+
+    async def metrics(self):
+        return None
+
+
+def _req(rid: str, n: int, **kw) -> ProfiledRequest:
+    return ProfiledRequest(id=rid, prompt="hello there", input_tokens=3, predicted_tokens=n, max_tokens=n,
+                           arrival=time.time(), **kw)
+
+
+def _run(loop: UpstreamLoop, batches: list[Batch], timeout_s: float = 20.0) -> dict[str, list]:
+    """Submit the batches, collect every update until each group is done: {batch id: updates}."""
+    for b in batches:
+        loop.submit(b, [[101, 7592, 2045] for _ in b.requests])
+    got: dict[str, list] = {b.id: [] for b in batches}
+    done: set[str] = set()
+    deadline = time.time() + timeout_s
+    while len(done) < len(batches) and time.time() < deadline:
+        for handle, upd in loop.updates(0.2):
+            got[handle.batch_id].append(upd)
+            if upd.done:
+                done.add(handle.batch_id)
+    assert done == set(got), f"groups not done: {set(got) - done}"
+    return got
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def test_groups_join_in_order_under_the_servers_kv_and_answer_whole(tok):
+    server = ScriptedServer()
+    # room for one group's rows at a time: the second waits until the first has ended
+    loop = UpstreamLoop(server, tok, capacity_tokens=80, page_tokens=16, poll_s=60)
+    a = Batch("ba", [_req("a1", 20), _req("a2", 20)], time.time())
+    b = Batch("bb", [_req("b1", 5, priority=2)], time.time())
+    got = _run(loop, [a, b])
+    finished = {res.request.id: res for ups in got.values() for u in ups for res in u.out.finished}
+    assert {k: v.tokens for k, v in finished.items()} == {"a1": 20, "a2": 20, "b1": 5}
+    assert finished["b1"].text == " w0 w1 w2 w3 w4"  # the server's text, not a re-decoding
+    assert [body["id"] for body in server.bodies] == ["a1", "a2", "b1"]
+    # b joined only after a's rows had ended (its KV would not fit beside them)
+    assert all(any(u.admitted for u in ups) for ups in got.values())
+    assert server.bodies[2]["priority"] == 2 * PRIORITY_SPAN + 2  # client priority, then admission order
+    assert server.bodies[0]["prompt"] == [101, 7592, 2045]  # token ids: tokenized once, by cohort
+    loop.stop()
+
+
+def test_a_failing_server_hands_rows_back_from_their_streamed_tokens(tok):
+    server = ScriptedServer(fail_after=3)
+    loop = UpstreamLoop(server, tok, capacity_tokens=10_000, poll_s=60)
+    got = _run(loop, [Batch("bf", [_req("f1", 10)], time.time())])
+    outs = [u.out for u in got["bf"]]
+    evicted = [r for o in outs for r in o.evicted]
+    assert [r.id for r in evicted] == ["f1"]
+    assert evicted[0].generated_ids == [2000, 2001, 2002] and evicted[0].max_tokens == 7
+    assert evicted[0].prompt_ids == [101, 7592, 2045]
+    streamed = [i for o in outs for _req_, _text, _n, ids in o.deltas for i in ids]
+    assert streamed == [2000, 2001, 2002]  # the stream holds every token the continuation carries
+    assert loop.down
+    # while down, a new group goes straight back, whole
+    again = _run(loop, [Batch("bg", [_req("g1", 4)], time.time())])
+    assert [r.id for u in again["bg"] for r in u.out.evicted] == ["g1"]
+    assert len(server.bodies) == 1
+    loop.stop()
+
+
+def test_a_cancelled_row_closes_its_stream(tok):
+    server = ScriptedServer(delay_s=0.02)
+    loop = UpstreamLoop(server, tok, capacity_tokens=10_000, poll_s=60)
+    loop.submit(Batch("bc", [_req("c1", 500)], time.time()), [[101, 7592, 2045]])
+    deadline = time.time() + 10
+    while not server.bodies and time.time() < deadline:
+        time.sleep(0.05)
+    loop.cancel(["c1"])
+    ups = []
+    while time.time() < deadline and not any(u.done for u in ups):
+        ups += [u for _h, u in loop.updates(0.2)]
+    assert any(u.done for u in ups) and server.closed == ["c1"]
+    assert not [res for u in ups for res in u.out.finished]
+    loop.stop()
