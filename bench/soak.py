@@ -31,9 +31,10 @@ from typing import Any
 import httpx
 import psutil
 import redis
+from sqlalchemy import func, select
 
 from bench.soak_stats import Outcome, first_last, key_family, last_window, resource_trends, summarize, windows
-from cohort.logdb import get_db_engine, log_counts
+from cohort.logdb import get_db_engine, log_counts, requests
 from procstack.embedded_redis import EmbeddedRedis
 from procstack.stack import Stack, free_port
 
@@ -255,8 +256,10 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
                 st = (await client.get(f"/admin/tasks/{r['task_id']}", headers=headers)).json()
                 r["state"] = st.get("state")
                 r["retrained"] = (st.get("result") or {}).get("retrained")
-    return {"summary": summarize(outcomes, cfg, sent_wall), "windows": windows(outcomes, cfg.window_s),
-            "latency_first_last": first_last(outcomes, cfg),
+    end_s = cfg.minutes * 60.0  # when sending stopped, on the soak's own clock
+    return {"summary": summarize(outcomes, warmup_s=cfg.warmup_s, end_s=end_s, wall_s=sent_wall),
+            "windows": windows(outcomes, cfg.window_s),
+            "latency_first_last": first_last(outcomes, warmup_s=cfg.warmup_s, end_s=end_s),
             "retrains": retrains, "samples": sampler.samples, "undrained": len(pending)}
 
 
@@ -296,9 +299,5 @@ def run_soak(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] | N
 
 
 def _open_records(db_url: str) -> int:
-    from sqlalchemy import func, select
-
-    from cohort.logdb import requests
-
     with get_db_engine(db_url).connect() as conn:
         return int(conn.execute(select(func.count()).select_from(requests).where(requests.c.status == "queued")).scalar())

@@ -1,6 +1,9 @@
 """What a soak's outcomes and samples add up to: per-window latency, first against last, totals,
 resource slopes. Pure functions over plain records, so they are tested without a stack and the
-progress line can read the latest window cheaply (bench.soak drives the stack)."""
+progress line can read the latest window cheaply (bench.soak drives the stack). The soak's
+timeline comes in as numbers (``warmup_s``: what is left out of the after-warm-up figures;
+``end_s``: when sending stopped), not as the driver's ``SoakConfig``: the driver imports these
+functions, never the other way round."""
 
 from __future__ import annotations
 
@@ -8,12 +11,9 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from bench.soak import SoakConfig
 
 _UUID_TAIL = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
@@ -83,11 +83,10 @@ def last_window(outcomes: list[Outcome], window_s: float) -> dict[str, Any]:
     return _window_stats(tail, start)
 
 
-def first_last(outcomes: list[Outcome], cfg: SoakConfig, span_s: float = 600.0) -> dict[str, Any]:
+def first_last(outcomes: list[Outcome], *, warmup_s: float, end_s: float, span_s: float = 600.0) -> dict[str, Any]:
     """p50/p99 of the first ``span_s`` after warm-up against the last ``span_s`` of sending (the
     issue's target: last ≤ 1.2 × first); shorter runs split what is after warm-up in halves."""
-    end = cfg.minutes * 60.0
-    span = min(span_s, (end - cfg.warmup_s) / 2)
+    span = min(span_s, (end_s - warmup_s) / 2)
 
     def pct(lo: float, hi: float) -> dict[str, float | None]:
         lat = [o.latency for o in outcomes if o.kind not in ("leave", "bad") and o.status == 200
@@ -95,19 +94,18 @@ def first_last(outcomes: list[Outcome], cfg: SoakConfig, span_s: float = 600.0) 
         return {"n": len(lat), "p50_s": float(np.percentile(lat, 50)) if lat else None,
                 "p99_s": float(np.percentile(lat, 99)) if lat else None}
 
-    first, last = pct(cfg.warmup_s, cfg.warmup_s + span), pct(end - span, end)
+    first, last = pct(warmup_s, warmup_s + span), pct(end_s - span, end_s)
     ratio = {k: last[k] / first[k] if first[k] and last[k] is not None else None for k in ("p50_s", "p99_s")}
     return {"span_s": span, "first": first, "last": last, "last_over_first": ratio}
 
 
-def summarize(outcomes: list[Outcome], cfg: SoakConfig, wall_s: float) -> dict[str, Any]:
+def summarize(outcomes: list[Outcome], *, warmup_s: float, end_s: float, wall_s: float) -> dict[str, Any]:
     """Totals a soak must hold: no 5xx, nothing lost, bad bodies 4xx, throughput after warm-up."""
     regular = [o for o in outcomes if o.kind not in ("leave", "bad")]
     # throughput = answers completed between warm-up and the end of sending: the service rate
     # even when the stack is overloaded (then what was sent late finishes after the window)
-    end = cfg.minutes * 60.0
-    after = [o for o in regular if o.latency is not None and cfg.warmup_s <= o.sent + o.latency < end]
-    span = max(1e-9, end - cfg.warmup_s)
+    after = [o for o in regular if o.latency is not None and warmup_s <= o.sent + o.latency < end_s]
+    span = max(1e-9, end_s - warmup_s)
     return {
         "sent": len(outcomes), "by_kind": {k: sum(1 for o in outcomes if o.kind == k) for k in KINDS},
         "answered_200": sum(1 for o in regular if o.status == 200 and not o.stream_error),

@@ -64,6 +64,6 @@ def test_a_lost_request_says_which_transport_error_lost_it(monkeypatch) -> None:
     outs = [Outcome("chat", 0.0), Outcome("chat_stream", 0.0), Outcome("leave", 0.0)]
     for o in outs:
         asyncio.run(soak._guarded(None, o, 0, None, 8, "m"))
-    summary = summarize(outs, SoakConfig(minutes=1.0, warmup_s=0.0), 60.0)
+    summary = summarize(outs, warmup_s=0.0, end_s=60.0, wall_s=60.0)
     assert summary["lost"] == 2
     assert summary["lost_by_error"] == {"RemoteProtocolError": 1, "RemoteProtocolError after 200": 1}
