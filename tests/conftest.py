@@ -79,14 +79,14 @@ def onnx_cache_root() -> str:
 # Test files that run whole on one xdist worker, because their tests share a costly set-up.
 # "encoder": the files that load the sentence encoder (sentence-transformers imported, MiniLM
 # loaded, the shared data encoded: seconds, paid once on one worker). "hf-models": the files that
-# build small HF causal LMs (transformers' model classes imported, the tiny Llama built; the
-# deployer tests share its shape). "api-fuzz": one gateway, schemathesis imported once. Every other
-# test is a unit of its own; the biggest units are handed out first, so they start early instead
-# of finishing alone at the end.
+# build small HF causal LMs of their own (transformers' model classes imported, a tiny Llama built;
+# the deployer tests share its shape). "api-fuzz": one gateway, schemathesis imported once. Every
+# other test is a unit of its own (the engine tests share one engine per worker, built once
+# whatever runs between: tests/workers/conftest.py); the biggest units are handed out first, so
+# they start early instead of finishing alone at the end.
 ONE_WORKER = {
     "tests/predictor/test_predictors.py": "encoder",
     "tests/predictor/test_encoder_backends.py": "encoder",
-    "tests/workers/test_decode.py": "hf-models",
     "tests/workers/test_paged_executor.py": "hf-models",
     "tests/deployer/test_deployer_device_map.py": "hf-models",
     "tests/deployer/test_deployer_helr.py": "hf-models",

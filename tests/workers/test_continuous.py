@@ -11,7 +11,6 @@ import torch
 from batcher.preemption import SwapLink
 from batcher.row_cost import OnlineStepCost
 from cohort.protocol import FailureCode, FinishReason
-from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest, SamplingParams
 from tests.workers.rendered import step_rendered
 from workers.continuous import ContinuousRun, SwapPlan
@@ -20,11 +19,6 @@ from workers.swap_pool import HostSwapPool
 
 PROMPTS = ["Translate to French: good morning", "Hi", "a much longer prompt about static batching " * 4,
            "Summarise: the cat sat on the mat", "one more request that joins late"]
-
-
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(Settings(profile_on_start=False))  # its own model: the paged path takes it over
 
 
 def req(i: int, prompt: str, max_tokens: int = 20, **kw) -> ProfiledRequest:
@@ -69,10 +63,11 @@ def reference(engine: LLMEngine, prompt: str, n: int) -> list[int]:
     return out[:out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
 
 
-@pytest.fixture(scope="module")
-def refs(engine) -> dict[str, list[int]]:
-    # computed before any ContinuousRun takes the model over (paged attention)
-    return {p: reference(engine, p, 24) for p in PROMPTS}
+@pytest.fixture(scope="session")
+def refs(shared_engine) -> dict[str, list[int]]:
+    # once per run: HF ``generate`` on the shared model (outside a packed step its paged
+    # attention is plain SDPA, so a ContinuousRun that ran on it before changes nothing)
+    return {p: reference(shared_engine, p, 24) for p in PROMPTS}
 
 
 def test_groups_join_mid_run_and_greedy_equals_generate(engine, refs):

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from cohort.protocol import FailureCode, FinishReason
-from cohort.settings import Settings
 from cohort.types import ProfiledRequest, SamplingParams
 from workers.decode import DecodeRun
 from workers.decode_outputs import KVCacheOutOfMemory
@@ -16,11 +15,6 @@ from workers.engine import LLMEngine
 
 PROMPTS = ["Translate to French: good morning", "Hi", "a much longer prompt about static batching " * 4,
            "Summarise: the cat sat on the mat"]
-
-
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(Settings(profile_on_start=False))
 
 
 def req(i: int, prompt: str, max_tokens: int = 20, **kw) -> ProfiledRequest:

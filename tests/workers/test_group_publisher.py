@@ -20,15 +20,9 @@ from cohort.types import Batch, ProfiledRequest
 from workers import group_publisher
 from workers.continuous import ContinuousRun
 from workers.continuous_loop import ContinuousLoop
-from workers.engine import LLMEngine
 from workers.group_publisher import GroupPublisher
 
 PROMPT = "Translate to French: good morning"
-
-
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(Settings(profile_on_start=False))
 
 
 @pytest.fixture

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 from cohort.protocol import FinishReason
-from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest, SamplingParams
 from workers.continuous import ContinuousRun
 from workers.continuous_loop import ContinuousLoop
@@ -19,11 +17,6 @@ from workers.engine import LLMEngine
 from workers.row_text import TextStage
 
 PROMPT = "Translate to French: good morning"
-
-
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(Settings(profile_on_start=False))
 
 
 def make_run(engine: LLMEngine) -> ContinuousRun:

@@ -22,11 +22,6 @@ from workers.swap_pool import HostSwapPool
 PROMPTS = ["Translate to French: good morning", "Hi", "Summarise: the cat sat on the mat"]
 
 
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(Settings(profile_on_start=False))
-
-
 def _run(engine: LLMEngine, cost) -> tuple[ContinuousRun, dict[str, str]]:
     """Three rows predicted to stop after 1 token in 10 pages of 8: they outgrow the pool."""
     plan = SwapPlan("adaptive", HostSwapPool(10**6, pin=False), SwapLink(1e9, 1e9), engine.delta_bytes,
