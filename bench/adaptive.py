@@ -24,6 +24,7 @@ from batcher.memory import KVMemory
 from batcher.preemption import PREEMPTION_MODES
 from bench.continuous import EngineLimits
 from bench.continuous_run import ADAPTIVE_FAIR, CB_FCFS
+from bench.report import pyplot
 from bench.roofline import instance
 from bench.simulator import simulate
 from bench.workload import WorkloadConfig, build_rows, make_workload
@@ -116,11 +117,7 @@ def target_lines(runs: list[dict[str, Any]]) -> list[str]:
 
 def plot_adaptive(runs: list[dict[str, Any]], out: Path, title: str = "AdaptiveLLM experiment, simulated") -> Path:
     """Throughput and weighted turnaround per (data, max output): one bar per policy/preemption."""
-    import matplotlib  # optional and slow to import: only when a plot is asked for
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     groups = sorted({(r["data"], r["max_output"]) for r in runs})
     combos = [(p, m) for p in SCHEDULERS for m in PREEMPTION_MODES]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))

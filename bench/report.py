@@ -17,6 +17,17 @@ import typer
 from bench.continuous_run import CB_FCFS
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display) for every plot of the
+    benchmarks: matplotlib is optional and slow to import, so only when a plot is asked for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def base_key(policies: dict[str, Any], policy: str = "vs") -> str:
     """The first result key of ``policy`` (``vs``, ``vs@static``, ``vs@elastic``…), else ``policy``."""
     return next((k for k in policies if k == policy or k.startswith(policy + "@")), policy)
@@ -66,11 +77,7 @@ def ratio_table(policies: dict[str, dict[str, float]], base: str = "vs", versus:
 
 def plot_sweep(by_rate: dict[str, dict[str, Any]], out: Path) -> list[Path]:
     """throughput.png and latency.png: metric vs request rate, one line per policy."""
-    import matplotlib  # optional and slow to import: only when a plot is asked for
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out.mkdir(parents=True, exist_ok=True)
     rates = sorted(by_rate, key=float)
     names = list(by_rate[rates[0]]["policies"])
@@ -107,11 +114,7 @@ def _color(key: str) -> str:
 
 def plot_runs(policies: dict[str, dict[str, float]], out: Path, name: str = "compare.png") -> Path:
     """One rate, many runs (e.g. static vs elastic): bars of throughput, mean latency and TTFT."""
-    import matplotlib  # optional and slow to import: only when a plot is asked for
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out.mkdir(parents=True, exist_ok=True)
     keys = list(policies)
     fig, axes = plt.subplots(1, 3, figsize=(13, 0.35 * len(keys) + 1.8), sharey=True)

@@ -14,17 +14,14 @@ import typer
 from tqdm import tqdm
 
 from bench.live_stack import parse_env
+from bench.report import pyplot
 from bench.soak import SoakConfig, prime_models, run_soak
 
 
 def plot_soak(report: dict[str, Any], out: Path) -> Path:
     """Five panels: p50/p99 per window (admin retrains marked), CPU and RSS per process, Redis
     memory, data folder size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(2, 3, figsize=(16, 8))
     w = report["windows"]
     x = [(v["start_s"] + report["config"]["window_s"] / 2) / 60 for v in w]
