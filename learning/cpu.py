@@ -32,6 +32,8 @@ import sys
 import time
 from collections.abc import Iterator
 
+from threadpoolctl import threadpool_limits  # comes with scikit-learn; loads no BLAS itself
+
 log = logging.getLogger(__name__)
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
@@ -71,11 +73,6 @@ def thread_limits(threads: int) -> Iterator[None]:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(threads)
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn
-        yield
-        return
     with threadpool_limits(limits=threads):
         yield
 

@@ -1,13 +1,18 @@
 """`cohort predictor recompute-search`: AdaptiveLLM's model search for the recompute-cost
 predictor (its own module: the predictor command group is long enough). ``--save`` stores the
-pick where the live worker reads it (``predictor.recompute_cost.load_cost_file``)."""
+pick where the live worker reads it (``predictor.recompute_cost.load_cost_file``). Its imports are
+at the top: its one importer, ``predictor.cli``, loads scikit-learn and numpy anyway."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import typer
+
+from cohort.settings import get_settings
+from predictor.recompute_cost import load_prefill_samples, model_search, save_cost_file, search_table
 
 
 def recompute_search(
@@ -26,10 +31,6 @@ def recompute_search(
 ) -> None:
     """AdaptiveLLM's model search for the recompute-cost predictor: 8 regressors × polynomial
     degree 1–5 on (tokens, batch size, layers, hidden), held-back MAPE, beside Magnus's KNN."""
-    import numpy as np
-
-    from predictor.recompute_cost import load_prefill_samples, model_search, save_cost_file, search_table
-
     head = json.loads(samples[0].read_text())
     head = head if isinstance(head, dict) else {}
     layers = layers or int(head.get("layers", 4))
@@ -48,8 +49,6 @@ def recompute_search(
         json_out.write_text(json.dumps({"files": [str(p) for p in samples], "layers": layers, "hidden": hidden,
                                         "reduce": reduce, **result}, indent=2))
     if save:
-        from cohort.settings import get_settings
-
         model = head.get("model") or get_settings().model
         device = str(head.get("device", "cpu")).split(":")[0]
         save_cost_file(save, data, result, model, device, samples)

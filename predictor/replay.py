@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from predictor.base import PredictItem
 from predictor.conformal import coverage
@@ -59,8 +60,6 @@ def replay(service: PredictorService, items: Sequence[PredictItem], actual: np.n
     static = np.full(n, np.nan)
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=n, desc="replay", unit="row")
     for i in range(0, n, chunk):
         part = list(items[i:i + chunk])
@@ -115,10 +114,9 @@ def replay(service: PredictorService, items: Sequence[PredictItem], actual: np.n
 
 def plot_replay(result: dict[str, Any], out: Path, title: str) -> None:
     """Coverage of the planned bound per window (online vs static table) and τ / MAE per window."""
-    import matplotlib  # optional and slow to import: only when a plot is asked for
+    import matplotlib.pyplot as plt  # optional and slow to import: only when a plot is asked for
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt.switch_backend("Agg")  # files only, no display
 
     ws = result["windows"]
     x = [w["rows"] for w in ws]

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from threadpoolctl import threadpool_limits  # comes with scikit-learn
 
 from cohort.logdb import finished_requests, get_db_engine
 from cohort.settings import Settings
@@ -75,8 +76,6 @@ def model_planned(row: dict) -> bool:
 def _limit_threads(n: int) -> None:
     """On the predictor thread, once: OpenMP's thread count is a per-thread setting, so limiting
     it here bounds every prediction and online update that runs on this thread (and nothing else)."""
-    from threadpoolctl import threadpool_limits  # comes with scikit-learn
-
     threadpool_limits(limits=n, user_api="openmp")
 
 

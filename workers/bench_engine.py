@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import LlamaForCausalLM
 
 from cohort.tokenizer import load_tokenizer
 from cohort.types import Batch, ProfiledRequest
@@ -103,8 +104,6 @@ def engine_bench_cli() -> None:
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(0)
     tok = load_tokenizer()
     results = []

@@ -2,20 +2,27 @@
 
 The samples ((β, L, G) → wall seconds) are the analytic estimator's cold-start data and the
 KNN estimator's first training set (continuous learning seeds its sample store from them).
+torch and the paged executor are imported at the top: whoever imports this module (the worker's
+runtime, `cohort worker profile`, `cohort worker profile-prefill`) runs a model, and has them.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from tqdm.auto import tqdm
 
 from predictor.estimator import AnalyticBatchTime
+from workers.paged_executor import PagedExecutor
+from workers.row_book import BookRow, RowBook
 
 
 class ShapeRunner(Protocol):
@@ -72,27 +79,16 @@ class PrefillTimer:
 
     def __init__(self, model: Any, dtype: Any, device: Any, max_tokens: int, page_size: int = 16,
                  clock: str = "thread") -> None:
-        from workers.paged_executor import PagedExecutor
-        from workers.row_book import RowBook
-
         self.device, self.clock, self.page_size = device, CLOCKS[clock], page_size
         self.book = RowBook(max_tokens // page_size + 64, page_size, token_budget=max_tokens)
         self.executor = PagedExecutor(model, self.book, dtype, device)
 
     def _sync(self) -> None:
         if getattr(self.device, "type", "cpu") == "cuda":
-            import torch
-
             torch.cuda.synchronize(self.device)
 
     def time_shape(self, size: int, input_len: int, repeats: int) -> list[float]:
         """Seconds of ``repeats`` packed prefills of this shape (after one warm-up run)."""
-        import gc
-
-        import torch
-
-        from workers.row_book import BookRow
-
         rows = [BookRow(f"p{k}", input_len) for k in range(size)]
         if not self.book.admit(rows):
             raise ValueError(f"{size}×{input_len} tokens exceed the timer's page pool")
@@ -137,8 +133,6 @@ def profile_prefill_shapes(timer: PrefillTimer, shapes: Sequence[tuple[int, int]
     a neighbour's busy phase lasts seconds, so repeats taken back to back share it and their
     minimum does not remove it; visits spread over the whole profile do.
     """
-    import random
-
     shapes = [(int(b), int(L)) for b, L in shapes]
     times: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
     order = [list(shapes) for _ in range(rounds)]
