@@ -8,10 +8,8 @@ last rate and ``by_rate`` holds every rate. A table of ratios against ``vs`` goe
 ``--plot DIR`` draws throughput and latency against rate, one line per policy.
 
 ``bench sim`` compares execution modes side by side: ``--execution static,elastic`` runs every
-policy under both, or a name carries its own, ``magnus@static`` (the paper: static batches,
-split-and-restart on overflow) next to ``magnus@elastic`` (rows leave as they finish, overflow
-preempts rows as continuations); keys in the JSON are ``POLICY[+oracle]@EXECUTION``
-(``bench.simulator.parse_run``).
+policy under both, or a name carries its own, ``magnus@static`` (the paper) next to
+``magnus@elastic``; keys in the JSON are ``POLICY[+oracle]@EXECUTION`` (``bench.simulator.parse_run``).
 """
 
 from __future__ import annotations
@@ -43,6 +41,7 @@ from bench.report import base_key, ratio_table, write_result
 from bench.roofline import Instance, fitted_time_model, instance
 from bench.simulator import DEFAULT_THRESHOLD, parse_policy, parse_run, simulate
 from bench.soak_cli import soak
+from bench.upstream_cli import upstream
 from bench.workload import ORACLE, WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
 from cohort.settings import Settings
@@ -51,8 +50,8 @@ from predictor.estimator import AnalyticBatchTime
 
 app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
 
-app.command()(soak)  # issue 23: `cohort bench soak` (bench/soak_cli.py)
-
+app.command()(soak)  # `cohort bench soak` (bench/soak_cli.py), `upstream` (bench/upstream_cli.py)
+app.command()(upstream)
 DEFAULT_POLICIES = "vs,glp,abp,magnus,magnus+oracle,s3,slo-dbs,odbs,slo-odbs"
 
 

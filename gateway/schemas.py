@@ -179,6 +179,9 @@ class OpenAIRequest(_Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    emulated_tokens: int | None = Field(default=None, ge=0, description=(
+        "Benchmarks (COHORT_EMULATE_LENGTHS): generate exactly this many while max_tokens stays the "
+        "client's bound, so the length is not given away to the predictor as ignore_eos + max_tokens would."))
     slo_seconds: float | None = Field(default=None, gt=0, le=MAX_SLO_S)
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     metadata: dict[str, str] | None = Field(default=None, description=(

@@ -72,6 +72,13 @@ _UNEXPECTED = re.compile(r"[Uu]nexpected fields[^{]*\{([^}]*)\}")
 _INFO = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.M)
 
 
+def block_tokens_from_metrics(text: str) -> int | None:
+    """The server's KV block (page) size in tokens, from ``vllm:cache_config_info``."""
+    m = _INFO.search(text)
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))) if m else {}
+    return int(labels["block_size"]) if labels.get("block_size", "").isdigit() else None
+
+
 def kv_tokens_from_metrics(text: str) -> int | None:
     """KV tokens a vLLM server holds: num_gpu_blocks × block_size from ``vllm:cache_config_info``
     (the override, ``--num-gpu-blocks-override``, when set). None when the metric is absent."""

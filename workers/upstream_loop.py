@@ -40,6 +40,7 @@ from workers.upstream_api import (
     UpstreamDown,
     UpstreamRefused,
     UpstreamServer,
+    block_tokens_from_metrics,
     gauge,
     kv_tokens_from_metrics,
 )
@@ -130,7 +131,13 @@ class UpstreamLoop:
         self._aloop.call_soon_threadsafe(self._cancel, ids)
 
     def stop(self) -> None:
-        self._aloop.call_soon_threadsafe(self._aloop.stop)
+        """End every stream and the thread (a warm shutdown drains first: ``GroupPublisher.drain``)."""
+        def shutdown() -> None:
+            for task in asyncio.all_tasks(self._aloop):
+                task.cancel()
+            self._aloop.call_soon(self._aloop.stop)
+
+        self._aloop.call_soon_threadsafe(shutdown)
         self._thread.join(timeout=10)
 
     @property
@@ -341,9 +348,11 @@ class UpstreamLoop:
                     continue
                 text = await self.server.metrics()
                 if text:
-                    cap = kv_tokens_from_metrics(text)
+                    cap, block = kv_tokens_from_metrics(text), block_tokens_from_metrics(text)
                     if cap:
                         self.capacity_tokens = cap
+                    if block:
+                        self.page_tokens = block
                     self.server_waiting = gauge(text, "vllm:num_requests_waiting") or 0.0
                     self._admit()
             except Exception:  # the watch never dies

@@ -23,7 +23,12 @@ from cohort.tokenizer import load_tokenizer, prompt_token_ids
 from cohort.types import InstanceInfo, ProfiledRequest
 from workers.group_publisher import GroupPublisher
 from workers.runtime import Runtime
-from workers.upstream_api import UpstreamDown, UpstreamServer, kv_tokens_from_metrics
+from workers.upstream_api import (
+    UpstreamDown,
+    UpstreamServer,
+    block_tokens_from_metrics,
+    kv_tokens_from_metrics,
+)
 from workers.upstream_loop import UpstreamLoop
 
 log = logging.getLogger(__name__)
@@ -92,7 +97,8 @@ def start_upstream(settings: Settings) -> Runtime:
     if not (published or s.upstream_kv_tokens):
         log.warning("upstream %s publishes no KV capacity and COHORT_UPSTREAM_KV_TOKENS is unset: planning with "
                     "%d tokens", s.upstream, capacity)
-    loop = UpstreamLoop(server, tok, capacity, page_tokens=s.kv_page_tokens, max_rows=s.continuous_max_rows,
+    block = block_tokens_from_metrics(metrics) if metrics else None
+    loop = UpstreamLoop(server, tok, capacity, page_tokens=block or s.kv_page_tokens, max_rows=s.continuous_max_rows,
                         use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and caps.priority))
     delta = delta_bytes(s.model)
     name = s.instance_name or f"{socket.gethostname()}-{os.getpid()}-upstream"

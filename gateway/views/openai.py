@@ -97,7 +97,9 @@ def _copies(body: OpenAIRequest, base: Submission) -> list[Submission]:
 
 
 def _submission(body: OpenAIRequest, request: Request, served: ServedModel, max_tokens: int, **kw) -> Submission:
-    emulated = max_tokens if body.ignore_eos and request.app.state.settings.emulate_lengths else None
+    emulated = body.emulated_tokens  # validated with the other limits (gateway.submit)
+    if emulated is None and body.ignore_eos and request.app.state.settings.emulate_lengths:
+        emulated = max_tokens
     sampling = body.sampling(sampling_defaults(served.path).values)
     return Submission(max_tokens=max_tokens, slo_s=body.slo_seconds, sampling=sampling,
                       emulated_tokens=emulated, priority=body.priority, **kw)

@@ -16,6 +16,7 @@ from workers.upstream_api import (
     Capabilities,
     Chunk,
     UpstreamDown,
+    block_tokens_from_metrics,
     gauge,
     kv_tokens_from_metrics,
     parse_chunk,
@@ -35,6 +36,7 @@ def test_what_a_server_publishes_and_refuses():
     assert kv_tokens_from_metrics(VLLM_METRICS) == 320 * 16
     assert kv_tokens_from_metrics(VLLM_METRICS.replace('override="None"', 'override="40"')) == 40 * 16
     assert kv_tokens_from_metrics("# nothing here\n") is None
+    assert block_tokens_from_metrics(VLLM_METRICS) == 16
     assert gauge(VLLM_METRICS, "vllm:num_requests_waiting") == 3.0
     assert gauge(VLLM_METRICS, "vllm:absent") is None
     assert refused_fields('{"detail":"Unexpected fields in the request: {\'ignore_eos\', \'priority\'}"}') == {

@@ -1,0 +1,143 @@
+"""The upstream benchmark's driver: one seeded workload replayed as streaming OpenAI completions,
+straight to an engine (vLLM, any OpenAI-compatible server) or to cohort in front of it, measured
+the same way at the client for both — TTFT, inter-token latency, e2e latency, goodput.
+
+The prompts are the ones cohort builds (``cohort.tokenizer.build_prompt``), so both paths run the
+same tokens. The engine direct gets ``max_tokens`` = the true length with ``ignore_eos``; cohort
+gets the workload's ``max_tokens`` as the client's bound and the true length as
+``emulated_tokens`` — its predictor must find the length from the prompt, as in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.live import check_loopback
+from bench.workload import Workload
+from cohort.tokenizer import build_prompt
+
+TTFT_GOAL_S = 1.0  # goodput: a request that met TTFT <= 1 s and e2e <= its slo_seconds
+
+
+@dataclass
+class StreamResult:
+    """Per-request arrays of one run (seconds from the run's start; nan where not reached)."""
+
+    sent: np.ndarray
+    first: np.ndarray
+    done: np.ndarray
+    tokens: np.ndarray
+    itl_sum: np.ndarray
+    ok: np.ndarray
+    wall_s: float
+    errors: dict[str, int]
+
+
+async def _one(client: httpx.AsyncClient, body: dict[str, Any], i: int, res: StreamResult, t0: float,
+               timeout_s: float) -> None:
+    res.sent[i] = time.perf_counter() - t0
+    last = None
+    try:
+        async with client.stream("POST", "/completions", json=body, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                await r.aread()
+                res.errors[f"http_{r.status_code}"] = res.errors.get(f"http_{r.status_code}", 0) + 1
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                d = json.loads(line[5:])
+                ch = (d.get("choices") or [{}])[0]
+                if ch.get("text") or ch.get("token_ids"):
+                    now = time.perf_counter() - t0
+                    if last is None:
+                        res.first[i] = now
+                    else:
+                        res.itl_sum[i] += now - last
+                    last = now
+                usage = d.get("usage")
+                if usage:
+                    res.tokens[i] = usage.get("completion_tokens", 0)
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.errors[type(e).__name__] = res.errors.get(type(e).__name__, 0) + 1
+        return
+    res.done[i] = time.perf_counter() - t0
+    res.ok[i] = True
+
+
+async def replay(workload: Workload, base_url: str, body_of: Callable[[int, str], dict[str, Any]], *,
+                 max_in_flight: int = 1024, timeout_s: float = 600.0,
+                 progress: Callable[[int], None] | None = None) -> StreamResult:
+    """Send request i at its arrival time as ``body_of(i, prompt)``, streamed."""
+    check_loopback(base_url)
+    n = len(workload)
+    nan = np.full(n, math.nan)
+    res = StreamResult(nan.copy(), nan.copy(), nan.copy(), np.zeros(n, dtype=np.int64), np.zeros(n),
+                       np.zeros(n, dtype=bool), 0.0, {})
+    recs = workload.rows.records
+    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
+    t0 = time.perf_counter()
+    sem = asyncio.Semaphore(max_in_flight)
+
+    async def send(client: httpx.AsyncClient, i: int) -> None:
+        delay = float(workload.arrival[i]) - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        r = recs[int(workload.row[i])]
+        async with sem:
+            await _one(client, body_of(i, build_prompt(r.instruction, r.input)), i, res, t0, timeout_s)
+        if progress:
+            progress(1)
+
+    async with httpx.AsyncClient(base_url=base_url, limits=limits) as client:
+        await asyncio.gather(*(send(client, i) for i in range(n)))
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def summarize(workload: Workload, res: StreamResult) -> dict[str, Any]:
+    """Throughput, latency percentiles, TTFT, ITL and goodput of one run."""
+    ok = res.ok
+    e2e = (res.done - res.sent)[ok]
+    ttft = (res.first - res.sent)[ok]
+    steps = np.maximum(res.tokens[ok] - 1, 1)
+    itl = res.itl_sum[ok] / steps
+    span = float(np.nanmax(res.done)) if ok.any() else res.wall_s
+    good = ok & ((res.first - res.sent) <= TTFT_GOAL_S) & ((res.done - res.sent) <= workload.slo_s)
+
+    def q(x: np.ndarray, p: float) -> float:
+        return float(np.percentile(x, p)) if len(x) else math.nan
+
+    return {"requests": len(ok), "done": int(ok.sum()), "lost": int((~ok).sum()), "errors": res.errors,
+            "throughput_rps": float(ok.sum() / span) if span > 0 else 0.0,
+            "tokens_per_s": float(res.tokens[ok].sum() / span) if span > 0 else 0.0,
+            "mean_latency_s": float(e2e.mean()) if len(e2e) else math.nan, "p50_latency_s": q(e2e, 50),
+            "p99_latency_s": q(e2e, 99), "mean_ttft_s": float(ttft.mean()) if len(ttft) else math.nan,
+            "p50_ttft_s": q(ttft, 50), "mean_itl_s": float(itl.mean()) if len(itl) else math.nan,
+            "goodput_rps": float(good.sum() / span) if span > 0 else 0.0, "wall_s": res.wall_s}
+
+
+def direct_body(workload: Workload, model: str) -> Callable[[int, str], dict[str, Any]]:
+    """The engine direct: the true length as max_tokens with ignore_eos (its own FCFS order)."""
+    def body(i: int, prompt: str) -> dict[str, Any]:
+        return {"model": model, "prompt": prompt, "max_tokens": int(max(1, workload.true_tokens[i])),
+                "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+def cohort_body(workload: Workload, model: str) -> Callable[[int, str], dict[str, Any]]:
+    """cohort in front: the client's bound as max_tokens, the true length emulated, the SLO given."""
+    def body(i: int, prompt: str) -> dict[str, Any]:
+        return {"model": model, "prompt": prompt, "max_tokens": workload.config.max_tokens,
+                "emulated_tokens": int(max(1, workload.true_tokens[i])), "slo_seconds": float(workload.slo_s[i]),
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    return body

@@ -1,0 +1,140 @@
+"""`cohort bench upstream`: an engine direct against cohort in front of it, same seeded workload,
+one run. The engine (vLLM, `transformers serve`, …) is started by the caller (recipe:
+docs/upstream.md); cohort stacks are spawned per target with COHORT_UPSTREAMS pointing at it, or
+on the built-in engine (``builtin:<policy>``). Targets run in the order given, each over every
+load, so ``direct,…,direct`` is the A-B-A order that shows the machine's drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import typer
+from tqdm import tqdm
+
+from bench.live_stack import parse_env, spawned_stack
+from bench.upstream_bench import cohort_body, direct_body, replay, summarize
+from bench.workload import WorkloadConfig, build_rows, make_workload
+from cohort.datasets import data_files
+from predictor.estimator import AnalyticBatchTime
+
+RATIO_KEYS = ("throughput_rps", "mean_latency_s", "p50_latency_s", "p99_latency_s", "mean_ttft_s", "p50_ttft_s",
+              "mean_itl_s", "goodput_rps")
+
+
+def _model(base_url: str) -> str:
+    return httpx.get(f"{base_url}/models", timeout=30).json()["data"][0]["id"]
+
+
+def _labels(targets: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for t in targets:
+        seen[t] = seen.get(t, 0) + 1
+        out.append(t if seen[t] == 1 else f"{t}#{seen[t]}")
+    return out
+
+
+def _plot(by_load: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ("throughput_rps", "mean_latency_s", "p50_latency_s", "p99_latency_s", "mean_ttft_s", "goodput_rps")
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 4))
+    loads = list(by_load)
+    targets = list(next(iter(by_load.values())))
+    width = 0.8 / max(1, len(targets))
+    for ax, key in zip(axes, keys, strict=True):
+        for j, t in enumerate(targets):
+            ax.bar([i + j * width for i in range(len(loads))], [by_load[lo][t][key] for lo in loads], width, label=t)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(loads))], [f"{lo}x" for lo in loads])
+        ax.set_title(key)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def upstream(
+    engine: str = typer.Option(..., "--upstream", help="The engine's base URL ending in /v1 (loopback)."),
+    targets: str = typer.Option("direct,magnus,spf,slo-odbs,direct", help="Comma-separated: direct (the engine "
+                                "itself), a policy (cohort in front of the engine), builtin:<policy> (cohort's "
+                                "own engine)."),
+    loads: str = typer.Option("0.5,0.9,1.5", help="Offered loads as fractions of the engine's capacity."),
+    capacity: float = typer.Option(0.0, help="Requests/s the engine completes; 0: measure it with a burst first."),
+    burst: bool = typer.Option(False, help="Every request within 1.5 s (the KV-bound burst) instead of Poisson."),
+    requests: int = typer.Option(300), seed: int = typer.Option(0),
+    max_tokens: int = typer.Option(256, help="The client's bound; true lengths are capped here."),
+    data: list[Path] = typer.Option(None, help="Shared-data JSONL files (default: the 8 Magnus tasks)."),
+    server_env: list[str] = typer.Option(None, help="KEY=VALUE for the spawned cohort stacks (repeat)."),
+    workdir: Path = typer.Option(Path("var/bench/upstream")),
+    json_out: Path = typer.Option(None, "--json"), plot: Path = typer.Option(None),
+) -> None:
+    """Replay one workload against the engine direct and cohort in front of it; ratios to the first
+    direct run."""
+    files = [str(p) for p in (data or data_files())]
+    rows = build_rows(files, None)
+    model = _model(engine)
+    env = parse_env(server_env)
+
+    def workload(rate: float):
+        return make_workload(WorkloadConfig(files=files, requests=requests, rate=rate, seed=seed,
+                                            max_tokens=max_tokens), AnalyticBatchTime(), rows)
+
+    if capacity <= 0:
+        wl = workload(requests / 1.5)
+        with tqdm(total=requests, desc="capacity (direct burst)", unit="req") as bar:
+            capacity = summarize(wl, _run(replay(wl, engine, direct_body(wl, model), progress=bar.update)))[
+                "throughput_rps"]
+        typer.echo(f"engine capacity: {capacity:.2f} req/s")
+    fracs = [float(x) for x in loads.split(",") if x.strip()]
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    by_load: dict[str, dict[str, Any]] = {f"{f:g}": {} for f in fracs}
+    for label, target in zip(_labels(names), names, strict=True):
+        if target == "direct":
+            _all_loads(label, fracs, capacity, burst, requests, workload, engine, lambda wl: direct_body(wl, model),
+                       by_load)
+            continue
+        builtin = target.startswith("builtin:")
+        policy = target.removeprefix("builtin:")
+        stack_env = {**env} if builtin else {**env, "COHORT_UPSTREAMS": engine}
+        with spawned_stack(policy, stack_env, workdir / label.replace(":", "_").replace("#", "_")) as url:
+            served = _model(f"{url}/v1")
+            _all_loads(label, fracs, capacity, burst, requests, workload, f"{url}/v1",
+                       lambda wl, served=served: cohort_body(wl, served), by_load)
+    base = next(lb for lb, t in zip(_labels(names), names, strict=True) if t == "direct") if "direct" in names else None
+    ratios = {lo: {t: {k: (m[k] / runs[base][k] if base and runs[base][k] else None) for k in RATIO_KEYS}
+                   for t, m in runs.items()} for lo, runs in by_load.items()} if base else {}
+    out = {"config": {"engine": engine, "model": model, "targets": names, "loads": fracs, "capacity_rps": capacity,
+                      "burst": burst, "requests": requests, "seed": seed, "max_tokens": max_tokens, "files": files,
+                      "server_env": env}, "by_load": by_load, "ratios_to": base, "ratios": ratios}
+    for lo, runs in by_load.items():
+        typer.echo(f"\nload {lo}x ({float(lo) * capacity:.1f} req/s)")
+        for t, m in runs.items():
+            r = ratios.get(lo, {}).get(t, {})
+            typer.echo(f"  {t:>16}: {m['throughput_rps']:6.2f} req/s, mean {m['mean_latency_s']:.2f} s "
+                       f"(x{r.get('mean_latency_s') or 0:.2f}), p50 {m['p50_latency_s']:.2f} s, p99 "
+                       f"{m['p99_latency_s']:.2f} s, TTFT {m['mean_ttft_s']:.3f} s, goodput {m['goodput_rps']:.2f}"
+                       f", lost {m['lost']}")
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(out, indent=2, default=float))
+    if plot:
+        _plot(by_load, plot)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _all_loads(label, fracs, capacity, burst, requests, workload, base_url, body_of, by_load) -> None:
+    for f in fracs:
+        wl = workload(requests / 1.5 if burst else max(0.01, f * capacity))
+        with tqdm(total=requests, desc=f"{label} @ {f:g}x", unit="req") as bar:
+            by_load[f"{f:g}"][label] = summarize(wl, _run(replay(wl, base_url, body_of(wl), progress=bar.update)))
