@@ -74,7 +74,7 @@ async def _one(client: httpx.AsyncClient, body: dict[str, Any], i: int, res: Str
     res.ok[i] = True
 
 
-async def replay(workload: Workload, base_url: str, body_of: Callable[[int, str], dict[str, Any]], *,
+async def replay_streams(workload: Workload, base_url: str, body_of: Callable[[int, str], dict[str, Any]], *,
                  max_in_flight: int = 1024, timeout_s: float = 600.0,
                  progress: Callable[[int], None] | None = None) -> StreamResult:
     """Send request i at its arrival time as ``body_of(i, prompt)``, streamed."""

@@ -17,7 +17,7 @@ import typer
 from tqdm import tqdm
 
 from bench.live_stack import parse_env, spawned_stack
-from bench.upstream_bench import cohort_body, direct_body, replay, summarize
+from bench.upstream_bench import cohort_body, direct_body, replay_streams, summarize
 from bench.workload import WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
 from predictor.estimator import AnalyticBatchTime
@@ -90,7 +90,7 @@ def upstream(
     if capacity <= 0:
         wl = workload(requests / 1.5)
         with tqdm(total=requests, desc="capacity (direct burst)", unit="req") as bar:
-            capacity = summarize(wl, _run(replay(wl, engine, direct_body(wl, model), progress=bar.update)))[
+            capacity = summarize(wl, _run(replay_streams(wl, engine, direct_body(wl, model), progress=bar.update)))[
                 "throughput_rps"]
         typer.echo(f"engine capacity: {capacity:.2f} req/s")
     fracs = [float(x) for x in loads.split(",") if x.strip()]
@@ -137,4 +137,4 @@ def _all_loads(label, fracs, capacity, burst, requests, workload, base_url, body
     for f in fracs:
         wl = workload(requests / 1.5 if burst else max(0.01, f * capacity))
         with tqdm(total=requests, desc=f"{label} @ {f:g}x", unit="req") as bar:
-            by_load[f"{f:g}"][label] = summarize(wl, _run(replay(wl, base_url, body_of(wl), progress=bar.update)))
+            by_load[f"{f:g}"][label] = summarize(wl, _run(replay_streams(wl, base_url, body_of(wl), progress=bar.update)))

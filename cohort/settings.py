@@ -106,12 +106,10 @@ class Settings(BaseSettings):
         "`transformers serve`): `cohort worker` then runs as an upstream instance of its pool, streaming its "
         "rows to that server instead of loading a model. COHORT_MODEL must name the same model (its tokenizer "
         "counts the tokens).")
-    upstreams: str = Field(
-        default="", description="Comma-separated upstream base URLs: `cohort serve` starts one upstream worker "
-        "per URL instead of the built-in model worker.")
+    upstreams: str = Field(default="", description="Comma-separated upstream base URLs: `cohort serve` starts "
+                           "one upstream worker per URL instead of the built-in model worker.")
     upstream_api_key: str | None = Field(default=None, description="Bearer key for the upstream servers.")
-    upstream_model: str | None = Field(
-        default=None, description="The upstream's model id; unset: the first one its /v1/models lists.")
+    upstream_model: str | None = Field(default=None, description="The upstream's model id (default: its first).")
     upstream_kv_tokens: int | None = Field(
         default=None, ge=1, description="KV tokens an upstream holds, where it does not publish them (vLLM "
         "publishes num_gpu_blocks x block_size on /metrics, and that wins).")

@@ -43,7 +43,7 @@ def worker(ctx: typer.Context) -> None:
     if s.upstream:  # an upstream instance: no model here, its server runs the rows
         from workers.upstream_start import start_upstream
 
-        rt = runtime.install(start_upstream(s))
+        rt = runtime.set_current(start_upstream(s))
     else:
         rt = runtime.start(s)
     try:

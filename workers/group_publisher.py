@@ -21,16 +21,22 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from cohort.logdb import record_batches
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode
 from cohort.types import Batch
 from workers.continuous_loop import ContinuousLoop, Update
-from workers.reporting import Fill, Reporter, Staged, admitted_fill, batch_row, completion_fill, execute, send
-
-if TYPE_CHECKING:
-    from workers.runtime import Runtime
+from workers.reporting import (
+    Fill,
+    Outlet,
+    Reporter,
+    Staged,
+    admitted_fill,
+    batch_row,
+    completion_fill,
+    execute,
+    send,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +52,7 @@ class _Group:
 class GroupPublisher:
     """Owns the publishing thread and the groups it reports for."""
 
-    def __init__(self, rt: Runtime, loop: ContinuousLoop, wait_s: float = 0.2) -> None:
+    def __init__(self, rt: Outlet, loop: ContinuousLoop, wait_s: float = 0.2) -> None:
         self.rt, self.loop, self.wait_s = rt, loop, wait_s
         self.groups: dict[str, _Group] = {}
         self._lock = threading.Lock()

@@ -15,18 +15,29 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis
 
 from cohort import bus
 from cohort.logdb import finish_requests
 from cohort.protocol import CompletionEvent, FailureCode, ScoredIds, StreamEvent, StreamKind
+from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest
 from workers.decode_outputs import RowResult, StepOutput
 
-if TYPE_CHECKING:
-    from workers.runtime import Runtime
+
+class Outlet(Protocol):
+    """What reporting needs of a worker (``workers.runtime.Runtime`` is one): where to write, and
+    under which instance name and settings — not the whole runtime, which holds the publisher."""
+
+    settings: Settings
+    redis: redis.Redis
+    db: Any
+
+    @property
+    def name(self) -> str: ...
+
 
 log = logging.getLogger(__name__)
 REDIS_OUTAGE_S = 300.0  # how long a running batch waits for Redis before it gives up
@@ -53,7 +64,7 @@ def execute(r: redis.Redis, fill: Fill, what: str, limit_s: float = REDIS_OUTAGE
             backoff = min(backoff * 2, 5.0)
 
 
-def completion_fill(rt: Runtime, event: CompletionEvent) -> Fill:
+def completion_fill(rt: Outlet, event: CompletionEvent) -> Fill:
     """The batch's end: its done marker (which alone answers a redelivery: ``tasks._claim`` and
     the batcher read it first), its claim and admission markers gone, the batcher told."""
     def fill(pipe) -> None:
@@ -63,17 +74,17 @@ def completion_fill(rt: Runtime, event: CompletionEvent) -> Fill:
     return fill
 
 
-def complete(rt: Runtime, event: CompletionEvent) -> None:
+def complete(rt: Outlet, event: CompletionEvent) -> None:
     execute(rt.redis, completion_fill(rt, event), "the batch's completion")
 
 
-def admitted_fill(rt: Runtime, batch_id: str) -> Fill:
+def admitted_fill(rt: Outlet, batch_id: str) -> Fill:
     """The batch's rows run now: the batcher may send this instance its next one."""
     ttl = bus.marker_ttl_s(rt.settings.visibility_timeout_s)
     return lambda pipe: pipe.set(bus.admitted_key(batch_id), rt.name, ex=ttl)
 
 
-def mark_admitted(rt: Runtime, batch_id: str) -> None:
+def mark_admitted(rt: Outlet, batch_id: str) -> None:
     execute(rt.redis, admitted_fill(rt, batch_id), "admission")
 
 
@@ -90,7 +101,7 @@ def _end_event(res: RowResult, b: Batch, started: float) -> StreamEvent:
                        batch_id=b.id, batch_size=b.size, timings=timings(res, started))
 
 
-def batch_row(rt: Runtime, b: Batch, started: float) -> dict[str, Any]:
+def batch_row(rt: Outlet, b: Batch, started: float) -> dict[str, Any]:
     """The log DB's row for a batch run, as far as it is known when the batch starts."""
     return {"id": b.id, "created": b.created, "started": started, "instance": rt.name, "model": rt.settings.model,
             "size": b.size, "input_len": b.input_len, "predicted_gen_len": b.predicted_gen_len,
@@ -109,7 +120,7 @@ class Staged:
     alive: list[str] = field(default_factory=list)
 
 
-def send(rt: Runtime, staged: Sequence[Staged], extra: Sequence[Fill] = (), what: str = "a step's events") -> None:
+def send(rt: Outlet, staged: Sequence[Staged], extra: Sequence[Fill] = (), what: str = "a step's events") -> None:
     """Send steps of one or several batches together: every record in one log-DB transaction,
     then one Redis pipeline (the steps' events, ``extra`` commands, every cancel check), then each
     batch learns which of its rows the client withdrew (``Reporter.settle``)."""
@@ -134,7 +145,7 @@ def send(rt: Runtime, staged: Sequence[Staged], extra: Sequence[Fill] = (), what
 class Reporter:
     """One batch's reporting state: what the batcher must hear about when it ends."""
 
-    def __init__(self, rt: Runtime, batch: Batch, started: float,
+    def __init__(self, rt: Outlet, batch: Batch, started: float,
                  cancel: Callable[[list[str]], None] | None = None) -> None:
         self.rt, self.batch, self.started, self.cancel = rt, batch, started, cancel
         self.answered: list[str] = []

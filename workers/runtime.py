@@ -137,7 +137,7 @@ def start(settings: Settings) -> Runtime:
     return _runtime
 
 
-def install(rt: Runtime) -> Runtime:
+def set_current(rt: Runtime) -> Runtime:
     """Make ``rt`` this process's runtime (an upstream instance's, built by ``workers.upstream_start``)."""
     global _runtime
     _runtime = rt
