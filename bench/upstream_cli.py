@@ -17,6 +17,7 @@ import typer
 from tqdm import tqdm
 
 from bench.live_stack import parse_env, spawned_stack
+from bench.report import pyplot
 from bench.upstream_bench import cohort_body, direct_body, replay_streams, summarize
 from bench.workload import WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
@@ -40,11 +41,7 @@ def _labels(targets: list[str]) -> list[str]:
 
 
 def _plot(by_load: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys = ("throughput_rps", "mean_latency_s", "p50_latency_s", "p99_latency_s", "mean_ttft_s", "goodput_rps")
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 4))
     loads = list(by_load)

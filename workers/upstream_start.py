@@ -7,11 +7,13 @@ built-in instances — withdrawing itself while the server is down.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 
@@ -22,6 +24,7 @@ from cohort.settings import DEFAULT_MODEL, Settings
 from cohort.tokenizer import load_tokenizer, prompt_token_ids
 from cohort.types import InstanceInfo, ProfiledRequest
 from workers.group_publisher import GroupPublisher
+from workers.model import TINY_LLAMA
 from workers.runtime import Runtime
 from workers.upstream_api import (
     UpstreamDown,
@@ -49,15 +52,12 @@ class UpstreamPrompts:
 def delta_bytes(model: str) -> int:
     """Δ of the served model, from its config when cohort can read it (the built-in model's
     shape for the default); 1 otherwise — Θ is then in tokens, which is all the rule needs."""
+    if model == DEFAULT_MODEL:
+        return kv_bytes_per_token({**TINY_LLAMA, "torch_dtype": "float32"})
+    config = Path(model) / "config.json"
     try:
-        if model == DEFAULT_MODEL:
-            from workers.model import TINY_LLAMA
-
-            return kv_bytes_per_token({**TINY_LLAMA, "torch_dtype": "float32"})
-        from transformers import AutoConfig
-
-        return kv_bytes_per_token(AutoConfig.from_pretrained(model).to_dict())
-    except Exception:  # a model id only the server knows
+        return kv_bytes_per_token(json.loads(config.read_text()))
+    except (OSError, ValueError):  # a model id only the server knows, or a config cohort cannot read
         return 1
 
 
