@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 from tests.test_floors import PACKAGES, ROOT
@@ -49,6 +50,12 @@ def module_files(root: Path, packages: list[str]) -> dict[str, Path]:
                 parts.pop()
             out[".".join(parts)] = f
     return out
+
+
+@cache
+def _parse(path: Path) -> ast.Module:
+    """Each module parsed once per test process (three tests read every one)."""
+    return ast.parse(path.read_text(), str(path))
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -103,7 +110,7 @@ def import_graph(root: Path, packages: list[str]) -> dict[str, set[str]]:
     modules = module_files(root, packages)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        top, _ = split_imports(ast.parse(path.read_text(), str(path)))
+        top, _ = split_imports(_parse(path))
         graph[name] = {t for node in top for t in _targets(name, path, node, modules) if t != name}
     return graph
 
@@ -175,7 +182,7 @@ def function_level_imports(root: Path, packages: list[str]) -> list[str]:
     for path in module_files(root, packages).values():
         if path.name == "cli.py":
             continue
-        _, deferred = split_imports(ast.parse(path.read_text(), str(path)))
+        _, deferred = split_imports(_parse(path))
         out += [f"{path.relative_to(root)}:{n.lineno}: {ast.unparse(n)}" for n in deferred]
     return sorted(out)
 
