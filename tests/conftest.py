@@ -87,6 +87,7 @@ def onnx_cache_root() -> str:
 ONE_WORKER = {
     "tests/predictor/test_predictors.py": "encoder",
     "tests/predictor/test_encoder_backends.py": "encoder",
+    "tests/predictor/test_encoder_dtype.py": "encoder",
     "tests/workers/test_paged_executor.py": "hf-models",
     "tests/deployer/test_deployer_device_map.py": "hf-models",
     "tests/deployer/test_deployer_helr.py": "hf-models",
