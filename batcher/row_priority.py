@@ -1,4 +1,4 @@
-"""Background rows give way to urgent ones inside the continuous engine (issue 21).
+"""Background rows give way to urgent ones inside the continuous engine.
 
 Why: a batch job's rows (``offline.runner``, priority ``COHORT_OFFLINE_PRIORITY``) and interactive
 requests (priority 0) share an instance's running set. On a CPU a decode step's time grows with

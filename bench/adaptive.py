@@ -9,7 +9,7 @@ swap), on the shared Alpaca rows and on the Magnus tasks. ``chunked_prefill=Fals
 paper's vLLM 0.2.5 (a step that admits prompts runs only them, so a recompute stalls every
 decoding row); the default is cohort's engine, where a re-prefill rides inside a decode step. Requests are all sent at t = 0 (the
 paper's offline throughput run) unless ``rate`` is given. Why a module of its own: the grid,
-its JSON shape (issue 19) and its plot are this experiment's, the engine is everyone's.
+its JSON shape and its plot are this experiment's, the engine is everyone's.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _find(runs: list[dict[str, Any]], **kw: Any) -> dict[str, Any] | None:
 
 
 def target_lines(runs: list[dict[str, Any]]) -> list[str]:
-    """Issue 19's simulator targets, one line per (data, max output, policy)."""
+    """AdaptiveLLM's simulator targets, one line per (data, max output, policy)."""
     out = []
     for r in runs:
         if r["preemption"] != "adaptive":

@@ -1,4 +1,4 @@
-"""`cohort bench batch-job` (issue 21): a Batch API job on a real local stack, through failures,
+"""`cohort bench batch-job`: a Batch API job on a real local stack, through failures,
 and how it shares the stack with interactive traffic.
 
 One fresh stack (its own redis-server with an append-only file, SQLite log DB; worker, batcher,

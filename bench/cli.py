@@ -341,7 +341,7 @@ def adaptive(
     chunked_prefill: bool = typer.Option(True, help="cohort's engine (re-prefill inside decode steps); "
                                          "--no-chunked-prefill: vLLM 0.2.5's prefill-only steps (the paper's base)."),
 ) -> None:
-    """AdaptiveLLM's experiment (issue 19): recompute / swap / adaptive preemption under FCFS and
+    """AdaptiveLLM's experiment: recompute / swap / adaptive preemption under FCFS and
     adaptive-fair, memory-starved, in the continuous simulator; prints the runs and the targets."""
     from bench.adaptive import plot_adaptive, run_adaptive, target_lines
 
@@ -381,7 +381,7 @@ def batch_job(
     workdir: Path = typer.Option(Path("var/bench/batch-job")),
     json_out: Path = typer.Option(None, "--json"),
 ) -> None:
-    """A Batch API job on a fresh local stack (issue 21): through worker, job-runner and gateway
+    """A Batch API job on a fresh local stack: through worker, job-runner and gateway
     SIGKILLs, checking every custom_id is answered exactly once; and its throughput and the
     interactive p50 next to it, against the same rows sent as interactive requests."""
     names = [p.strip() for p in phases.split(",") if p.strip()]

@@ -188,7 +188,7 @@ class ContinuousEngine:
 
     def _recompute_s(self, inst: SimInstance, row: SimRow) -> float:
         """What re-prefilling ``row``'s KV adds to a step of the rows running beside it:
-        f(rows + its tokens) − f(rows) on the step cost, cohort's true marginal (issue 19 item 3),
+        f(rows + its tokens) − f(rows) on the step cost, cohort's true marginal,
         not a lone prefill. Zero while the step stays bound by the weight reads. Without chunked
         prefill it is the lone prefill step it will take (AdaptiveLLM's cost)."""
         k = float(row.kv)

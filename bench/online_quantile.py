@@ -1,4 +1,4 @@
-"""The simulator plans with the *current* upper quantile (issue 20): the live service's online
+"""The simulator plans with the *current* upper quantile: the live service's online
 recalibration (``predictor.online_conformal.OnlineConformal``), fed by simulated completions.
 
 Why: the live gateway attaches to every request the bound the online quantile gives at that

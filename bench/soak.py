@@ -1,6 +1,6 @@
 """`cohort bench soak`: `make serve`'s stack under steady mixed OpenAI traffic for M minutes.
 
-Why: issue 23's 24-minute soak answered everything, yet one admin retrain let continuous
+Why: a 24-minute soak answered everything, yet one admin retrain let continuous
 learning take a core for the rest of the run (median latency 1–3 s → 40–50 s) while var/ and
 Redis grew without bound. A soak shows what a short benchmark cannot: drift. It starts the stack
 as `cohort serve` does (embedded Redis with its maxmemory policy, worker, batcher, gateway,

@@ -113,7 +113,7 @@ def soak(
     json_out: Path = typer.Option(None, "--json"),
     plot: Path = typer.Option(None, help="PNG of the curves (latency, RSS, Redis memory, var/ size)."),
 ) -> None:
-    """Steady mixed OpenAI traffic against `make serve`'s stack (issue 23): 5xx, lost requests,
+    """Steady mixed OpenAI traffic against `make serve`'s stack: 5xx, lost requests,
     p50/p99 per window, RSS per process, Redis memory, var/ size, retention bounds."""
     def _stop(*_: object) -> None:  # SIGTERM: stop the stack (finally blocks), as Ctrl-C does
         raise KeyboardInterrupt

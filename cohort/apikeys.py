@@ -1,4 +1,4 @@
-"""API keys (issue 21): how a key is stored and named, and the job runner's own credential.
+"""API keys: how a key is stored and named, and the job runner's own credential.
 
 A key is kept only as its SHA-256: keys are 256-bit random strings (or operator-chosen ones in
 ``COHORT_API_KEYS``), so a fast hash is enough — there is no password to brute-force — and the

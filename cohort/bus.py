@@ -241,7 +241,7 @@ CANCELLED = "cancelled"  # a batch claim value: the batch was superseded, a rede
 
 
 def stream_ttl_s(final: bool) -> int:
-    """How long a stream lives after this write (issue 23: streams were kept an hour, +248 MB/h
+    """How long a stream lives after this write (streams were kept an hour, +248 MB/h
     at 10 req/s). After the final event: COHORT_STREAM_END_TTL_S, long enough for the gateway to
     read it (it reads within COHORT_DISCONNECT_CHECK_S) and for the batcher to see the row is
     answered if its batch is lost soon after. Open: COHORT_REQUEST_TIMEOUT_S + that, renewed on

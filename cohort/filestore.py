@@ -1,4 +1,4 @@
-"""The file store of the Batch API (issue 21): a file's bytes under ``COHORT_FILES_DIR``
+"""The file store of the Batch API: a file's bytes under ``COHORT_FILES_DIR``
 (default ``<COHORT_DATA_DIR>/files``), one file per id; its metadata is a log-DB row
 (cohort.jobdb.files). Written to a temporary name and renamed, so a reader never sees half a
 file and a crash leaves no partial one under a real id. Shared by the gateway (uploads,

@@ -1,4 +1,4 @@
-"""The Batch API's durable state (issue 21): uploaded files, batch jobs, their rows, API keys and
+"""The Batch API's durable state: uploaded files, batch jobs, their rows, API keys and
 per-key usage — tables of the log DB, next to the request and batch-run records.
 
 Why in the log DB and not in Redis: a job outlives any one process and a Redis restart; the

@@ -46,7 +46,7 @@ requests = Table(
     Column("max_tokens", Integer),
     Column("predicted_tokens", Integer),
     Column("predictor_version", String(64)),
-    Column("predicted_upper", Integer),  # the q90 bound memory planning used (issue 20): live coverage
+    Column("predicted_upper", Integer),  # the q90 bound memory planning used: live coverage
     Column("actual_tokens", Integer),
     Column("emulated_tokens", Integer),
     Column("slo_s", Float),
@@ -234,7 +234,7 @@ def finished_batches(engine: Engine, since: float = 0.0, include_oom: bool = Fal
 
 
 
-# --- retention (issue 23) ------------------------------------------------------------------------
+# --- retention ------------------------------------------------------------------------
 SETTLED = ("done", "failed", "cancelled", "timeout")
 
 

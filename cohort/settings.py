@@ -144,7 +144,7 @@ class Settings(BaseSettings):
         "planned with MEM(B) = β·(L(B)+G(B))·Δ. continuous: batches schedule, rows run — a batch is an "
         "admission group that joins the instance's running rows at a step boundary as soon as its KV plan "
         "fits beside them; unpadded, chunked prefill on paged KV (workers.continuous).")
-    # --- continuous execution (issue 18) ---------------------------------------------------
+    # --- continuous execution ---------------------------------------------------
     continuous_max_groups: int = Field(
         default=64, ge=1, description="continuous: batches one instance runs at once (the batcher sends no "
         "more). A group costs the worker no thread of its own (one publisher reports for all), so this only "
@@ -197,7 +197,7 @@ class Settings(BaseSettings):
         "memory already.")
     max_preemptions: int = Field(default=8, ge=1, description="Rows preempted this many times are evicted "
                                  "last, so every request keeps making progress.")
-    # --- helper cost (issue 19): the fitted recompute cost in the live swap-or-recompute decision ---
+    # --- helper cost: the fitted recompute cost in the live swap-or-recompute decision ---
     recompute_cost_path: Path | None = Field(
         default=None, description="The fitted recompute-cost model (`cohort predictor recompute-search --save`): "
         "the live swap-or-recompute decision prices a victim's re-prefill with it when it was profiled for "
@@ -251,13 +251,13 @@ class Settings(BaseSettings):
         "to start the training set with (0: start from the log DB only).")
     estimator_retrain_every_s: float = 120.0
 
-    # --- issue 18 item 5 (continuous simulator): the spf policy ---------------------------
+    # --- the spf policy ---------------------------
     spf_aging: float = Field(default=3.5, ge=0.0, description="spf (shortest predicted first): predicted tokens "
                              "of rank a waiting request gains per second; 0 = pure SPF, large = FCFS. 3.5 keeps "
                              "p99 within 1.5x of vLLM's FCFS in the simulator (V100 / ChatGLM-6B, saturated) at "
                              "the lowest mean latency (docs/benchmarks.md).")
 
-    # --- issue 20: online recalibration of the predictor's upper quantile (predictor/online_conformal.py)
+    # --- online recalibration of the predictor's upper quantile (predictor/online_conformal.py)
     predictor_online_conformal: bool = Field(
         default=True, description="Recalibrate the q90 upper bound online from completions (rolling window + "
         "adaptive conformal inference per pool × task / instruction); off: the model's static table only.")
@@ -289,7 +289,7 @@ class Settings(BaseSettings):
         default=2.0, gt=0.0, description="How often the predictor service reads new completions from the "
         "log DB to update the online bound.")
 
-    # --- issue 21: Batch API (files, batches, job runner) and API keys --------------------
+    # --- Batch API (files, batches, job runner) and API keys --------------------
     api_keys: str | None = Field(
         default=None, description="Comma-separated API keys for /v1 (more can be created through /admin/keys). "
         "With none configured or created, /v1 is open; with any, a missing or wrong key gets 401.")
@@ -322,7 +322,7 @@ class Settings(BaseSettings):
                                       "that does not answer at all costs no attempt: the runner waits for it.")
     offline_poll_s: float = Field(default=0.5, gt=0.0, description="How often the job runner looks for new, "
                                   "cancelled and finished jobs.")
-    # --- helper jobs: background rows give way inside the continuous engine (issue 21) ---
+    # --- helper jobs: background rows give way inside the continuous engine ---
     background_slowdown: float = Field(
         default=0.02, ge=0.0, le=10.0, description="continuous: how much rows of a less urgent priority (a batch "
         "job's) may lengthen the mean step time of more urgent ones (interactive) they run beside. The engine measures "
@@ -340,7 +340,7 @@ class Settings(BaseSettings):
         """The file store's folder (COHORT_FILES_DIR, else under the data folder)."""
         return self.files_dir or self.data_dir / "files"
 
-    # --- issue 23: steady for hours (bounded learning, retention) -------------------------
+    # --- steady for hours (bounded learning, retention) -------------------------
     learning_store_recent_rows: int = Field(
         default=2000, ge=1, description="Training store (predictor and estimator): the newest rows kept as they "
         "are (the recent window); older rows fall into the reservoir.")

@@ -1,4 +1,4 @@
-"""API keys on /v1 (issue 21): who is calling, whether they may, and what they used.
+"""API keys on /v1: who is calling, whether they may, and what they used.
 
 ``ApiKeys`` is ASGI middleware in front of every ``/v1/…`` route. With no key configured
 (``COHORT_API_KEYS``) or created (``/admin/keys``) the API is open, as before. Once any exists (or ever existed: revoking the last one does not open it):

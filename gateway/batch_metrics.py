@@ -1,4 +1,4 @@
-"""Batch API jobs on /metrics (issue 21): jobs by status and their rows by state, read from the
+"""Batch API jobs on /metrics: jobs by status and their rows by state, read from the
 log DB at scrape time — the job runner is a process without an HTTP port, and the log DB is where
 the jobs' truth lives, so the gateway's one /metrics shows them."""
 

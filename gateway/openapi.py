@@ -51,7 +51,7 @@ def statuses(path: str, method: str) -> list[int]:
     if path in GENERATION:
         out = [400, 401, 413, 429, 500, 503, 504, 507]
         return out + [404] if path != "/v1/generate" else out
-    if path.startswith(("/v1/files", "/v1/batches")):  # issue 21: keys (401, 429), another key's object (404)
+    if path.startswith(("/v1/files", "/v1/batches")):  # keys (401, 429), another key's object (404)
         out = [401, 429] + ([404] if "{" in path or method == "post" else [])
         out += [400] if "{" not in path else []
         out += [413] if path == "/v1/files" and method == "post" else []

@@ -1,4 +1,4 @@
-"""A job row's request, sent again, follows the request already in the system (issue 21).
+"""A job row's request, sent again, follows the request already in the system.
 
 Why: when the gateway restarts (or the job runner loses its connection) a row's request goes on
 in the batcher and the worker with no one reading its answer; the runner then sends the row again.

@@ -216,6 +216,6 @@ def _row(served: ServedModel, req: ProfiledRequest) -> dict:
     return {"id": req.id, "created": req.arrival, "model": served.path, "task": req.task,
             "instruction": req.instruction, "user_input": req.user_input, "input_tokens": req.input_tokens,
             "max_tokens": req.max_tokens, "predicted_tokens": req.predicted_tokens,
-            "predicted_upper": req.predicted_upper,  # the bound its memory was planned with (issue 20)
+            "predicted_upper": req.predicted_upper,  # the bound its memory was planned with
             "predictor_version": req.predictor_version, "emulated_tokens": req.emulated_tokens,
             "slo_s": req.slo_s, "status": "queued"}

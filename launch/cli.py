@@ -31,7 +31,7 @@ app = typer.Typer(help="cohort: static-batch scheduling for LLM serving.", no_ar
                   pretty_exceptions_enable=False)
 worker_app.command("learning")(learning_worker)  # the learning worker's, under `cohort worker`
 worker_app.command("beat")(learning_beat)
-worker_app.command("profile-prefill")(profile_prefill)  # the recompute-cost predictor's samples (issue 19)
+worker_app.command("profile-prefill")(profile_prefill)  # the recompute-cost predictor's samples
 app.add_typer(worker_app, name="worker")
 app.add_typer(predictor_app, name="predictor")
 app.add_typer(bench_app, name="bench")

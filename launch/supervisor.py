@@ -62,7 +62,7 @@ def serve_all(s: Settings, host: str | None = None, port: int | None = None, wit
     t0 = time.time()
     try:
         stack.start_core(host, port)
-        stack.spawn("batch-runner", "batch", "runner")  # Batch API jobs (issue 21)
+        stack.spawn("batch-runner", "batch", "runner")  # Batch API jobs
         if with_learning:
             stack.spawn("learning", "worker", "learning")
             stack.spawn("beat", "worker", "beat")

@@ -1,6 +1,6 @@
 """How much of the machine the learning worker may take (COHORT_LEARNING_CPU_SHARE, COHORT_LEARNING_NICE).
 
-Why: on a shared host a retrain competes with the LLM worker for the same cores. In issue 23's
+Why: on a shared host a retrain competes with the LLM worker for the same cores. In a 24-minute
 soak an unbounded learner took 80–88 % of a core for twenty minutes and the LLM worker fell from
 ~82 % to ~42 % CPU, so latency went from seconds to 40–50 s. Three layers, none needing root or
 cgroups:

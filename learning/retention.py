@@ -1,4 +1,4 @@
-"""The retention pass: what keeps disk flat under steady load (issue 23, item 2).
+"""The retention pass: what keeps disk flat under steady load.
 
 Beat runs it every COHORT_RETENTION_EVERY_S on the learning queue (so it also runs at the
 learner's low priority). Each bound has its own setting:

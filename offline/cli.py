@@ -1,4 +1,4 @@
-"""`cohort batch …` (issue 21): the job runner process, and a batch file run from the command line.
+"""`cohort batch …`: the job runner process, and a batch file run from the command line.
 
 ``cohort batch runner`` is the process that carries Batch API jobs (offline.runner); ``cohort
 serve`` starts it. ``cohort batch run INPUT.jsonl -o OUTPUT.jsonl`` runs a batch file (OpenAI's

@@ -1,4 +1,4 @@
-"""The Batch API's file formats (issue 21), one owner for both sides of a job:
+"""The Batch API's file formats, one owner for both sides of a job:
 
 - an input line is ``{"custom_id", "method": "POST", "url", "body"}`` (OpenAI's batch file, and
   vLLM's ``run-batch`` input);

@@ -1,4 +1,4 @@
-"""The job runner (issue 21): carries Batch API jobs from ``validating`` to a final status.
+"""The job runner: carries Batch API jobs from ``validating`` to a final status.
 
 Why a process of its own that calls the gateway: a job's rows must take the same path as any
 request — validation, the pool's tokenizer, the predictor, admission, the batcher's policy and

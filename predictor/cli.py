@@ -391,7 +391,7 @@ def replay_command(
 
 
 app.command("recompute-search")(recompute_search)
-app.command("coverage")(coverage_command)  # live q90 coverage from the log DB (issue 20)
+app.command("coverage")(coverage_command)  # live q90 coverage from the log DB
 
 if __name__ == "__main__":  # `python -m predictor.cli` = `cohort predictor`
     app()

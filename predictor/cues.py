@@ -1,4 +1,4 @@
-"""Length cues that carry across instruction sources (issue 20, "ranking that transfers").
+"""Length cues that carry across instruction sources ("ranking that transfers").
 
 Why: a predictor trained on one source's words learns that source's vocabulary; on traffic from
 another source (code instructions, tool-use prompts) most of its n-grams are rare or mean

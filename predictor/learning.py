@@ -247,7 +247,7 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
         t0 = time.perf_counter()
         tr, ho = _holdout_split(len(items))
         metrics = None
-        # One fit per retrain (issue 23: two fits per round doubled the learner's CPU): the model
+        # One fit per retrain (two fits per round doubled the learner's CPU): the model
         # fitted on the 90 % is the one shipped, measured on the 10 % it never saw. It holds out
         # its own calibration rows (fit_predictor), so its q90 bound is re-calibrated on every
         # retrain, on the lengths the served model produced.

@@ -1,4 +1,4 @@
-"""Online recalibration of the upper quantile from completions as they arrive (issue 20).
+"""Online recalibration of the upper quantile from completions as they arrive.
 
 Why: the split-conformal table (``predictor.conformal``) is calibrated once, on rows like the
 training data. On traffic the model never saw its log-ratio scores are larger (an Alpaca-trained

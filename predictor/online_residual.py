@@ -1,4 +1,4 @@
-"""Online correction of the point prediction from completions (issue 20: "notice and recover").
+"""Online correction of the point prediction from completions ("notice and recover").
 
 Why: on a new source the model's errors are not only wider (the upper quantile handles that) but
 *systematic*: an Alpaca-trained model under-predicts code answers by a roughly constant factor, and

@@ -1,4 +1,4 @@
-"""The online state of one predictor service (issue 20): the conformal windows, the residual
+"""The online state of one predictor service: the conformal windows, the residual
 correction, the prompt clusters and the log-DB cursor, in one JSON file written atomically.
 
 Why one file: the parts and the cursor must move together (and a cluster key in the windows

@@ -1,4 +1,4 @@
-"""Prompt clusters for the online bound (issue 20): unlabelled traffic grouped by what it asks.
+"""Prompt clusters for the online bound: unlabelled traffic grouped by what it asks.
 
 Why: the online bound is learnt per group, most specific first: pool × task, else pool × exact
 instruction, else pool-wide. Unlabelled traffic whose instructions do not repeat (chat, general

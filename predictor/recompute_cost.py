@@ -153,7 +153,7 @@ def search_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# --- the live worker's recompute price (issue 19 item 3) ------------------------------------
+# --- the live worker's recompute price ------------------------------------
 
 COST_FILE_VERSION = 2
 # families whose fitted f is smooth in the batch size: the marginal f(β+1, L) − f(β, L) of a tree,
@@ -189,7 +189,7 @@ class FittedRecomputeCost:
 
     def recompute_seconds(self, tokens: int, running_rows: int) -> float:
         """A victim of ``tokens`` tokens re-prefilled beside ``running_rows`` rows: the marginal
-        f(β+1, L) − f(β, L) of issue 19 (a packed step's per-row work adds up; the step's fixed
+        f(β+1, L) − f(β, L) (a packed step's per-row work adds up; the step's fixed
         cost is paid anyway), or the lone prefill f(1, L) when nothing else runs. The difference
         is taken on ``marginal``, the best smooth family of the search where the pick is a step
         function (``SMOOTH``). Never below 0: a fitted surface can dip where the profile is thin."""

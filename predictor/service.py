@@ -15,7 +15,7 @@ Predictions are clamped to [1, max_tokens]. A failing model never fails a reques
 answers with the cold-start value. ``predict_bounds`` also returns the model's conformal upper
 quantile (see ``predictor.conformal``), which the batcher plans memory with.
 
-The upper quantile is the *current* one (issue 20): with ``COHORT_PREDICTOR_ONLINE_CONFORMAL``
+The upper quantile is the *current* one: with ``COHORT_PREDICTOR_ONLINE_CONFORMAL``
 (default on) the service reads completed requests from the log DB every
 ``predictor_online_interval_s`` (off the event loop), corrects the point prediction by a
 residual model learnt online (``predictor.online_residual``, ``COHORT_PREDICTOR_ONLINE_CORRECTION``)
@@ -228,7 +228,7 @@ class PredictorService:
             upper = np.where(np.isfinite(live), live, point if upper is None else upper)
         return point, upper, version
 
-    # --- online recalibration (issue 20) ----------------------------------------------------------
+    # --- online recalibration ----------------------------------------------------------
     def _load_online(self) -> tuple[OnlineConformal, OnlineResidual | None, PromptClusters | None]:
         s = self.settings
         conformal = {"window": s.predictor_online_window, "gamma": s.predictor_online_gamma,

@@ -1,6 +1,6 @@
 """The bounded training store of continuous learning: a recent window plus a reservoir.
 
-Why bounded: a store that only grows makes every retrain slower than the last (issue 23: 19 s,
+Why bounded: a store that only grows makes every retrain slower than the last (19 s,
 then 127 … 344 s under load, each one stealing a core from serving). The store keeps
 
 - the newest ``recent`` rows as they are (what the served model does now), and

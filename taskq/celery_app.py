@@ -24,7 +24,7 @@ from cohort.types import Batch
 RUN_BATCH = "cohort.run_batch"
 LEARNING_QUEUE = "cohort.learning"
 RETRAIN_TASKS = {"predictor": "cohort.retrain_predictor", "estimator": "cohort.retrain_estimator"}
-RETENTION_TASK = "cohort.retention"  # issue 23: the periodic retention pass (learning.retention)
+RETENTION_TASK = "cohort.retention"  # the periodic retention pass (learning.retention)
 
 
 def celery_config(s: Settings) -> dict[str, Any]:

@@ -9,6 +9,7 @@ package found later is checked without touching this file.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,11 @@ def test_every_product_package_is_installed() -> None:
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     listed = {p.rstrip("*") for p in patterns}
     assert set(PACKAGES) - listed == set()
+
+
+def test_no_issue_numbers_in_product_code() -> None:
+    """Code says why in a line; the tracker and docs/ carry the history and the measurements."""
+    pattern = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+    hits = [f"{path.relative_to(ROOT)}:{n}" for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py"))
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1) if pattern.search(line)]
+    assert not hits, f"issue numbers in product code: {hits}"

@@ -1,5 +1,5 @@
 """Benchmark (not a test): generated tokens/s of the three execution paths on the same requests,
-one CPU process (issue 18 engine target).
+one CPU process.
 
     python -m workers.bench_engine --json docs/benchmarks/engine_cpu.json
 

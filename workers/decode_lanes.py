@@ -1,4 +1,4 @@
-"""Decode lanes (issue 18, engine speed on a CPU): each decoding row's KV also kept contiguous, so
+"""Decode lanes (engine speed on a CPU): each decoding row's KV also kept contiguous, so
 a decode step's attention reads it in place instead of gathering every row's whole context out of
 the page store in every layer of every step.
 

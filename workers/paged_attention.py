@@ -1,4 +1,4 @@
-"""Paged KV attention on the model's own forward (issue 18, item 2), through transformers' public
+"""Paged KV attention on the model's own forward, through transformers' public
 ``AttentionInterface``: no subclassing of their continuous-batching internals.
 
 KV lives in a preallocated page store (``PageStore``: per layer, ``[pages, page_size, kv_heads,

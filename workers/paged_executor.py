@@ -1,4 +1,4 @@
-"""The continuous engine's executor (issue 18, item 4): tensors only. It runs one ``StepPlan``
+"""The continuous engine's executor: tensors only. It runs one ``StepPlan``
 from the row book as a single packed forward of the model over the page store and hands back,
 per row, the logits of its last new position (the next-token distribution) — and, for prefill
 chunks, every prompt position's logits to an optional hook (prompt logprobs, echo).

@@ -58,7 +58,7 @@ def run_profile(engine: ShapeRunner, shapes: Sequence[tuple[int, int, int]], out
 
 
 
-# --- recompute-cost samples (issue 19): the continuous engine's packed prefill, timed cleanly ---
+# --- recompute-cost samples: the continuous engine's packed prefill, timed cleanly ---
 
 CLOCKS: dict[str, Callable[[], float]] = {"thread": time.thread_time, "process": time.process_time,
                                           "wall": time.perf_counter}

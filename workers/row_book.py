@@ -1,4 +1,4 @@
-"""The continuous engine's row book (issue 18, item 4): which rows run, which KV pages each
+"""The continuous engine's row book: which rows run, which KV pages each
 holds, who joins at the next step boundary, whom to evict when pages run out.
 
 Plain Python, no torch: the bookkeeping is tested on hand-built rows without a model, and the

@@ -1,4 +1,4 @@
-"""OpenAI's Batch API (issue 21): create, retrieve, list (after/limit), cancel.
+"""OpenAI's Batch API: create, retrieve, list (after/limit), cancel.
 
 The gateway only records a job (``validating``) and answers about it; the job runner (offline/,
 a process of its own) validates the input file, sends the rows through the ordinary submit path

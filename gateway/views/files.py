@@ -1,4 +1,4 @@
-"""OpenAI's Files API for batch input and output (issue 21): upload, list, retrieve, content, delete.
+"""OpenAI's Files API for batch input and output: upload, list, retrieve, content, delete.
 
 Only ``purpose: batch`` is accepted for uploads (cohort has no other use for a file); the job
 runner adds the ``batch_output`` files (output and error lines). A file belongs to the API key

@@ -1,4 +1,4 @@
-"""/admin/keys (issue 21): create, list and revoke API keys for /v1; usage per key.
+"""/admin/keys: create, list and revoke API keys for /v1; usage per key.
 
 Behind the admin token like every /admin route (mounted only when ``COHORT_ADMIN_TOKEN`` is
 set). A created key is shown once, in the creation answer: the log DB keeps only its hash
