@@ -29,6 +29,7 @@ SAMPLING: dict[str, tuple[str, Any, Any]] = {
     "top_k": ("chat", 5, lambda r: r.sampling.top_k == 5),
     "repetition_penalty": ("chat", 1.2, lambda r: r.sampling.repetition_penalty == 1.2),
     "ignore_eos": ("completions", True, lambda r: r.sampling.ignore_eos and r.predicted_tokens == r.max_tokens),
+    "emulated_tokens": ("completions", 3, lambda r: r.emulated_tokens == 3 and r.max_tokens > 3),
     "max_tokens": ("completions", 7, lambda r: r.max_tokens == 7),
     "max_completion_tokens": ("chat", 7, lambda r: r.max_tokens == 7),
     "priority": ("chat", 3, lambda r: r.priority == 3),
@@ -64,9 +65,9 @@ def test_every_accepted_field_is_documented_and_classified():
     assert accepted() == set(SAMPLING) | ANSWER | NO_EFFECT, "classify every accepted field in this test"
 
 
-def _post(tmp_path, path: str, body: dict, answer: list[str] | None = None):
+def _post(tmp_path, path: str, body: dict, answer: list[str] | None = None, **settings):
     async def scenario():
-        async with gateway(tmp_path) as (_, client, redis):
+        async with gateway(tmp_path, **settings) as (_, client, redis):
             w = asyncio.create_task(worker(redis, answer or ["ok"]))
             r = await client.post(path, json=body)
             req = await w
@@ -80,7 +81,8 @@ def test_each_sampling_field_reaches_the_worker(tmp_path, field):
     endpoint, value, shows = SAMPLING[field]
     path, base = ("/v1/chat/completions", {"messages": MSG}) if endpoint == "chat" else \
         ("/v1/completions", {"prompt": "hi"})
-    r, req = _post(tmp_path, path, {**base, field: value})
+    # emulated lengths are a benchmark feature: a server without COHORT_EMULATE_LENGTHS refuses them
+    r, req = _post(tmp_path, path, {**base, field: value}, **({"emulate_lengths": True} if field == "emulated_tokens" else {}))
     assert r.status_code == 200, r.text
     assert shows(req), (field, req)
 
