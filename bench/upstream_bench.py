@@ -115,14 +115,19 @@ def summarize(workload: Workload, res: StreamResult) -> dict[str, Any]:
     good = ok & ((res.first - res.sent) <= TTFT_GOAL_S) & ((res.done - res.sent) <= workload.slo_s)
 
     def q(x: np.ndarray, p: float) -> float:
+        x = x[~np.isnan(x)]
         return float(np.percentile(x, p)) if len(x) else math.nan
+
+    def mean(x: np.ndarray) -> float:
+        x = x[~np.isnan(x)]
+        return float(x.mean()) if len(x) else math.nan
 
     return {"requests": len(ok), "done": int(ok.sum()), "lost": int((~ok).sum()), "errors": res.errors,
             "throughput_rps": float(ok.sum() / span) if span > 0 else 0.0,
             "tokens_per_s": float(res.tokens[ok].sum() / span) if span > 0 else 0.0,
-            "mean_latency_s": float(e2e.mean()) if len(e2e) else math.nan, "p50_latency_s": q(e2e, 50),
-            "p99_latency_s": q(e2e, 99), "mean_ttft_s": float(ttft.mean()) if len(ttft) else math.nan,
-            "p50_ttft_s": q(ttft, 50), "mean_itl_s": float(itl.mean()) if len(itl) else math.nan,
+            "mean_latency_s": mean(e2e), "p50_latency_s": q(e2e, 50),
+            "p99_latency_s": q(e2e, 99), "mean_ttft_s": mean(ttft),
+            "p50_ttft_s": q(ttft, 50), "mean_itl_s": mean(itl),
             "goodput_rps": float(good.sum() / span) if span > 0 else 0.0, "wall_s": res.wall_s}
 
 

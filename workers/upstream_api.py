@@ -145,7 +145,7 @@ class UpstreamServer:
         self.caps = Capabilities()
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(
-            headers=headers, timeout=httpx.Timeout(timeout_s, connect=5.0),
+            headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
 
     async def close(self) -> None:
@@ -153,7 +153,7 @@ class UpstreamServer:
 
     async def healthy(self) -> bool:
         try:
-            return (await self.client.get(f"{self.root}/health", timeout=5.0)).status_code == 200
+            return (await self.client.get(f"{self.root}/health", timeout=10.0)).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -12,10 +12,11 @@ rows, metrics and completions as the built-in engine. What differs is who decode
   queue of its own (vLLM's ``num_requests_waiting``). An empty instance takes any group.
 * **Order.** Each row carries ``priority`` = its client priority, then its group's admission
   number, where the server takes one (vLLM/SGLang ``--scheduling-policy priority``).
-* **Failure.** A stream that breaks, times out or answers 5xx marks the server down: every
-  unfinished row goes back to the batcher as a continuation from the tokens it streamed (another
-  instance of the pool resumes it), waiting groups go back whole, the instance stops heart-beating
-  until the server's /health answers again. A 4xx fails that row with the server's reason.
+* **Failure.** A stream that breaks, times out or answers 5xx goes back to the batcher as a
+  continuation from the tokens it streamed (another instance of the pool resumes it). When the
+  server's /health does not answer either, the server is down: every unfinished row goes back,
+  waiting groups go back whole, and the instance stops heart-beating until /health answers again.
+  A 4xx fails that row with the server's reason.
 * **Cancel.** A row the client left (or a stop string ended) has its stream closed: vLLM aborts it.
 """
 
@@ -226,7 +227,12 @@ class UpstreamLoop:
         except UpstreamRefused as e:
             self._fail(row, f"the upstream server refused this request: {e}")
         except UpstreamDown as e:
-            self._mark_down(str(e))
+            # a stream that broke on a server whose /health still answers (a refused or slow connection
+            # under load): this row alone goes back; a server that does not answer is down
+            if not await self.server.healthy():
+                self._mark_down(str(e))
+            elif not row.ended:
+                log.warning("row %s: its upstream stream failed (%s); it continues elsewhere", req.id, e)
             self._evict(row)
         except Exception as e:  # never leave a row hanging
             log.exception("row %s on the upstream failed", req.id)
