@@ -77,14 +77,19 @@ class TextStage:
     def render(self, out: StepOutput) -> list[str]:
         """Turn ``out.tokens`` into deltas and finished rows (in ``out``); the ids of rows a stop
         string ended, which the engine still runs and must cancel."""
-        stopped = [ev.req.id for ev in out.tokens if self.apply(ev, out)]
+        touched: dict[str, RowText] = {}
+        stopped = [ev.req.id for ev in out.tokens if self.apply(ev, out, touched)]
+        for rid, t in touched.items():  # one delta per row for all its tokens in this output
+            if rid in self.rows:
+                self.send(t, len(t.pending) - (t.max_stop - 1 if t.max_stop else 0), out)
         out.tokens = []
         for req, _code, _message in out.failed:
             self.forget(req.id)
         return stopped
 
-    def apply(self, ev: TokenEvent, out: StepOutput) -> bool:
-        """One token (or end) of one row; True when a stop string ended the row here."""
+    def apply(self, ev: TokenEvent, out: StepOutput, touched: dict[str, RowText] | None = None) -> bool:
+        """One token (or end) of one row; True when a stop string ended the row here. With
+        ``touched`` the row's delta waits there for the caller (``render``: one per row)."""
         rid = ev.req.id
         if rid in self.ended:
             return False
@@ -105,6 +110,9 @@ class TextStage:
                         return ev.finish is None
         if ev.finish is not None:
             self.finish(t, ev.finish, ev, out)
+            return False
+        if touched is not None:
+            touched[rid] = t
             return False
         self.send(t, len(t.pending) - (t.max_stop - 1 if t.max_stop else 0), out)
         return False

@@ -96,10 +96,10 @@ class UpstreamLoop:
     """Owns the asyncio thread, the server client and the groups it runs."""
 
     def __init__(self, server: UpstreamServer, tokenizer, capacity_tokens: int, *, page_tokens: int = 16,
-                 max_rows: int = 256, use_priority: bool = True, poll_s: float = 2.0) -> None:
+                 max_rows: int = 256, use_priority: bool = True, poll_s: float = 2.0, flush_s: float = 0.02) -> None:
         self.server, self.tok = server, tokenizer
         self.capacity_tokens, self.page_tokens, self.max_rows = capacity_tokens, page_tokens, max_rows
-        self.use_priority, self.poll_s = use_priority, poll_s
+        self.use_priority, self.poll_s, self.flush_s = use_priority, poll_s, flush_s
         self.down = False
         self.server_waiting = 0.0
         self.outbox: queue.Queue[list[Update]] = queue.Queue()
@@ -309,9 +309,11 @@ class UpstreamLoop:
                         g.dirty = True
 
     def _schedule_flush(self) -> None:
+        """Flush ``flush_s`` after the first news: a row's tokens that arrive meanwhile go out as one
+        delta (each hop to the client — Redis, the gateway's relay — costs per delta, not per token)."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self._aloop.call_soon(self._flush)
+            self._aloop.call_later(self.flush_s, self._flush)
 
     def _flush(self) -> None:
         """Everything the groups produced since the last flush, as one bundle for the publisher."""
