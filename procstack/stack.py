@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
@@ -28,6 +28,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_ok(url: str, timeout_s: float, check: Callable[[], None] = lambda: None) -> bool:
+    """Poll ``GET url`` until it answers 200 (True) or ``timeout_s`` passes (False); ``check`` runs
+    before each try and raises to stop early (a process that died)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        check()
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
 
 
 class Stack:
@@ -82,18 +97,13 @@ class Stack:
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
         """Until /health says ok (Redis up, an instance alive); raises if a process dies first."""
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
+        def check() -> None:
             if dead := self.dead():
                 raise RuntimeError(f"{dead[0]} exited with {self.procs[dead[0]].returncode}:\n"
                                    + self.tail(dead[0]))
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("stack not healthy:\n" + "\n".join(self.tail(n) for n in self.procs))
+
+        if not wait_until_ok(f"{self.url}/health", timeout_s, check):
+            raise TimeoutError("stack not healthy:\n" + "\n".join(self.tail(n) for n in self.procs))
 
     def tail(self, name: str, lines: int = 40) -> str:
         if not self.log_dir:

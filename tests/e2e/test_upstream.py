@@ -21,7 +21,7 @@ from openai import OpenAI
 
 from cohort import bus
 from cohort.protocol import StreamEvent
-from procstack.stack import free_port
+from procstack.stack import free_port, wait_until_ok
 from tests.e2e.stack import TestStack
 
 pytestmark = pytest.mark.e2e
@@ -39,16 +39,11 @@ def _serve(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
+    def check() -> None:
         assert proc.poll() is None, f"upstream {url} exited with {proc.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"upstream {url} not healthy")
+
+    if not wait_until_ok(f"{url}/health", timeout_s, check):
+        raise TimeoutError(f"upstream {url} not healthy")
 
 
 @pytest.fixture(scope="module")
