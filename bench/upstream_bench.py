@@ -84,7 +84,9 @@ async def replay_streams(workload: Workload, base_url: str, body_of: Callable[[i
     res = StreamResult(nan.copy(), nan.copy(), nan.copy(), np.zeros(n, dtype=np.int64), np.zeros(n),
                        np.zeros(n, dtype=bool), 0.0, {})
     recs = workload.rows.records
-    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
+    # idle connections expire before the servers' own 5 s keep-alive (uvicorn's, vLLM's): a request
+    # sent on a connection the server is closing that instant dies with a ReadError, never received
+    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight, keepalive_expiry=2.0)
     t0 = time.perf_counter()
     sem = asyncio.Semaphore(max_in_flight)
 
