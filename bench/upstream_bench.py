@@ -72,6 +72,8 @@ async def _one(client: httpx.AsyncClient, body: dict[str, Any], i: int, res: Str
         return
     res.done[i] = time.perf_counter() - t0
     res.ok[i] = True
+    if math.isnan(res.first[i]):  # no chunk carried text (a short answer of tokens that decode to ""):
+        res.first[i] = res.done[i]  # its first token reached the client with the end
 
 
 async def replay_streams(workload: Workload, base_url: str, body_of: Callable[[int, str], dict[str, Any]], *,
