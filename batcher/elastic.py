@@ -1,4 +1,4 @@
-"""Elastic execution's two rules, shared by the worker, the policies and the simulator.
+"""Elastic execution's token arithmetic and eviction order, shared by the worker, the policies and the simulator.
 
 Under elastic execution a finished row leaves its batch at once (its KV rows are dropped), so a
 batch's KV use is a profile over decode steps, not β·(L(B)+G(B)): with the rows' lengths sorted
@@ -12,8 +12,6 @@ When the next step would not fit, the worker evicts rows and hands them back as 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-
-from batcher.row_cost import DecodeStepCost, row_pays
 
 
 def peak_and_rank(input_len: int, gen_lens: Iterable[int]) -> tuple[int, int]:
@@ -83,22 +81,5 @@ def admission_kv_tokens(contexts: Sequence[int], remaining: Sequence[int], page_
     for the partly filled last page. Half, not the worst case of a page less one token: fills are
     spread evenly, so the sum over dozens of rows stays close to it, and the worst case reserved
     18 % of a 4,096-token Θ at 50 rows and cost 6 % throughput in the simulator (docs/benchmarks.md).
-    The one admission rule of the live worker (``workers.row_book``) and the simulator."""
+    What ``batcher.kv_judge.KVJudge.running_set_fits`` holds against the capacity."""
     return rows_kv_peak(contexts, remaining) + (page_tokens // 2) * len(contexts)
-
-
-def running_set_fits(contexts: Sequence[int], remaining: Sequence[int], page_tokens: int, capacity_tokens: int,
-                     max_rows: int, step_cost: DecodeStepCost | None = None, marginal_limit: float = 0.0) -> bool:
-    """Whether a continuous instance may run these rows together (its running rows plus a joining
-    group): their planned KV (``admission_kv_tokens``) within ``capacity_tokens``, at most
-    ``max_rows`` of them (vLLM's max_num_seqs, 256, by default), and the last row still paying for
-    itself on this instance's ``step_cost`` (``batcher.row_cost.row_pays`` with
-    ``marginal_limit``): past the point where a step is bound by the rows themselves, another row
-    adds little throughput but slows every other row, and with shortest-first admission the rows
-    kept out are the long ones (simulator, saturated Magnus trace: 0.73 -> 0.70x cb-fcfs mean
-    latency on V100 / ChatGLM-6B, no change on H100 / Llama-7B, where a fixed 224-row cap had cost
-    0.76 -> 0.86x; docs/benchmarks.md). An empty instance is the callers' case: it takes any group.
-    The one "may join" rule of the live worker (``workers.row_book``) and the simulator."""
-    return (len(contexts) <= max_rows
-            and admission_kv_tokens(contexts, remaining, page_tokens) <= capacity_tokens
-            and row_pays(step_cost, len(contexts), sum(contexts), marginal_limit))

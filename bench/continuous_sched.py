@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from batcher.elastic import eviction_order, running_set_fits
+from batcher.elastic import eviction_order
+from batcher.kv_judge import KVJudge
 from batcher.policies.base import Policy
 from batcher.row_cost import DecodeStepCost
 from bench.continuous import EngineLimits, SimInstance, SimRow
@@ -165,8 +166,8 @@ class GroupScheduler:
         for q in (*joining, *group.requests):
             ctx.append(q.input_tokens)
             left.append(max(1, q.planned_tokens))
-        return running_set_fits(ctx, left, self.limits.page_tokens, inst.capacity_tokens, self.limits.max_num_seqs,
-                                self.step_cost, self.marginal_cost)
+        judge = KVJudge(inst.capacity_tokens, self.limits.page_tokens, self.limits.max_num_seqs, self.marginal_cost)
+        return judge.running_set_fits(ctx, left, self.step_cost)
 
     def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]:
         out: list[ProfiledRequest] = []

@@ -150,7 +150,7 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
         raise APIError(503, f"no LLM instance of {served.id} is available yet; retry shortly", code="no_instance")
     memory = KVMemory.for_pool(alive)
     for sub, input_tokens in zip(subs, counts, strict=True):
-        if not memory.fits(1, input_tokens, sub.max_tokens):
+        if not memory.judge().fits(1, input_tokens, sub.max_tokens):
             raise APIError(400, f"prompt ({input_tokens} tokens) + max_tokens ({sub.max_tokens}) need "
                            f"{memory.mem(1, input_tokens, sub.max_tokens)} bytes of KV cache; an instance has "
                            f"{memory.theta_bytes}. Lower max_tokens or shorten the input.",

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -38,14 +37,14 @@ import torch
 
 from batcher.preemption import SwapLink, choose_preemption, swap_seconds
 from batcher.row_priority import StepShares
+from batcher.running_set import Admission, RunningSet, RunRow, StepPlan
 from cohort.protocol import FailureCode, FinishReason
-from cohort.settings import PreemptionMode
+from cohort.settings import PreemptionMode, Settings
 from cohort.types import Batch
 from workers.decode_outputs import StepOutput
 from workers.paged_attention import context_slots
 from workers.paged_executor import PagedExecutor
 from workers.prompt_logprobs import prompt_logprobs
-from workers.row_book import DEFAULT_MAX_ROWS, BookRow, RowBook, StepPlan, pages_for
 from workers.rows import RowState, TokenStepper
 from workers.swap_pool import HostSwapPool
 
@@ -77,6 +76,7 @@ class SwapPlan:
                                  kv_tokens)
 
 log = logging.getLogger(__name__)
+DEFAULT_MAX_ROWS = Settings.model_fields["continuous_max_rows"].default  # vLLM's max_num_seqs
 MIN_STEP_TOKENS = 16  # the smallest per-step token budget a CUDA out-of-memory error halves it to
 
 
@@ -96,13 +96,16 @@ class Group:
 
 
 class ContinuousRun:
-    """One instance's running set: submit groups, ``step`` until ``idle``."""
+    """One instance's running set on a model: submit groups, ``step`` until ``idle``. Who waits,
+    joins, runs and is evicted is ``batcher.running_set``'s (the simulator drives the same class);
+    this drives the hardware (packed forward, CUDA sync and out-of-memory retry, swap) and routes
+    each row's tokens and failures to its group."""
 
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, *, num_pages: int,
                  page_size: int = 16, token_budget: int = 512, max_preemptions: int = 8, emulate: bool = False,
                  clock: Callable[[], float] = time.time, swap: SwapPlan | None = None,
                  shares: StepShares | None = None, max_rows: int = DEFAULT_MAX_ROWS, marginal_cost: float = 0.0) -> None:
-        self.book = RowBook(num_pages, page_size, token_budget, max_preemptions, max_rows, marginal_cost)
+        self.book = RunningSet(num_pages, page_size, token_budget, max_preemptions, max_rows, marginal_cost)
         self.executor = PagedExecutor(model, self.book, dtype, device)
         self.swap = swap
         self.shares = shares or StepShares()    # background rows give way (batcher.row_priority)
@@ -111,15 +114,16 @@ class ContinuousRun:
         self.tok, self.device, self.emulate, self.clock = tokenizer, device, emulate, clock
         self.stepper = TokenStepper(tokenizer, clock=clock)  # tokens only: the text is the consumer's
         self.groups: dict[str, Group] = {}
-        self.waiting: deque[str] = deque()      # batch ids not yet admitted, in the batcher's order
-        self.resume: deque[str] = deque()       # row ids evicted here, waiting to be prefilled again
         self.group_of: dict[str, str] = {}      # row id -> batch id
         self.ids: dict[str, list[int]] = {}     # row id -> prompt + generated ids (what the executor reads)
-        self.preempted: dict[str, int] = {}     # row id -> evictions here
         self._prompt_logits: dict[str, list[torch.Tensor]] = {}
         self._cancelled: set[str] = set()
         self.just_admitted: list[str] = []      # batch ids admitted by the last step
-        self.evictions = 0                      # rows evicted for pages (each resumed by recompute)
+
+    @property
+    def evictions(self) -> int:
+        """Rows evicted for pages (each resumed by swap or recompute)."""
+        return self.book.evictions
 
     # --- the outside ----------------------------------------------------------------------
     def submit(self, batch: Batch, prompt_ids: Sequence[list[int]]) -> None:
@@ -136,7 +140,9 @@ class ContinuousRun:
         for rid, row in rows.items():
             self.group_of[rid] = batch.id
             self.ids[rid] = row.all_ids
-        self.waiting.append(batch.id)
+        self.book.add_group(batch.id, [RunRow(rid, len(self.ids[rid]), predicted_remaining=row.predicted_remaining,
+                                              planned_remaining=row.planned_remaining, preemptions=row.req.preemptions,
+                                              priority=row.req.priority) for rid, row in rows.items()])
 
     def cancel(self, request_ids: Iterable[str]) -> None:
         """Drop these rows at the next step boundary (the client went away)."""
@@ -155,22 +161,19 @@ class ContinuousRun:
         done = [g for g in self.groups.values() if not g.left]
         for g in done:
             del self.groups[g.batch.id]
-            if g.batch.id in self.waiting:
-                self.waiting.remove(g.batch.id)
+            self.book.waiting.pop(g.batch.id, None)
         return done
 
-    # --- one step -------------------------------------------------------------------------
+    # --- one step: schedule, execute, update -----------------------------------------------
     @torch.inference_mode()
     def step(self) -> dict[str, StepOutput]:
         out = StepOutput()
-        self.just_admitted = []
         self._drop_cancelled()
         running = self.shares.running(self._prio(rid) for g in self.groups.values() for rid in g.left)
-        self._admit(out, running)
+        self._admitted(self.book.admit_waiting(running), out)
         while True:
             plan = self.book.plan_step(self._paused(running))
-            for rid in plan.evicted:
-                self._evicted(rid, out, *plan.victims[rid])
+            self._evicted(plan, out)
             hooked = {rid for rid in self._prompt_logits}
             try:
                 t0 = time.perf_counter()
@@ -183,8 +186,7 @@ class ContinuousRun:
                 break
             except torch.cuda.OutOfMemoryError as e:  # the safety net under the page pool
                 self._out_of_memory(plan, out, e)
-        self.book.commit(plan)
-        ready = [rid for rid, _s, _n in plan.prefill if self.book.rows[rid].prefill_left == 0] + plan.decode
+        ready = self.book.commit(plan)
         if ready:
             self._accept(ready, logits, out)
         return self._route(out)
@@ -208,36 +210,25 @@ class ContinuousRun:
                        "shorten the input or lower max_tokens")
             return
         log.warning("CUDA out of memory in a step (%s): row %s waits and resumes", e, newest)
-        victim = (list(self.book.rows[newest].pages), self.book.rows[newest].computed)
-        self.book.release(newest)
-        self._evicted(newest, out, *victim)
+        shed = StepPlan()
+        self.book.evict(newest, shed)
+        self._evicted(shed, out)
 
     def _drop_cancelled(self) -> None:
         for rid in list(self._cancelled):
             self._cancelled.discard(rid)
-            if rid not in self.group_of:
-                continue
-            if rid in self.book.rows:
-                self.book.release(rid)
-            if rid in self.resume:
-                self.resume.remove(rid)
-            self._forget(rid)
+            if rid in self.group_of:
+                self.book.cancel(rid)
+                self._forget(rid)
 
     def _forget(self, rid: str) -> None:
         """The row is over here (answered, failed, cancelled): its group stops waiting for it."""
         bid = self.group_of.pop(rid)
         self.groups[bid].left.discard(rid)
         self.ids.pop(rid, None)
-        self.preempted.pop(rid, None)
         self._prompt_logits.pop(rid, None)
         if self.swap is not None:
             self.swap.pool.drop(rid)
-
-    def _book_row(self, rid: str) -> BookRow:
-        row = self.groups[self.group_of[rid]].rows[rid]
-        return BookRow(rid, len(self.ids[rid]), predicted_remaining=row.predicted_remaining,
-                       preemptions=self.preempted.get(rid, 0) + row.req.preemptions,
-                       planned_remaining=row.planned_remaining, priority=row.req.priority)
 
     def _prio(self, rid: str) -> int:
         return self.groups[self.group_of[rid]].rows[rid].req.priority
@@ -248,63 +239,54 @@ class ContinuousRun:
         paused = {rid for rid in self.book.rows if self._prio(rid) not in running}
         return set() if len(paused) == len(self.book.rows) else paused
 
-    def _fits(self, joining: list[BookRow]) -> bool:
-        return self.book.fits([(r.prompt_len, r.planned_remaining) for r in joining])
-
-    def _admit(self, out: StepOutput, running: set[int]) -> None:
-        """Resumed rows of the levels running this step, then waiting groups, most urgent first (a
-        yielding group joins too, and waits resident: one waiting here holds up the batcher)."""
-        now = self.clock()
-        for rid in [r for r in self.resume if self._prio(r) in running]:
-            row = self._book_row(rid)
-            if not self._fits([row]) or not self.book.admit([row]):
-                return  # resumed rows go first: nothing new joins before them
-            self.resume.remove(rid)
-            if self.swap is not None and row.row_id in self.swap.pool.rows:  # its KV comes back from the host
+    def _admitted(self, adm: Admission, out: StepOutput) -> None:
+        """What the step boundary let in: resumed rows get their KV back from the host pool when
+        they were swapped out; admitted groups start their clocks; rows too long even alone fail."""
+        self.just_admitted = list(adm.groups)
+        for rid, _why in adm.failed:
+            self._fail(rid, out, f"its prompt of {len(self.ids[rid])} tokens alone exceeds the instance's KV "
+                       f"memory ({self.book.capacity_tokens} tokens); shorten the input")
+        for rid in adm.resumed:
+            row = self.book.rows[rid]
+            if self.swap is not None and rid in self.swap.pool.rows:  # its KV comes back from the host
                 slots = context_slots(torch.tensor(row.pages, device=self.device), row.prompt_len, self.book.page_size)
-                row.computed = self.swap.pool.swap_in(row.row_id, self.executor.store, slots)
-        for bid in sorted(self.waiting, key=lambda b: min(map(self._prio, self.groups[b].left), default=0)):
+                row.computed = self.swap.pool.swap_in(rid, self.executor.store, slots)
+        now = self.clock()
+        for bid in adm.groups:
             g = self.groups[bid]
-            rows = [self._book_row(rid) for rid in g.rows if rid in g.left]
-            for r in [r for r in rows if pages_for(r.prompt_len + 1, self.book.page_size) > self.book.pool.num_pages]:
-                self._fail(r.row_id, out, f"its prompt of {r.prompt_len} tokens alone exceeds the instance's KV "
-                           f"memory ({self.book.capacity_tokens} tokens); shorten the input")
-                rows.remove(r)
-            if not self._fits(rows) or not self.book.admit(rows):
-                return
-            self.waiting.remove(bid)
             g.admitted_at = now
-            self.just_admitted.append(g.batch.id)
-            for r in rows:
-                if g.rows[r.row_id].prompt_top is not None:
-                    self._prompt_logits[r.row_id] = []
+            for rid in g.left:
+                if g.rows[rid].prompt_top is not None:
+                    self._prompt_logits[rid] = []
 
     def _hook(self, rid: str, _first: int, logits: torch.Tensor) -> None:
         self._prompt_logits[rid].append(logits.float())
 
-    def _evicted(self, rid: str, out: StepOutput, pages: list[int], computed: int) -> None:
-        """Pages gone: the row keeps its tokens (streamed now) and resumes first, its KV either
+    def _evicted(self, plan: StepPlan, out: StepOutput) -> None:
+        """Pages gone: each victim keeps its tokens (streamed now) and resumes first, its KV either
         copied back from the host pool (swap) or prefilled again (recompute), whichever
-        ``batcher.preemption.choose_preemption`` predicts cheaper under ``COHORT_PREEMPTION``."""
-        row = self.groups[self.group_of[rid]].rows[rid]
-        # the victim rejoins the rows still running: its recompute is priced beside them
-        swapped = (self.swap is not None and computed > 0
-                   and self.swap.choose(computed, len(self.ids[rid]), len(self.book.rows)) == "swap")
-        if swapped:
-            slots = context_slots(torch.tensor(pages, device=self.device), computed, self.book.page_size)
-            self.swap.pool.swap_out(rid, self.executor.store, slots)
-            self.swaps += 1
-            out.swapped.append(rid)
-        self.preempted[rid] = self.preempted.get(rid, 0) + 1
-        self.evictions += 1
-        out.preempted.append(rid)
-        if rid in self._prompt_logits and not swapped:
-            self._prompt_logits[rid] = []  # its prompt is prefilled again from the start
-        self.resume.append(rid)
-        if not self.book.rows and pages_for(len(self.ids[rid]) + 1, self.book.page_size) > self.book.pool.num_pages:
-            self.resume.remove(rid)
-            self._fail(rid, out, f"this request alone outgrows the instance's KV memory after {row.total_tokens} "
-                       f"generated tokens ({self.book.capacity_tokens} tokens); lower max_tokens or shorten the input")
+        ``batcher.preemption.choose_preemption`` predicts cheaper under ``COHORT_PREEMPTION``; one
+        that no longer fits even alone fails."""
+        outgrew = {rid for rid, _why in plan.failed}
+        for rid in plan.evicted:
+            pages, computed = plan.victims[rid]
+            out.preempted.append(rid)
+            if rid in outgrew:
+                row = self.groups[self.group_of[rid]].rows[rid]
+                self._fail(rid, out, f"this request alone outgrows the instance's KV memory after {row.total_tokens} "
+                           f"generated tokens ({self.book.capacity_tokens} tokens); lower max_tokens or shorten "
+                           "the input")
+                continue
+            # the victim rejoins the rows still running: its recompute is priced beside them
+            swapped = (self.swap is not None and computed > 0
+                       and self.swap.choose(computed, len(self.ids[rid]), len(self.book.rows)) == "swap")
+            if swapped:
+                slots = context_slots(torch.tensor(pages, device=self.device), computed, self.book.page_size)
+                self.swap.pool.swap_out(rid, self.executor.store, slots)
+                self.swaps += 1
+                out.swapped.append(rid)
+            elif rid in self._prompt_logits:
+                self._prompt_logits[rid] = []  # its prompt is prefilled again from the start
 
     def _fail(self, rid: str, out: StepOutput, message: str) -> None:
         row = self.groups[self.group_of[rid]].rows[rid]
@@ -330,8 +312,10 @@ class ContinuousRun:
                 continue
             if len(row.new_ids) > n:
                 self.ids[rid].append(row.new_ids[-1])
-            b = self.book.rows[rid]
-            b.predicted_remaining, b.planned_remaining = row.predicted_remaining, row.planned_remaining
+                self.book.produced(rid, row.predicted_remaining, row.planned_remaining)
+            else:
+                b = self.book.rows[rid]
+                b.predicted_remaining, b.planned_remaining = row.predicted_remaining, row.planned_remaining
 
     def _route(self, out: StepOutput) -> dict[str, StepOutput]:
         """Split one step's output by the group each row belongs to."""

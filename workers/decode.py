@@ -93,8 +93,7 @@ class DecodeRun:
 
     # --- memory ---------------------------------------------------------------------------
     def _fits(self, rows: int, cache_len: int) -> bool:
-        return self.capacity is None or KVMemory(self.delta, self.capacity).tokens_fit(
-            next_step_kv_tokens(rows, cache_len))
+        return self.capacity is None or KVMemory(self.delta, self.capacity).judge().next_step_fits(rows, cache_len)
 
     def _make_room(self, out: StepOutput, cache_len: int) -> None:
         """Evict rows (preempt) until the next step fits, or raise (split). Under static

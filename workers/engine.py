@@ -57,10 +57,16 @@ class LLMEngine:
         allocator itself says when memory runs out (a step's OutOfMemoryError)."""
         return None if self.device.type == "cuda" else int(self.settings.kv_budget_bytes)
 
+    @property
+    def memory(self) -> KVMemory:
+        """The KV memory this instance really has and advertises: Θ, and on a CPU no more than the
+        KV budget its decode loop enforces (the gateway checks requests against this same Θ)."""
+        cap = min(self.theta_bytes, self.kv_budget) if self.kv_budget is not None else self.theta_bytes
+        return KVMemory(self.delta_bytes, cap)
+
     def fits(self, size: int, input_len: int, gen_len: int) -> bool:
         """Whether a batch of this shape fits the KV memory this instance really has."""
-        cap = min(self.theta_bytes, self.kv_budget) if self.kv_budget is not None else self.theta_bytes
-        return KVMemory(self.delta_bytes, cap).fits(size, input_len, gen_len)
+        return self.memory.judge().fits(size, input_len, gen_len)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """A prompt's token ids exactly as the gateway counted them (cohort.tokenizer)."""
@@ -75,8 +81,7 @@ class LLMEngine:
         """KV tokens this instance holds: Θ (CUDA: free memory after the weights, less the
         activation reserve; CPU: the KV budget) over Δ — the page pool's size under continuous
         execution, computed once at start as nano-vllm's ``allocate_kv_cache`` does."""
-        cap = self.theta_bytes if self.kv_budget is None else min(self.theta_bytes, self.kv_budget)
-        return KVMemory(self.delta_bytes, cap).theta_tokens
+        return self.memory.theta_tokens
 
     def marginal_cost(self) -> float:
         """COHORT_CONTINUOUS_MARGINAL_COST where this worker can price a row: on a CUDA device its

@@ -6,7 +6,7 @@ head_dim]``), so a step writes its new keys/values into their slots instead of r
 cache with ``torch.cat``. One forward takes a *packed* sequence (batch 1): prefill chunks of the
 joining rows and one token per decoding row, each with its own position ids; the registered
 attention function writes the step's K/V into the store and attends each row only to its own
-context (SDPA per row, causal within the row's new tokens). The row book (``workers.row_book``)
+context (SDPA per row, causal within the row's new tokens). The running set (``batcher.running_set``)
 owns which pages each row holds; this module only reads the slot lists it is handed.
 """
 

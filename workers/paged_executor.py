@@ -13,6 +13,7 @@ from collections.abc import Callable, Container, Mapping, Sequence
 
 import torch
 
+from batcher.running_set import RunningSet, StepPlan
 from workers.decode_lanes import DecodeLanes
 from workers.paged_attention import (
     DecodeBatch,
@@ -23,7 +24,6 @@ from workers.paged_attention import (
     register_paged_attention,
     slots_for,
 )
-from workers.row_book import RowBook, StepPlan
 
 PromptHook = Callable[[str, int, torch.Tensor], None]  # (row id, first position, logits [n, vocab])
 
@@ -41,7 +41,7 @@ def packed_path_refusal(model) -> str | None:
 class PagedExecutor:
     """Packed prefill + per-row decode for one model on a preallocated page store."""
 
-    def __init__(self, model, book: RowBook, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model, book: RunningSet, dtype: torch.dtype, device: torch.device) -> None:
         cfg = model.config
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads

@@ -20,9 +20,9 @@ from typing import Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
+from batcher.running_set import RunningSet, RunRow
 from predictor.estimator import AnalyticBatchTime
 from workers.paged_executor import PagedExecutor
-from workers.row_book import BookRow, RowBook
 
 
 class ShapeRunner(Protocol):
@@ -80,7 +80,7 @@ class PrefillTimer:
     def __init__(self, model: Any, dtype: Any, device: Any, max_tokens: int, page_size: int = 16,
                  clock: str = "thread") -> None:
         self.device, self.clock, self.page_size = device, CLOCKS[clock], page_size
-        self.book = RowBook(max_tokens // page_size + 64, page_size, token_budget=max_tokens)
+        self.book = RunningSet(max_tokens // page_size + 64, page_size, token_budget=max_tokens)
         self.executor = PagedExecutor(model, self.book, dtype, device)
 
     def _sync(self) -> None:
@@ -89,7 +89,7 @@ class PrefillTimer:
 
     def time_shape(self, size: int, input_len: int, repeats: int) -> list[float]:
         """Seconds of ``repeats`` packed prefills of this shape (after one warm-up run)."""
-        rows = [BookRow(f"p{k}", input_len) for k in range(size)]
+        rows = [RunRow(f"p{k}", input_len) for k in range(size)]
         if not self.book.admit(rows):
             raise ValueError(f"{size}×{input_len} tokens exceed the timer's page pool")
         self.book.token_budget = size * input_len

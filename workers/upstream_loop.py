@@ -7,7 +7,7 @@ rows, metrics and completions as the built-in engine. What differs is who decode
 
 * **Admission.** Groups wait in the order the batcher sent them (the policy's order) and join
   while the running rows plus the group fit the server's KV capacity by the one running-set rule
-  (``batcher.elastic.running_set_fits``: contexts and planned remaining tokens) — so the engine
+  (``batcher.kv_judge.KVJudge.running_set_fits``: contexts and planned remaining tokens) — so the engine
   runs just under its KV capacity and is never held below it — and while the server reports no
   queue of its own (vLLM's ``num_requests_waiting``). An empty instance takes any group.
 * **Order.** Each row carries ``priority`` = its client priority, then its group's admission
@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from batcher.elastic import running_set_fits
+from batcher.kv_judge import KVJudge
 from cohort.protocol import FailureCode, FinishReason
 from cohort.types import Batch, ProfiledRequest
 from workers.continuous_loop import GroupHandle, GroupUpdate, Update, drain
@@ -164,8 +164,8 @@ class UpstreamLoop:
         if self.server_waiting > 0:
             return False
         rows = running + g.rows
-        return running_set_fits([r.context for r in rows], [r.remaining for r in rows], self.page_tokens,
-                                self.capacity_tokens, self.max_rows)
+        judge = KVJudge(self.capacity_tokens, self.page_tokens, self.max_rows)
+        return judge.running_set_fits([r.context for r in rows], [r.remaining for r in rows])
 
     def _admit(self) -> None:
         if self.down:

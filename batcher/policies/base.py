@@ -23,7 +23,8 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from batcher.memory import KVMemory, KVPlan
+from batcher.kv_judge import KVPlan
+from batcher.memory import KVMemory
 from cohort.types import Batch, ProfiledRequest
 
 # How a policy ranks its batches, best first (``Policy.order``):
@@ -52,12 +53,12 @@ class PolicyContext:
     max_input_tokens: int = 2048
     max_tokens_limit: int = 2048
     # True under elastic execution (finished rows leave their batch): predicted-length policies
-    # then size batches by their KV peak instead of β·(L(B)+G(B)) (``KVMemory.plan``).
+    # then size batches by their KV peak instead of β·(L(B)+G(B)) (``KVJudge.plan``).
     elastic: bool = False
 
     def plan(self) -> KVPlan:
         """An empty batch under this pool's Θ and execution mode: the one memory rule."""
-        return self.memory.plan(self.elastic)
+        return self.memory.judge().plan(self.elastic)
 
 
 def response_ratios(shapes: np.ndarray, oldest: np.ndarray, estimator: BatchTimeModel, now: float) -> np.ndarray:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from itertools import islice
 
-from batcher.memory import KVPlan
+from batcher.kv_judge import KVPlan
 from batcher.policies.base import (
     NextOpen,
     Order,

@@ -17,7 +17,7 @@ arrival) and one insertion is a handful of vectorised operations over all open b
 member of every batch.
 Behaviour (including ties: the first batch in opening order wins) is the same as the loop.
 Under elastic planning the columns also hold each batch's KV peak and planned-length range, and
-``batcher.memory.grow_bounds`` settles most batches at once; the few it cannot settle are
+``batcher.kv_judge.grow_bounds`` settles most batches at once; the few it cannot settle are
 tested exactly (``KVPlan.fits_with``, the batch's sorted planned lengths) in φ order, stopping
 at the first that fits.
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batcher.memory import KVPlan, grow_bounds
+from batcher.kv_judge import KVPlan, grow_bounds
 from batcher.policies.base import NextOpen, Order, Policy, PolicyContext, Rank, hrrn_first, response_ratios
 from cohort.types import Batch, ProfiledRequest, new_id
 

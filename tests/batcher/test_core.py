@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from batcher.elastic import batch_kv_tokens, peak_kv_tokens
-from batcher.memory import KVMemory, grow_bounds, kv_bytes_per_token
+from batcher.kv_judge import grow_bounds
+from batcher.memory import KVMemory, kv_bytes_per_token
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.policies import make_policy
 from batcher.policies.wma import WMAPolicy
@@ -72,7 +73,7 @@ def test_mem_and_delta():
     assert kv_bytes_per_token(glm) == 2 * 28 * 2 * 128 * 2
     m = KVMemory(delta_bytes=100, theta_bytes=10_000)
     assert m.mem(4, 10, 15) == 4 * 25 * 100
-    assert m.fits(4, 10, 15) and not m.fits(5, 10, 15)
+    assert m.judge().fits(4, 10, 15) and not m.judge().fits(5, 10, 15)
     assert m.max_fixed_batch_size(max_input=30, max_gen=20) == 2  # 10000 // (50·100)
 
 
@@ -210,12 +211,12 @@ def test_incremental_plan_and_vector_bounds_agree_with_the_rule():
     for _ in range(3000):
         elastic = rng.random() < 0.7
         mem = KVMemory(delta_bytes=2, theta_bytes=2 * rng.randint(50, 2500))
-        plan, members = mem.plan(elastic), []
+        plan, members = mem.judge().plan(elastic), []
         for _ in range(rng.randint(2, 10)):
             L, g = rng.randint(0, 60), rng.randint(1, 80)
             if members:
                 L_B = max([m[0] for m in members] + [L])
-                truth = mem.batch_fits(L_B, [m[1] for m in members] + [g], elastic)
+                truth = mem.judge().batch_fits(L_B, [m[1] for m in members] + [g], elastic)
                 assert plan.fits_with(L, g) == truth
                 col = lambda x: np.array([x])  # noqa: E731
                 sure, may = grow_bounds(mem.theta_tokens, elastic, col(plan.size), col(plan.L), col(plan.lens[-1]),

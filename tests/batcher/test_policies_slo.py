@@ -90,7 +90,7 @@ def _literal_first_batch(p: SLOODBSPolicy, reqs, now):
     for q in order[1:]:
         grown = batch + [q]
         L, G = max(r.input_tokens for r in grown), max(r.predicted_tokens for r in grown)
-        if not p.ctx.memory.fits(len(grown), L, G):
+        if not p.ctx.memory.judge().fits(len(grown), L, G):
             break
         t_l, t_o = p.cost(batch, q, now)
         if p.w1 * t_l + p.w2 * t_o > p.threshold:

@@ -19,7 +19,7 @@ def _reference_add(open_batches, r, threshold, memory, cap):
         if b.key != r.batch_key or (cap is not None and b.size >= cap):
             continue
         lengths = [(x.input_tokens, x.predicted_tokens) for x in b.requests] + [(r.input_tokens, r.predicted_tokens)]
-        if not memory.fits(len(lengths), max(L for L, _ in lengths), max(G for _, G in lengths)):
+        if not memory.judge().fits(len(lengths), max(L for L, _ in lengths), max(G for _, G in lengths)):
             continue
         phi = batch_wma(lengths)
         if phi < best_phi:

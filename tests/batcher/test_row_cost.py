@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from batcher.elastic import running_set_fits
+from batcher.kv_judge import KVJudge
 from batcher.row_cost import OnlineStepCost, row_pays
 
 
@@ -37,8 +37,8 @@ def test_context_counts_at_the_sets_mean_not_the_joiners_own():
     # 20 rows at 50 tokens each: marginal 0.5, step 20: 20 · 0.5 = 10 ≤ 0.5 · 20
     assert row_pays(cost, 20, 1000, 0.5)
     assert not row_pays(cost, 21, 1050 + 10, 0.5)
-    assert running_set_fits([50] * 20, [1] * 20, 16, 10 ** 6, 256, cost, 0.5)
-    assert not running_set_fits([50] * 21, [1] * 21, 16, 10 ** 6, 256, cost, 0.5)
+    assert KVJudge(10 ** 6, 16, 256, 0.5).running_set_fits([50] * 20, [1] * 20, cost)
+    assert not KVJudge(10 ** 6, 16, 256, 0.5).running_set_fits([50] * 21, [1] * 21, cost)
 
 
 def test_online_step_cost_learns_the_steps_terms():

@@ -5,7 +5,7 @@ row book skips yielding rows and takes eviction victims from the least urgent le
 import pytest
 
 from batcher.row_priority import StepShares, least_urgent
-from workers.row_book import BookRow, RowBook
+from batcher.running_set import RunningSet, RunRow
 
 
 def steps_run(shares: StepShares, levels: set[int], steps: int, level: int) -> int:
@@ -61,8 +61,8 @@ def test_least_urgent_picks_the_highest_priority_number():
 
 
 def test_skipped_rows_keep_their_pages_and_do_no_work():
-    book = RowBook(num_pages=20, page_size=4, token_budget=100)
-    book.admit([BookRow("bg", 6, priority=10), BookRow("ia", 5, priority=0)])
+    book = RunningSet(num_pages=20, page_size=4, token_budget=100)
+    book.admit([RunRow("bg", 6, priority=10), RunRow("ia", 5, priority=0)])
     plan = book.plan_step(skip={"bg"})
     assert plan.prefill == [("ia", 0, 5)] and plan.decode == []
     book.commit(plan)
@@ -75,10 +75,10 @@ def test_skipped_rows_keep_their_pages_and_do_no_work():
 
 
 def test_an_urgent_row_needing_a_page_evicts_a_background_row_not_an_urgent_one():
-    book = RowBook(num_pages=2, page_size=4, token_budget=100)
+    book = RunningSet(num_pages=2, page_size=4, token_budget=100)
     # by predicted length alone the urgent row would be the victim (largest remaining first)
-    book.admit([BookRow("urgent", 4, predicted_remaining=50, priority=0),
-                BookRow("bg", 4, predicted_remaining=1, priority=10)])
+    book.admit([RunRow("urgent", 4, predicted_remaining=50, priority=0),
+                RunRow("bg", 4, predicted_remaining=1, priority=10)])
     book.commit(book.plan_step())
     plan = book.plan_step(skip={"bg"})
     assert plan.evicted == ["bg"] and plan.victims["bg"] == ([1], 4)
@@ -86,9 +86,9 @@ def test_an_urgent_row_needing_a_page_evicts_a_background_row_not_an_urgent_one(
 
 
 def test_same_level_keeps_the_eviction_order():
-    book = RowBook(num_pages=2, page_size=4, token_budget=100)
-    book.admit([BookRow("short", 4, predicted_remaining=1, priority=10),
-                BookRow("long", 4, predicted_remaining=50, priority=10)])
+    book = RunningSet(num_pages=2, page_size=4, token_budget=100)
+    book.admit([RunRow("short", 4, predicted_remaining=1, priority=10),
+                RunRow("long", 4, predicted_remaining=50, priority=10)])
     book.commit(book.plan_step())
     assert book.plan_step().evicted == ["long"]
 

@@ -99,7 +99,7 @@ def test_the_run_prices_rows_with_its_own_measured_steps(engine):
     assert cost.steps >= 20                     # one observation per step that ran work
     assert cost.coefficients is not None and min(cost.coefficients) >= 0
     assert cost.decode_seconds(1, 16) > 0
-    assert run.book.marginal_cost == 0.815
+    assert run.book.judge.marginal_cost == 0.815
 
 
 def test_rows_leave_as_they_finish_and_a_group_ends_with_its_last_row(engine):

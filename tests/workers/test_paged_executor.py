@@ -4,9 +4,9 @@ budget, rows joining while others decode, rows leaving as they finish."""
 
 import torch
 
+from batcher.running_set import RunningSet, RunRow
 from workers.model import tiny_llama_config
 from workers.paged_executor import PagedExecutor, packed_path_refusal
-from workers.row_book import BookRow, RowBook
 
 
 def _model():
@@ -27,7 +27,7 @@ def test_greedy_equals_generate_with_chunked_prefill_and_staggered_joins():
         ref.append(o[0, len(p):].tolist())
 
     assert packed_path_refusal(model) is None
-    book = RowBook(num_pages=64, page_size=8, token_budget=24)
+    book = RunningSet(num_pages=64, page_size=8, token_budget=24)
     ex = PagedExecutor(model, book, torch.float32, torch.device("cpu"))
     tokens = {str(i): list(p) for i, p in enumerate(prompts)}
     got: dict[str, list[int]] = {str(i): [] for i in range(4)}
@@ -35,7 +35,7 @@ def test_greedy_equals_generate_with_chunked_prefill_and_staggered_joins():
     joins = {0: [0, 1], 3: [2], 6: [3]}  # step -> rows admitted as one group
     for step in range(200):
         if step in joins:
-            assert book.admit([BookRow(str(i), len(prompts[i])) for i in joins[step]])
+            assert book.admit([RunRow(str(i), len(prompts[i])) for i in joins[step]])
         plan = book.plan_step()
         last = ex.run(plan, tokens, lambda r, p0, lg: seen_prompt.__setitem__(r, seen_prompt.get(r, 0) + len(lg)))
         book.commit(plan)

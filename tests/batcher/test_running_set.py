@@ -1,6 +1,7 @@
-"""Row book tests on hand-built rows, no model (in the manner of vLLM's scheduler tests)."""
+"""Running-set tests on hand-built rows, no model (in the manner of vLLM's scheduler tests)."""
 
-from workers.row_book import BookRow, RowBook, pages_for
+from batcher.kv_judge import pages_for
+from batcher.running_set import RunningSet, RunRow
 
 
 def test_pages_for_is_ceiling():
@@ -8,21 +9,21 @@ def test_pages_for_is_ceiling():
 
 
 def test_group_admits_whole_or_not_at_all():
-    book = RowBook(num_pages=4, page_size=16)
-    assert book.admit([BookRow("a", 30), BookRow("b", 20)])  # 2 + 2 pages
+    book = RunningSet(num_pages=4, page_size=16)
+    assert book.admit([RunRow("a", 30), RunRow("b", 20)])  # 2 + 2 pages
     assert book.free_tokens == 0
-    assert not book.admit([BookRow("c", 1)])
+    assert not book.admit([RunRow("c", 1)])
     assert list(book.rows) == ["a", "b"]
     assert len(set(book.block_table("a")) | set(book.block_table("b"))) == 4
 
 
 def test_prefill_chunks_under_budget_and_decode_goes_first():
-    book = RowBook(num_pages=100, page_size=16, token_budget=40)
-    book.admit([BookRow("a", 10)])
+    book = RunningSet(num_pages=100, page_size=16, token_budget=40)
+    book.admit([RunRow("a", 10)])
     plan = book.plan_step()
     assert plan.prefill == [("a", 0, 10)] and plan.decode == []
     book.commit(plan)
-    book.admit([BookRow("long", 100)])
+    book.admit([RunRow("long", 100)])
     plan = book.plan_step()
     assert plan.decode == ["a"]
     assert plan.prefill == [("long", 0, 39)]  # budget 40 minus the decode token
@@ -32,16 +33,16 @@ def test_prefill_chunks_under_budget_and_decode_goes_first():
 
 
 def test_released_pages_let_the_next_group_join():
-    book = RowBook(num_pages=2, page_size=16)
-    book.admit([BookRow("a", 16), BookRow("b", 16)])
-    assert not book.admit([BookRow("c", 16)])
+    book = RunningSet(num_pages=2, page_size=16)
+    book.admit([RunRow("a", 16), RunRow("b", 16)])
+    assert not book.admit([RunRow("c", 16)])
     book.release("a")
-    assert book.admit([BookRow("c", 16)])
+    assert book.admit([RunRow("c", 16)])
 
 
 def test_decode_growth_evicts_by_eviction_order():
-    book = RowBook(num_pages=2, page_size=4, token_budget=100)
-    book.admit([BookRow("short", 4, predicted_remaining=1), BookRow("long", 4, predicted_remaining=50)])
+    book = RunningSet(num_pages=2, page_size=4, token_budget=100)
+    book.admit([RunRow("short", 4, predicted_remaining=1), RunRow("long", 4, predicted_remaining=50)])
     book.commit(book.plan_step())  # both prefilled; each page full
     plan = book.plan_step()  # both need a second page; the pool is empty
     assert plan.evicted == ["long"]
@@ -50,9 +51,9 @@ def test_decode_growth_evicts_by_eviction_order():
 
 
 def test_row_at_max_preemptions_is_evicted_last():
-    book = RowBook(num_pages=2, page_size=4, max_preemptions=1)
-    book.admit([BookRow("old", 4, predicted_remaining=1),
-                BookRow("big", 4, predicted_remaining=50, preemptions=1)])
+    book = RunningSet(num_pages=2, page_size=4, max_preemptions=1)
+    book.admit([RunRow("old", 4, predicted_remaining=1),
+                RunRow("big", 4, predicted_remaining=50, preemptions=1)])
     book.commit(book.plan_step())
     plan = book.plan_step()
     assert plan.evicted == ["old"] and plan.decode == ["big"]
@@ -61,9 +62,9 @@ def test_row_at_max_preemptions_is_evicted_last():
 def test_row_cap_keeps_a_group_out_until_a_row_leaves():
     """``max_rows`` (COHORT_CONTINUOUS_MAX_ROWS) bounds the running set even with pages to spare;
     an empty book still takes a group of any size."""
-    book = RowBook(num_pages=100, page_size=16, max_rows=3)
+    book = RunningSet(num_pages=100, page_size=16, max_rows=3)
     assert book.fits([(16, 4)] * 5)  # empty: the head of the queue always joins
-    book.admit([BookRow("a", 16, planned_remaining=4), BookRow("b", 16, planned_remaining=4)])
+    book.admit([RunRow("a", 16, planned_remaining=4), RunRow("b", 16, planned_remaining=4)])
     assert book.fits([(16, 4)])
     assert not book.fits([(16, 4), (16, 4)])
     book.release("a")
@@ -72,8 +73,8 @@ def test_row_cap_keeps_a_group_out_until_a_row_leaves():
 
 
 def test_fits_plans_the_kv_peak_of_running_and_joining_rows():
-    book = RowBook(num_pages=8, page_size=16)  # 128 tokens
-    book.admit([BookRow("a", 32, planned_remaining=32)])
+    book = RunningSet(num_pages=8, page_size=16)  # 128 tokens
+    book.admit([RunRow("a", 32, planned_remaining=32)])
     # both rows hold 32 tokens; with the joining one planned at r ≤ 32 more, the peak is just
     # before it leaves: 64 + 2r, plus half a page per row (16): r = 24 fills the 128 exactly
     assert book.fits([(32, 24)])
@@ -98,20 +99,20 @@ def test_a_row_joins_only_while_it_pays_for_itself_on_the_steps():
     """COHORT_CONTINUOUS_MARGINAL_COST: with steps of 10 + rows seconds and a limit of 0.5 a row
     pays up to 10 rows (``batcher.row_cost.row_pays``), pages and the row cap to spare."""
     cost = _LinearCost(10.0, 1.0)
-    book = RowBook(num_pages=1000, page_size=16, marginal_cost=0.5, step_cost=cost)  # type: ignore[arg-type]
-    book.admit([BookRow(f"r{i}", 16, planned_remaining=4) for i in range(9)])
+    book = RunningSet(num_pages=1000, page_size=16, marginal_cost=0.5, step_cost=cost)  # type: ignore[arg-type]
+    book.admit([RunRow(f"r{i}", 16, planned_remaining=4) for i in range(9)])
     assert book.fits([(16, 4)])
     assert not book.fits([(16, 4), (16, 4)])
     book.release("r0")
     assert book.fits([(16, 4), (16, 4)])
-    assert RowBook(num_pages=1000, page_size=16, step_cost=cost).fits([(16, 4)] * 40)  # type: ignore[arg-type]
+    assert RunningSet(num_pages=1000, page_size=16, step_cost=cost).fits([(16, 4)] * 40)  # type: ignore[arg-type]
 
 
 def test_the_book_teaches_its_step_cost_each_step():
     cost = _LinearCost(1.0, 0.0)
-    book = RowBook(num_pages=100, page_size=16, token_budget=40, marginal_cost=0.815,
+    book = RunningSet(num_pages=100, page_size=16, token_budget=40, marginal_cost=0.815,
                    step_cost=cost)  # type: ignore[arg-type]
-    book.admit([BookRow("a", 10), BookRow("b", 50)])
+    book.admit([RunRow("a", 10), RunRow("b", 50)])
     plan = book.plan_step()                    # a's whole prompt, then 30 of b's
     book.observe(plan, 0.25)
     assert cost.seen == [(0, 40, 10 + 30, 0.25)]
@@ -125,7 +126,7 @@ def test_the_book_teaches_its_step_cost_each_step():
 def test_a_book_with_the_rule_off_learns_nothing():
     """COHORT_CONTINUOUS_MARGINAL_COST 0 (or a CPU worker): the decode thread skips the fit."""
     cost = _LinearCost(1.0, 0.0)
-    book = RowBook(num_pages=100, page_size=16, token_budget=40, step_cost=cost)  # type: ignore[arg-type]
-    book.admit([BookRow("a", 10)])
+    book = RunningSet(num_pages=100, page_size=16, token_budget=40, step_cost=cost)  # type: ignore[arg-type]
+    book.admit([RunRow("a", 10)])
     book.observe(book.plan_step(), 0.25)
     assert cost.seen == []
