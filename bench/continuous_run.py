@@ -28,7 +28,8 @@ from batcher.policies import PolicyContext, make_policy, planning_memory
 from batcher.preemption import SwapLink
 from batcher.row_cost import DecodeStepCost
 from bench.continuous import ContinuousEngine, EngineLimits, Scheduler, SimInstance, StepStats
-from bench.continuous_sched import AdaptiveFairScheduler, FCFSScheduler, GroupScheduler
+from bench.continuous_sched import AdaptiveFairScheduler, FCFSScheduler
+from bench.group_engine import GroupEngine, GroupScheduler
 from bench.metrics import SimResult, TraceBook
 from bench.online_quantile import OnlineQuantile, OnlineScheduler
 from bench.roofline import RooflineBatchTime
@@ -60,7 +61,7 @@ def engine_limits(policy: str, limits: EngineLimits, max_rows: int) -> EngineLim
 def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime, limits: EngineLimits,
                    params: dict[str, Any], max_input_tokens: int, max_tokens_limit: int, headroom: float,
                    group_frac: float, max_preemptions: int, marginal_cost: float = DEFAULT_MARGINAL_COST,
-                   step_cost: DecodeStepCost | None = None) -> Scheduler:
+                   step_cost: DecodeStepCost | None = None) -> Scheduler | GroupScheduler:
     """``cb-fcfs`` or a cohort policy (by base name) planning groups with Θ·group_frac, its rows
     joining while they pay for themselves (``marginal_cost``) on ``step_cost``: the roofline's
     step by default, or a cost learnt from the simulated steps as a live worker learns its own."""
@@ -75,7 +76,8 @@ def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime,
                           time_model if step_cost is None else step_cost, marginal_cost)
 
 
-def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, scheduler: Scheduler, memory: KVMemory,
+def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, scheduler: Scheduler | GroupScheduler,
+                        memory: KVMemory,
                         time_model: RooflineBatchTime, instances: int, limits: EngineLimits,
                         progress: Callable[[int], None] | None = None, preemption: PreemptionMode = "recompute",
                         link: SwapLink | None = None, host_pages: int = 0,
@@ -98,6 +100,7 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
     insts = [SimInstance(pages, limits, host_pages) for _ in range(instances)]
     stats = StepStats()
     settle = book.settle
+    groups = scheduler if isinstance(scheduler, GroupScheduler) else None
     if online is not None:
         scheduler = OnlineScheduler(scheduler, online)
 
@@ -106,8 +109,10 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
             if done:
                 online.completed(requests[j])
 
-    engine = ContinuousEngine(time_model, scheduler, limits, stats, settle, book.first_token, [0],
-                              preemption, link, book.dispatched, step_observer)
+    engine: ContinuousEngine | GroupEngine = ContinuousEngine(
+        time_model, scheduler, limits, stats, settle, book.first_token, [0], preemption, link, book.dispatched,
+        step_observer) if groups is None else GroupEngine(time_model, groups, limits, stats, settle, book.first_token,
+                                                          preemption, link, book.dispatched, step_observer)
     heap: list[tuple[float, int]] = []
     idle = set(range(instances))
     i, now = 0, 0.0

@@ -5,27 +5,17 @@
   budget, ``max_num_seqs`` and free pages allow (a prompt's first chunk must find its pages);
   when a running row needs a page and none is free, the *newest* running row is preempted by
   recompute and goes back to the front of the queue.
-* ``GroupScheduler`` is cohort under ``continuous``: the batching policy (WMA/Magnus, S3, SLO-ODBS,
-  HRRN, VS…) still forms and orders batches, each planned with the policy's own KV rule under an
-  admission budget (a share of Θ); a batch is an *admission group* the instance takes at a step
-  boundary as soon as the KV peak of its rows plus the running rows, on planned lengths (q90 when
-  the predictor gives one), fits Θ, the rows stay within ``max_num_seqs`` and the last one still
-  pays for itself on the roofline's step (``batcher.elastic.running_set_fits``,
-  ``COHORT_CONTINUOUS_MARGINAL_COST``). Rows that run out of pages
-  anyway (under-predicted) are evicted largest predicted remaining first
-  (``batcher.elastic.eviction_order``) and re-enter the policy as continuations.
+* cohort's policies do not run here: they run the live worker's running set
+  (``bench.group_engine``, ``batcher.running_set``), so the simulator admits and evicts as the
+  worker does.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from batcher.elastic import eviction_order
-from batcher.kv_judge import KVJudge
-from batcher.policies.base import Policy
-from batcher.row_cost import DecodeStepCost
 from bench.continuous import EngineLimits, SimInstance, SimRow
-from cohort.types import Batch, ProfiledRequest
+from cohort.types import ProfiledRequest
 
 
 class FCFSScheduler:
@@ -133,65 +123,3 @@ class AdaptiveFairScheduler(FCFSScheduler):
     def victim(self, rows: list[SimRow], start: int, now: float) -> int:
         cand = range(start, len(rows))
         return min(cand, key=lambda i: (fair_priority(rows[i].req.arrival, rows[i].kv, now), -rows[i].order))
-
-
-class GroupScheduler:
-    """cohort's policy under continuous execution: batches are admission groups (module docstring)."""
-
-    def __init__(self, policy: Policy, limits: EngineLimits, max_preemptions: int = 8,
-                 step_cost: DecodeStepCost | None = None, marginal_cost: float = 0.0) -> None:
-        self.pol = policy
-        self.limits = limits
-        self.max_preemptions = max_preemptions
-        self.step_cost, self.marginal_cost = step_cost, marginal_cost  # batcher.row_cost
-        self.pending: dict[int, Batch] = {}   # instance id -> the group it took and waits to fit
-        self.queued = 0                      # requests in the policy, not yet in a group
-
-    def add(self, req: ProfiledRequest, now: float) -> None:
-        self.pol.add(req, now)
-        self.queued += 1
-
-    def preempted(self, req: ProfiledRequest, now: float) -> None:
-        self.add(req, now)
-
-    def has_work(self) -> bool:
-        return self.queued > 0
-
-    def _fits(self, inst: SimInstance, joining: list[ProfiledRequest], group: Batch) -> bool:
-        rows = inst.rows
-        if not rows and not joining:
-            return True                       # an empty instance takes any group (too large: its rows fail)
-        ctx = [r.kv + r.prompt - r.filled for r in rows]
-        left = [r.planned_left for r in rows]
-        for q in (*joining, *group.requests):
-            ctx.append(q.input_tokens)
-            left.append(max(1, q.planned_tokens))
-        judge = KVJudge(inst.capacity_tokens, self.limits.page_tokens, self.limits.max_num_seqs, self.marginal_cost)
-        return judge.running_set_fits(ctx, left, self.step_cost)
-
-    def admit(self, inst: SimInstance, now: float, budget: int) -> list[ProfiledRequest]:
-        out: list[ProfiledRequest] = []
-        key = id(inst)
-        while True:
-            group = self.pending.pop(key, None)
-            if group is None:
-                if not self.queued:
-                    break
-                group = self.pol.pop(now)
-                if group is None:
-                    break
-                self.queued -= group.size
-            if not self._fits(inst, out, group):
-                self.pending[key] = group
-                break
-            out.extend(group.requests)
-        return out
-
-    def swap_in_first(self, inst: SimInstance, now: float) -> bool:
-        return True
-
-    def victim(self, rows: list[SimRow], start: int, now: float) -> int:
-        cand = rows[start:]
-        order = eviction_order([r.planned_left for r in cand], [r.req.preemptions for r in cand],
-                               self.max_preemptions)
-        return start + order[0]

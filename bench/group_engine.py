@@ -1,0 +1,212 @@
+"""cohort's policies under continuous execution in the simulator: the live worker's running set.
+
+The batching policy (WMA/Magnus, S3, SLO-ODBS, HRRN, VS…) forms and orders batches, each planned
+with the policy's own KV rule under an admission budget (a share of Θ); a batch is an *admission
+group*. Each instance is a ``batcher.running_set.RunningSet`` — the class the worker's engine
+drives — so admission (the KV judge on planned lengths, the row cap, the marginal-cost rule),
+decode-first step planning under the token budget, eviction (``eviction_order``, least urgent
+first) and resumption (an evicted row waits on its instance and resumes before anything new
+joins) are the worker's, line for line. What the simulator adds is what the hardware does: each
+step is costed on the roofline (``RooflineBatchTime.step_seconds``: each row's own prompt
+chunk and context), a victim is swapped to the host pool over the preset's PCIe link or dropped
+for recompute (``batcher.preemption.choose_preemption``), and each row stops at its true length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from batcher.policies.base import Policy
+from batcher.preemption import SwapLink, choose_preemption, swap_seconds
+from batcher.row_cost import DecodeStepCost
+from batcher.running_set import Admission, RunningSet, RunRow, StepPlan
+from bench.continuous import EngineLimits, SimInstance, StepStats
+from bench.roofline import RooflineBatchTime
+from cohort.settings import PreemptionMode
+from cohort.types import ProfiledRequest
+
+
+class GroupScheduler:
+    """The policy's queue: requests go in, admission groups come out in its order."""
+
+    def __init__(self, policy: Policy, limits: EngineLimits, max_preemptions: int = 8,
+                 step_cost: DecodeStepCost | None = None, marginal_cost: float = 0.0) -> None:
+        self.pol = policy
+        self.limits = limits
+        self.max_preemptions = max_preemptions
+        self.step_cost, self.marginal_cost = step_cost, marginal_cost  # batcher.row_cost
+        self.queued = 0                      # requests in the policy, not yet in a group
+
+    def add(self, req: ProfiledRequest, now: float) -> None:
+        self.pol.add(req, now)
+        self.queued += 1
+
+    def has_work(self) -> bool:
+        return self.queued > 0
+
+    def pop(self, now: float):
+        group = self.pol.pop(now) if self.queued else None
+        if group is not None:
+            self.queued -= group.size
+        return group
+
+
+@dataclass
+class _Sim:
+    """What the simulator knows of a row beyond its scheduling record: its trace index, request,
+    tokens generated so far, and the KV it left on the host when swapped out."""
+
+    j: int
+    req: ProfiledRequest
+    gen: int = 0
+    host: tuple[int, int] | None = None   # (KV entries, pages) on the host pool while swapped
+
+
+class GroupEngine:
+    """Runs one instance's steps with cohort's running set; ``bench.continuous_run`` owns time."""
+
+    def __init__(self, tm: RooflineBatchTime, groups: GroupScheduler, limits: EngineLimits, stats: StepStats,
+                 settle: Callable[[int, float, bool], None], first_token: Callable[[int, float], None],
+                 preemption: PreemptionMode = "recompute", link: SwapLink | None = None,
+                 dispatched: Callable[[int, float], None] | None = None,
+                 step_observer: Callable[[int, int, int, float], None] | None = None) -> None:
+        if preemption != "recompute" and link is None:
+            raise ValueError("swap and adaptive preemption need the host link (GPU preset's PCIe bandwidth)")
+        self.tm, self.groups, self.limits, self.stats = tm, groups, limits, stats
+        self.settle, self.first_token, self.dispatched = settle, first_token, dispatched
+        self.preemption, self.link, self.step_observer = preemption, link, step_observer
+        self.sets: dict[int, RunningSet] = {}
+        self.rows: dict[str, _Sim] = {}
+        self.transfer = 0.0   # PCIe seconds of the step being built
+        # every admission and eviction in order, (time, instance, "admit" | "evict", id): what a
+        # test compares with the worker's engine on the same trace
+        self.log: list[tuple[float, int, str, str]] = []
+
+    def running_set(self, inst: SimInstance) -> RunningSet:
+        key = id(inst)
+        if key not in self.sets:
+            g = self.groups
+            self.sets[key] = RunningSet(inst.total_pages, self.limits.page_tokens, self.limits.max_batched_tokens,
+                                        g.max_preemptions, self.limits.max_num_seqs, g.marginal_cost)
+            self.sets[key].step_cost = g.step_cost   # the roofline's step, or one learnt from the steps
+        return self.sets[key]
+
+    def _bytes_s(self, pages: int, to_host: bool) -> float:
+        assert self.link is not None
+        nbytes = pages * self.limits.page_tokens * self.tm.delta_bytes
+        return nbytes / (self.link.to_host_bytes_per_s if to_host else self.link.to_device_bytes_per_s)
+
+    # --- a step boundary ------------------------------------------------------------------
+    def _admit(self, inst: SimInstance, rs: RunningSet, now: float, index: dict[str, int]) -> None:
+        """Resumed rows, then groups from the policy while each fits (one that does not waits here)."""
+        while True:
+            if not rs.waiting and (group := self.groups.pop(now)) is not None:
+                for q in group.requests:
+                    self.rows[q.id] = _Sim(index[q.id], q)
+                rs.add_group(group.id, [RunRow(q.id, q.input_tokens, predicted_remaining=q.predicted_tokens,
+                                               planned_remaining=max(1, q.planned_tokens),
+                                               preemptions=q.preemptions, priority=q.priority)
+                                        for q in group.requests])
+            adm = rs.admit_waiting()
+            self._admitted(inst, rs, adm, now)
+            if rs.waiting or not adm.groups:
+                return
+
+    def _admitted(self, inst: SimInstance, rs: RunningSet, adm: Admission, now: float) -> None:
+        for rid, _why in adm.failed:
+            self.settle(self.rows.pop(rid).j, now, False)
+        for rid in adm.resumed:
+            sim = self.rows[rid]
+            if sim.host is not None:             # its KV comes back over the link
+                kv, pages = sim.host
+                inst.host_free += pages
+                self.transfer += self._bytes_s(pages, False)
+                rs.rows[rid].computed = kv
+                sim.host = None
+        for gid in adm.groups:
+            self.log.append((now, id(inst), "admit", gid))
+            rows = [r for r in rs.rows.values() if r.group_id == gid]
+            self.stats.groups += 1
+            self.stats.group_sizes.append(len(rows))
+            for r in rows:
+                if self.dispatched:
+                    self.dispatched(self.rows[r.row_id].j, now)
+
+    def _recompute_s(self, rs: RunningSet, kv: int) -> float:
+        """What re-prefilling ``kv`` entries adds to a step of the rows running beside it: f(rows +
+        its tokens) − f(rows) on the step cost, cohort's true marginal, not a lone prefill."""
+        k = float(kv)
+        d_rows = float(len(rs.rows))
+        d_reads = float(sum(r.computed + 1 for r in rs.rows.values()))
+        base = self.tm.step_seconds(0.0, 0.0, 0.0, d_rows, d_reads)
+        return self.tm.step_seconds(k, k * k / 2.0, 0.0, d_rows, d_reads) - base
+
+    def _evicted(self, inst: SimInstance, rs: RunningSet, plan: StepPlan, now: float) -> None:
+        failed = {rid for rid, _why in plan.failed}
+        for rid in plan.evicted:
+            self.stats.preemptions += 1
+            self.log.append((now, id(inst), "evict", rid))
+            sim = self.rows[rid]
+            pages, kv = plan.victims[rid]
+            if rid in failed:
+                self.settle(self.rows.pop(rid).j, now, False)
+                continue
+            if self.preemption != "recompute" and kv >= sim.req.input_tokens:
+                assert self.link is not None
+                tokens = len(pages) * self.limits.page_tokens
+                host_tokens = inst.host_free * self.limits.page_tokens
+                if self.preemption == "swap" and tokens > host_tokens:
+                    self.stats.swap_fallbacks += 1
+                swap_s = swap_seconds(tokens, int(self.tm.delta_bytes), self.link)
+                if choose_preemption(self.preemption, swap_s, self._recompute_s(rs, kv), host_tokens,
+                                     tokens) == "swap":
+                    self.stats.swaps += 1
+                    self.transfer += self._bytes_s(len(pages), True)
+                    inst.host_free -= len(pages)
+                    sim.host = (kv, len(pages))
+                    continue
+            self.stats.recomputes += 1
+            self.stats.recomputed_gen += sim.gen
+            self.stats.dropped_kv += kv
+
+    # --- one step -------------------------------------------------------------------------
+    def step(self, inst: SimInstance, now: float, index: dict[str, int]) -> float | None:
+        """Run one step starting at ``now``; returns its end, or None when there is nothing to run."""
+        rs = self.running_set(inst)
+        self._admit(inst, rs, now, index)
+        plan = rs.plan_step()
+        self._evicted(inst, rs, plan, now)
+        if not plan.prefill and not plan.decode:
+            return None
+        p_tok = p_pairs = p_reads = d_rows = d_reads = 0.0
+        for _rid, start, n in plan.prefill:
+            p_tok += n
+            p_pairs += n * (start + n / 2.0)
+            p_reads += start
+        for rid in plan.decode:
+            d_rows += 1
+            d_reads += rs.rows[rid].computed + 1
+        compute = self.tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads)
+        if self.step_observer is not None:
+            self.step_observer(int(d_rows), int(p_tok), int(d_reads + p_reads + p_tok), compute)
+        end = now + compute + self.transfer
+        st = self.stats
+        st.transfer_s += self.transfer
+        self.transfer = 0.0
+        st.steps += 1
+        st.row_steps += len(plan.prefill) + len(plan.decode)
+        st.busy_s += end - now
+        for rid in rs.commit(plan):
+            sim = self.rows[rid]
+            if sim.gen == 0:
+                self.first_token(sim.j, end)
+            sim.gen += 1
+            st.decoded += 1
+            if sim.gen >= (sim.req.true_tokens or 1):
+                rs.release(rid)
+                self.settle(self.rows.pop(rid).j, end, True)
+            else:
+                rs.produced(rid, max(0, sim.req.predicted_tokens - sim.gen), max(1, sim.req.planned_tokens - sim.gen))
+        inst.busy_until = end
+        return end
