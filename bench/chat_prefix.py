@@ -53,6 +53,7 @@ from cohort.tokenizer import (
     has_chat_template,
     load_tokenizer,
     prompt_token_ids,
+    split_chat,
 )
 from cohort.types import ProfiledRequest
 from predictor.base import PredictItem
@@ -115,8 +116,7 @@ def render_chat(messages: list[Message], model: str) -> tuple[str, str, list[int
     """(system text, conversation text, prompt ids) of a chat, as the gateway's chat completions
     render it: the system messages joined as the instruction, the others as 'role: content' lines;
     the model's chat template if it has one, else the built-in one."""
-    system = "\n".join(m["content"] for m in messages if m["role"] in ("system", "developer"))
-    convo = "\n".join(f"{m['role']}: {m['content']}" for m in messages if m["role"] not in ("system", "developer"))
+    system, convo = split_chat([(m["role"], m["content"]) for m in messages])
     if has_chat_template(model):
         return system, convo, list(chat_prompt_ids(messages, model)[1])
     return system, convo, prompt_token_ids([builtin_chat_prompt(system, convo)], model)[0]

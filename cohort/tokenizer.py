@@ -85,6 +85,17 @@ def has_chat_template(model: str = DEFAULT_MODEL) -> bool:
     return bool(getattr(load_tokenizer(model), "chat_template", None))
 
 
+SYSTEM_ROLES = ("system", "developer")
+
+
+def split_chat(turns: list[tuple[str, str]]) -> tuple[str, str]:
+    """A chat's (role, text) turns as the predictor and the built-in template read them: the
+    system (and developer) texts joined as the instruction, the others as 'role: text' lines."""
+    system = "\n".join(t for role, t in turns if role in SYSTEM_ROLES)
+    convo = "\n".join(f"{role}: {t}" for role, t in turns if role not in SYSTEM_ROLES)
+    return system, convo
+
+
 def builtin_chat_prompt(system: str, conversation: str) -> str:
     """The chat prompt of a model without a template (the built-in one): the system text as the
     instruction, then the conversation as 'role: content' lines and an open 'assistant:' turn."""

@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from cohort.sampling_defaults import sampling_defaults
-from cohort.tokenizer import builtin_chat_prompt, chat_prompt_ids, decode, has_chat_template
+from cohort.tokenizer import builtin_chat_prompt, chat_prompt_ids, decode, has_chat_template, split_chat
 from gateway import logprobs as lp
 from gateway.errors import APIError
 from gateway.pools import ServedModel
@@ -187,9 +187,7 @@ async def _chat_submission(body: ChatCompletionRequest, request: Request, served
         if m.role == "tool" or m.tool_calls:
             raise APIError(400, "tool calls and tool messages are not supported by cohort",
                            code="unsupported_parameter", param=f"messages.{i}")
-    system = "\n".join(t for m, t in zip(body.messages, texts, strict=True) if m.role in ("system", "developer"))
-    convo = "\n".join(f"{m.role}: {t}" for m, t in zip(body.messages, texts, strict=True)
-                      if m.role not in ("system", "developer"))
+    system, convo = split_chat([(m.role, t) for m, t in zip(body.messages, texts, strict=True)])
     if not convo.strip():
         raise APIError(400, "messages need at least one non-system message", code="invalid_value",
                        param="messages")
