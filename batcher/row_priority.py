@@ -1,6 +1,6 @@
 """Background rows give way to urgent ones inside the continuous engine.
 
-Why: a batch job's rows (``offline.runner``, priority ``COHORT_OFFLINE_PRIORITY``) and interactive
+Why: a batch job's rows (``offline.runner``, priority ``COHORT_OFFLINE__PRIORITY``) and interactive
 requests (priority 0) share an instance's running set. On a CPU a decode step's time grows with
 every row in it, so background rows beside an interactive one slow each of its steps (2.5× its
 p50 latency, docs/batch.md) however strictly the batcher orders the queue. So at each step:
@@ -8,7 +8,7 @@ p50 latency, docs/batch.md) however strictly the batcher orders the queue. So at
 - the most urgent priority present (the lowest number among the rows running, waiting to resume
   or waiting to be admitted) runs every step;
 - a less urgent level *yields*: it runs in a share of the steps. At a gap of ``span`` or more
-  (``COHORT_OFFLINE_PRIORITY``: a young job's rows beside interactive ones) that share is what
+  (``COHORT_OFFLINE__PRIORITY``: a young job's rows beside interactive ones) that share is what
   keeps the urgent rows' mean step time within ``slowdown`` of their time alone, measured here
   (``observe``: step times with and without yielding rows): if a step with them costs ``t_mixed``
   and one without ``t_alone``, the share is ``slowdown * t_alone / (t_mixed - t_alone)``, at least
@@ -22,7 +22,7 @@ p50 latency, docs/batch.md) however strictly the batcher orders the queue. So at
 
 A yielding row stays resident (its KV pages kept) and skips the step; groups join most urgent
 first, a yielding one too (to wait resident: groups waiting to join count against the batcher's
-lookahead, ``COHORT_CONTINUOUS_LOOKAHEAD``, and would hold up the next interactive batch); a row
+lookahead, ``COHORT_CONTINUOUS__LOOKAHEAD``, and would hold up the next interactive batch); a row
 evicted while it yields resumes only in its level's steps; when an urgent row needs a page the
 victim comes from the least urgent level (``least_urgent``). With one level present nothing changes: a job alone
 runs at full speed. Plain Python, no torch: the simulator can apply the same rule.

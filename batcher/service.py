@@ -80,7 +80,7 @@ class BatcherService:
         if alive:
             s = self.settings
             memory = planning_memory(s.policy, KVMemory.for_pool(alive.values()), s.memory_headroom,
-                                     s.continuous_group_frac if s.execution == "continuous" else 1.0)
+                                     s.continuous.group_frac if s.execution == "continuous" else 1.0)
             if self.policy is None:
                 self.policy = self._make_policy(memory)
                 self._recover(now)
@@ -318,19 +318,19 @@ class BatcherService:
 
     def _has_room(self) -> bool:
         """Whether a batch may go out now. Static and elastic: an instance is idle. Continuous: fewer
-        than ``continuous_lookahead`` batches per instance wait to be admitted (so a group is there
+        than ``continuous.lookahead`` batches per instance wait to be admitted (so a group is there
         at each step boundary where its plan fits: a dispatch round trip takes several steps) and
-        running batches stay below ``continuous_max_groups`` per instance; the worker decides when
+        running batches stay below ``continuous.max_groups`` per instance; the worker decides when
         a group joins (``workers.continuous``)."""
         n = len(self.instances)
         if self.settings.execution != "continuous":
             return len(self.inflight) < n
-        if len(self.inflight) >= n * self.settings.continuous_max_groups:
+        if len(self.inflight) >= n * self.settings.continuous.max_groups:
             return False
         unknown = [bid for bid, fl in self.inflight.items() if not fl.admitted]
         for bid, ok in zip(unknown, bus.admitted(self.redis, unknown), strict=True):
             self.inflight[bid].admitted = ok
-        return sum(not fl.admitted for fl in self.inflight.values()) < n * self.settings.continuous_lookahead
+        return sum(not fl.admitted for fl in self.inflight.values()) < n * self.settings.continuous.lookahead
 
     def _dispatch(self, now: float) -> bool:
         sent = False

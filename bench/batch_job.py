@@ -10,7 +10,7 @@ its ``max_tokens``). Phases, each optional, run in this order:
   runner keeps — the stack's throughput at saturation on this workload (the 1.0 of the ratio);
 - ``probe``: a light interactive load alone (one request every ``probe_gap_s``): its p50 latency;
 - ``job+probe``: the same job with the probe running: the probe's p50 while the job runs (the job
-  yields: COHORT_OFFLINE_YIELD_OUTSTANDING rows in flight while interactive requests arrive);
+  yields: COHORT_OFFLINE__YIELD_OUTSTANDING rows in flight while interactive requests arrive);
 - ``chaos``: the job again, with a worker SIGKILL, a job-runner SIGKILL and a gateway SIGKILL
   (each started again, as ``cohort serve`` does) at fractions of the job; ``--kills 0.5:redis``
   kills the redis-server instead (started again from its append-only file). Checked: every
@@ -64,8 +64,8 @@ class BenchStack:
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                "COHORT_REDIS_URL": self.redis.url, "COHORT_DATA_DIR": str(folder / "var"),
                "COHORT_DATABASE_URL": f"sqlite:///{folder / 'cohort.db'}", "COHORT_EMULATE_LENGTHS": "true",
-               "COHORT_INSTANCE_TTL_S": "3", "COHORT_OFFLINE_POLL_S": "0.2", "COHORT_API_KEYS": KEY,
-               "COHORT_OFFLINE_GATEWAY_URL": url, "COHORT_OFFLINE_MAX_OUTSTANDING": str(outstanding)}
+               "COHORT_INSTANCE_TTL_S": "3", "COHORT_OFFLINE__POLL_S": "0.2", "COHORT_API_KEYS": KEY,
+               "COHORT_OFFLINE__GATEWAY_URL": url, "COHORT_OFFLINE__MAX_OUTSTANDING": str(outstanding)}
         env.pop("COHORT_ADMIN_TOKEN", None)
         self.db_url = env["COHORT_DATABASE_URL"]
         self.stack = Stack(env, url, log_dir=folder / "logs")

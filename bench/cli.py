@@ -106,9 +106,9 @@ def sim(
     group_frac: float = typer.Option(DEFAULT_GROUP_FRAC, help="continuous: share of Θ one admission group is "
                                      "planned with."),
     max_rows: int = typer.Option(DEFAULT_MAX_ROWS, help="continuous: most rows a cohort policy's instance runs at "
-                                 "once (COHORT_CONTINUOUS_MAX_ROWS); cb-fcfs keeps vLLM's 256."),
+                                 "once (COHORT_CONTINUOUS__MAX_ROWS); cb-fcfs keeps vLLM's 256."),
     marginal_cost: float = typer.Option(DEFAULT_MARGINAL_COST, min=0.0, max=1.0, help="continuous: "
-                                        "COHORT_CONTINUOUS_MARGINAL_COST for cohort policies (0 = off; batcher.row_cost)."),
+                                        "COHORT_CONTINUOUS__MARGINAL_COST for cohort policies (0 = off; batcher.row_cost)."),
     learnt_step_cost: bool = typer.Option(False, help="continuous: price that rule on a step cost learnt from the "
                                           "simulated steps (OnlineStepCost, as a worker does), not the roofline."),
     spf_aging: float = typer.Option(DEFAULT_AGING, help="spf: predicted tokens of rank gained per second waiting."),

@@ -33,21 +33,22 @@ from bench.group_engine import GroupEngine, GroupScheduler
 from bench.metrics import SimResult, TraceBook
 from bench.online_quantile import OnlineQuantile, OnlineScheduler
 from bench.roofline import RooflineBatchTime
-from cohort.settings import PreemptionMode, Settings
+from cohort.continuous_knobs import ContinuousSettings
+from cohort.settings import PreemptionMode
 from cohort.types import ProfiledRequest
 
 CB_FCFS = "cb-fcfs"
 ADAPTIVE_FAIR = "adaptive-fair"   # AdaptiveLLM's Algorithm 2 (FCFS engine rules, fairness order)
 ENGINE_SCHEDULERS = (CB_FCFS, ADAPTIVE_FAIR)   # request-level schedulers: continuous execution only
 # Share of Θ a cohort policy plans one admission group with under ``continuous``: the live
-# batcher's default (COHORT_CONTINUOUS_GROUP_FRAC), so the simulator and the stack plan alike.
-DEFAULT_GROUP_FRAC = Settings.model_fields["continuous_group_frac"].default
-# Most rows a cohort policy's instance runs at once (COHORT_CONTINUOUS_MAX_ROWS): cohort's own cap,
+# batcher's default (COHORT_CONTINUOUS__GROUP_FRAC), so the simulator and the stack plan alike.
+DEFAULT_GROUP_FRAC = ContinuousSettings.model_fields["group_frac"].default
+# Most rows a cohort policy's instance runs at once (COHORT_CONTINUOUS__MAX_ROWS): cohort's own cap,
 # where cb-fcfs and adaptive-fair keep vLLM's max_num_seqs (``EngineLimits``).
-DEFAULT_MAX_ROWS = Settings.model_fields["continuous_max_rows"].default
+DEFAULT_MAX_ROWS = ContinuousSettings.model_fields["max_rows"].default
 # A row joins a cohort policy's instance while its marginal step cost is at most this share of the
-# running rows' mean (COHORT_CONTINUOUS_MARGINAL_COST, ``batcher.row_cost``); cb-fcfs has no such rule.
-DEFAULT_MARGINAL_COST = Settings.model_fields["continuous_marginal_cost"].default
+# running rows' mean (COHORT_CONTINUOUS__MARGINAL_COST, ``batcher.row_cost``); cb-fcfs has no such rule.
+DEFAULT_MARGINAL_COST = ContinuousSettings.model_fields["marginal_cost"].default
 
 
 def engine_limits(policy: str, limits: EngineLimits, max_rows: int) -> EngineLimits:

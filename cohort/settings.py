@@ -7,23 +7,99 @@ started by ``cohort serve``, no database URL means a SQLite file under ``var/``.
 
 from __future__ import annotations
 
+import logging
+import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cohort.continuous_knobs import ContinuousSettings
+from cohort.learning_knobs import LearningSettings
+from cohort.offline_knobs import OfflineSettings
+from cohort.online_knobs import OnlineSettings
+from cohort.retention_knobs import RetentionSettings
+
 DEFAULT_MODEL = "cohort/tiny-random-llama"
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 # How an evicted row gives back its KV (COHORT_PREEMPTION); the decision rule is batcher.preemption's.
 PreemptionMode = Literal["recompute", "swap", "adaptive"]
+
+# Knobs that moved into a group, by their old flat name: ``COHORT_<OLD>`` and ``Settings(<old>=...)``
+# still work (logged once), the group's own name wins where both are given.
+MOVED: dict[str, tuple[str, str]] = {
+    "continuous_max_groups": ("continuous", "max_groups"),
+    "continuous_lookahead": ("continuous", "lookahead"),
+    "continuous_group_frac": ("continuous", "group_frac"),
+    "continuous_max_rows": ("continuous", "max_rows"),
+    "continuous_marginal_cost": ("continuous", "marginal_cost"),
+    "kv_page_tokens": ("continuous", "page_tokens"),
+    "step_token_budget": ("continuous", "step_token_budget"),
+    "background_slowdown": ("continuous", "background_slowdown"),
+    "background_min_duty": ("continuous", "background_min_duty"),
+    "predictor_online_conformal": ("online", "conformal"),
+    "predictor_online_window": ("online", "window"),
+    "predictor_online_gamma": ("online", "gamma"),
+    "predictor_online_min_rows": ("online", "min_rows"),
+    "predictor_online_clusters": ("online", "clusters"),
+    "predictor_online_correction": ("online", "correction"),
+    "predictor_online_forget": ("online", "forget"),
+    "predictor_online_ridge": ("online", "ridge"),
+    "predictor_online_interval_s": ("online", "interval_s"),
+    "predictor_retrain_every_s": ("learning", "predictor_every_s"),
+    "estimator_retrain_every_s": ("learning", "estimator_every_s"),
+    "learning_min_new_samples": ("learning", "min_new_samples"),
+    "learning_seed_rows_per_task": ("learning", "seed_rows_per_task"),
+    "learning_store_recent_rows": ("learning", "store_recent_rows"),
+    "learning_store_reservoir_rows": ("learning", "store_reservoir_rows"),
+    "learning_cpu_share": ("learning", "cpu_share"),
+    "learning_nice": ("learning", "nice"),
+    "retention_every_s": ("retention", "every_s"),
+    "retention_log_max_age_s": ("retention", "log_max_age_s"),
+    "retention_log_max_rows": ("retention", "log_max_rows"),
+    "retention_prompt_age_s": ("retention", "prompt_age_s"),
+    "retention_keep_versions": ("retention", "keep_versions"),
+    "retention_cache_mb": ("retention", "cache_mb"),
+    "offline_gateway_url": ("offline", "gateway_url"),
+    "offline_max_outstanding": ("offline", "max_outstanding"),
+    "offline_priority": ("offline", "priority"),
+    "offline_urgent_after": ("offline", "urgent_after"),
+    "offline_yield_outstanding": ("offline", "yield_outstanding"),
+    "offline_yield_s": ("offline", "yield_s"),
+    "offline_max_attempts": ("offline", "max_attempts"),
+    "offline_poll_s": ("offline", "poll_s"),
+}
 
 
 class Settings(BaseSettings):
     """All of cohort's configuration. Field names map to ``COHORT_<NAME>`` variables."""
 
-    model_config = SettingsConfigDict(env_prefix="COHORT_", env_file=".env", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="COHORT_", env_file=".env", extra="ignore",
+                                      env_nested_delimiter="__")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_names(cls, data: Any) -> Any:
+        """Old flat names of grouped knobs, from keywords or the environment, into their group."""
+        if not isinstance(data, dict):
+            return data
+        for old, (group, new) in MOVED.items():
+            value = data.pop(old, None)
+            if value is None:
+                value = os.environ.get(f"COHORT_{old.upper()}")
+            if value is None:
+                continue
+            section = data.setdefault(group, {})
+            if isinstance(section, dict) and new not in section:
+                section[new] = value
+                if old not in _warned:
+                    _warned.add(old)
+                    log.warning("COHORT_%s is now COHORT_%s__%s", old.upper(), group.upper(), new.upper())
+        return data
 
     # --- infrastructure -------------------------------------------------------------------
     redis_url: str | None = Field(
@@ -144,43 +220,8 @@ class Settings(BaseSettings):
         "planned with MEM(B) = β·(L(B)+G(B))·Δ. continuous: batches schedule, rows run — a batch is an "
         "admission group that joins the instance's running rows at a step boundary as soon as its KV plan "
         "fits beside them; unpadded, chunked prefill on paged KV (workers.continuous).")
-    # --- continuous execution ---------------------------------------------------
-    continuous_max_groups: int = Field(
-        default=64, ge=1, description="continuous: batches one instance runs at once (the batcher sends no "
-        "more). A group costs the worker no thread of its own (one publisher reports for all), so this only "
-        "bounds the rows in flight when groups are single requests (live CPU stack, 600 requests at 40/s: "
-        "16 → 64 took spf@continuous from 1.50× to 1.87× elastic; docs/benchmarks.md).")
-    continuous_lookahead: int = Field(
-        default=4, ge=1, description="continuous: batches the batcher keeps waiting at each instance to be "
-        "admitted, so a group is there at every step boundary where room appears (a dispatch round trip "
-        "takes several steps).")
-    continuous_group_frac: float = Field(
-        default=0.01, gt=0.0, le=1.0, description="continuous: the share of Θ the policy plans one batch (an "
-        "admission group) with; small groups join a running set that is far from empty at many step boundaries "
-        "instead of waiting for room for a big one (simulator, saturated Magnus trace: 0.05 against 0.25 cut "
-        "magnus's mean latency 8.95 → 8.35 s and spf's TTFT 2.20 → 1.40 s; 0.01 with COHORT_SPF_AGING 3.5 took "
-        "spf's mean latency from 0.76 to 0.73x cb-fcfs there, and from 1.00 to 0.76x on H100 / Llama-7B; "
-        "docs/benchmarks.md).")
-    continuous_max_rows: int = Field(
-        default=256, ge=1, description="continuous: most rows one instance runs at once (vLLM's max_num_seqs, "
-        "256, by default). COHORT_CONTINUOUS_MARGINAL_COST caps the rows by the step's make-up below it; a "
-        "fixed cap is a blunter tool (simulator, saturated Magnus trace: 224 took spf's mean latency from "
-        "0.73 to 0.70x cb-fcfs on V100 / ChatGLM-6B but cost 0.76 -> 0.86x on H100 / Llama-7B; "
-        "docs/benchmarks.md).")
-    continuous_marginal_cost: float = Field(
-        default=0.815, ge=0.0, le=1.0, description="continuous: a row joins only while its marginal "
-        "decode-step cost is at most this share of the running rows' mean cost per row (0 = off; "
-        "batcher.row_cost). The step's make-up decides how many rows run: where steps are bound by the rows "
-        "(V100 / ChatGLM-6B in the simulator, ~223 rows) another row buys little throughput and slows every "
-        "row; where a step's fixed part dominates (H100 / Llama-7B) it never binds. A CUDA worker learns its step "
-        "cost from its own steps; a CPU worker does not apply the rule (its step times measure the processes "
-        "sharing its cores). "
-        "Simulator, saturated Magnus trace: spf mean latency 0.73 -> 0.70x cb-fcfs on V100, unchanged on "
-        "H100; docs/benchmarks.md.")
-    kv_page_tokens: int = Field(default=16, ge=1, description="continuous: tokens per KV page.")
-    step_token_budget: int = Field(
-        default=512, ge=16, description="continuous: tokens one step may run (decode rows first, then "
-        "prefill chunks), so a long prompt never stalls the rows that are decoding.")
+    continuous: ContinuousSettings = Field(default_factory=ContinuousSettings,
+                                           description="Continuous execution's knobs (COHORT_CONTINUOUS__*).")
     oom_recovery: Literal["preempt", "split"] = Field(
         default="preempt", description="preempt: before a step would outgrow memory the worker evicts rows "
         "(largest predicted remaining length first) and hands them back as continuations that keep their "
@@ -241,53 +282,22 @@ class Settings(BaseSettings):
         default=3600, description="Redis visibility timeout; must exceed the longest batch."
     )
 
-    # --- continuous learning --------------------------------------------------------------
-    predictor_retrain_every_s: float = 180.0
-    learning_min_new_samples: int = Field(
-        default=32, ge=1, description="A periodic predictor retrain fits only once this many new samples "
-        "(mispredicted served requests) have been stored since the last fit; fewer wait for the next round")
-    learning_seed_rows_per_task: int = Field(
-        default=500, description="First retraining: rows per Magnus task from ../shared/data's train split "
-        "to start the training set with (0: start from the log DB only).")
-    estimator_retrain_every_s: float = 120.0
-
+    learning: LearningSettings = Field(default_factory=LearningSettings,
+                                       description="The learning worker's knobs (COHORT_LEARNING__*).")
+    retention: RetentionSettings = Field(default_factory=RetentionSettings,
+                                         description="What the retention pass keeps (COHORT_RETENTION__*).")
     # --- the spf policy ---------------------------
     spf_aging: float = Field(default=3.5, ge=0.0, description="spf (shortest predicted first): predicted tokens "
                              "of rank a waiting request gains per second; 0 = pure SPF, large = FCFS. 3.5 keeps "
                              "p99 within 1.5x of vLLM's FCFS in the simulator (V100 / ChatGLM-6B, saturated) at "
                              "the lowest mean latency (docs/benchmarks.md).")
 
-    # --- online recalibration of the predictor's upper quantile (predictor/online_conformal.py)
-    predictor_online_conformal: bool = Field(
-        default=True, description="Recalibrate the q90 upper bound online from completions (rolling window + "
-        "adaptive conformal inference per pool × task / instruction); off: the model's static table only.")
-    predictor_online_window: int = Field(
-        default=250, ge=10, description="Completions per group in the online conformal window.")
-    predictor_online_gamma: float = Field(
-        default=0.005, ge=0.0, le=0.5, description="ACI step size γ (Gibbs & Candès 2021): how fast the level "
-        "reacts to misses of the upper bound.")
-    predictor_online_min_rows: int = Field(
-        default=30, ge=1, description="Scores a group needs before its own online bound is used "
-        "(fewer: the pool-wide online bound, then the model's static table).")
-    predictor_online_clusters: int = Field(
-        default=8, ge=0, description="Prompt clusters (k of an online k-means over the instruction's static "
-        "MiniLM vector) that unlabelled traffic is calibrated in, between the instruction and the pool-wide "
-        "group; 0: none. See predictor/prompt_clusters.py and docs/predictors.md.")
-    predictor_online_correction: bool = Field(
-        default=True, description="Also correct the point prediction online: a forgetting ridge on the log "
-        "residual over cross-source cues, learnt from completions (needs COHORT_PREDICTOR_ONLINE_CONFORMAL).")
-    predictor_online_forget: float = Field(
-        default=0.998, gt=0.0, le=1.0, description="Forgetting factor of the online correction per completion "
-        "(memory ≈ 1/(1−λ) completions).")
-    predictor_online_ridge: float = Field(
-        default=30.0, ge=0.0, description="Ridge penalty of the online correction (pulls it to no correction).")
+    online: OnlineSettings = Field(default_factory=OnlineSettings,
+                                   description="Online recalibration of the predictor (COHORT_ONLINE__*).")
     predictor_threads: int = Field(
         default=1, ge=1, description="OpenMP threads the gateway's predictor thread may use (gradient-boosted "
         "trees, ridge). A request batch is a few rows: more threads only spin, and the spinning threads took "
         "as much CPU as the predictions themselves in the soak (docs/retention.md).")
-    predictor_online_interval_s: float = Field(
-        default=2.0, gt=0.0, description="How often the predictor service reads new completions from the "
-        "log DB to update the online bound.")
 
     # --- Batch API (files, batches, job runner) and API keys --------------------
     api_keys: str | None = Field(
@@ -301,73 +311,15 @@ class Settings(BaseSettings):
                                    "unset: <COHORT_DATA_DIR>/files.")
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1, description="Largest file POST /v1/files takes (413 beyond).")
     batch_max_rows: int = Field(default=50_000, ge=1, description="Most requests one batch input file may hold.")
-    offline_gateway_url: str | None = Field(
-        default=None, description="Where the job runner sends a job's rows (the gateway's submit path); "
-        "unset: http://<COHORT_HOST>:<COHORT_PORT>.")
-    offline_max_outstanding: int = Field(default=64, ge=1, description="Rows of batch jobs the runner keeps "
-                                         "in flight at once (all jobs together): the background work's share of the queue.")
-    offline_priority: int = Field(default=10, description="Request priority of a job's rows while its window is "
-                                  "young (lower is served earlier; interactive requests default to 0).")
-    offline_urgent_after: float = Field(default=0.5, ge=0.0, le=1.0, description="Fraction of the completion "
-                                        "window after which a job's rows rise linearly from COHORT_OFFLINE_PRIORITY "
-                                        "to 0, reached at 90 % of the window.")
-    offline_yield_outstanding: int = Field(default=8, ge=1, description="Rows of batch jobs the runner keeps in "
-                                           "flight while interactive requests arrive (within COHORT_OFFLINE_YIELD_S): "
-                                           "a batch cannot be interrupted, so small background batches keep the wait "
-                                           "of an interactive request short.")
-    offline_yield_s: float = Field(default=10.0, ge=0.0, description="How long after the last interactive request "
-                                   "the runner keeps yielding (COHORT_OFFLINE_YIELD_OUTSTANDING); 0: never yields.")
-    offline_max_attempts: int = Field(default=8, ge=1, description="Times a row is sent again after a transient "
-                                      "failure (429, 503, a lost worker; backing off exponentially up to 30 s) before its error is final. A gateway "
-                                      "that does not answer at all costs no attempt: the runner waits for it.")
-    offline_poll_s: float = Field(default=0.5, gt=0.0, description="How often the job runner looks for new, "
-                                  "cancelled and finished jobs.")
-    # --- helper jobs: background rows give way inside the continuous engine ---
-    background_slowdown: float = Field(
-        default=0.02, ge=0.0, le=10.0, description="continuous: how much rows of a less urgent priority (a batch "
-        "job's) may lengthen the mean step time of more urgent ones (interactive) they run beside. The engine measures "
-        "steps with and without them and runs them in the share of steps that keeps within this (on a CPU each row "
-        "lengthens a step: a small share; on a GPU nearly every step); the rest of the time they stay resident, KV "
-        "kept, and skip the step. The share rises to every step as a job's window nears (batcher.row_priority). 0.02, "
-        "not 0.1: an interactive probe's p50 beside a 1,000-row job was 1.51x / 1.29x its time alone at 0.1, "
-        "1.06x / 1.11x at 0, 1.11x at 0.02, job throughput unchanged (docs/batch.md).")
-    background_min_duty: float = Field(
-        default=0.0, ge=0.0, le=1.0, description="continuous: the least share of steps rows of a less urgent priority "
-        "run beside more urgent ones, whatever COHORT_BACKGROUND_SLOWDOWN measures (1: never yield).")
+    offline: OfflineSettings = Field(default_factory=OfflineSettings,
+                                     description="The Batch API job runner's knobs (COHORT_OFFLINE__*).")
 
     @property
     def resolved_files_dir(self) -> Path:
         """The file store's folder (COHORT_FILES_DIR, else under the data folder)."""
         return self.files_dir or self.data_dir / "files"
 
-    # --- steady for hours (bounded learning, retention) -------------------------
-    learning_store_recent_rows: int = Field(
-        default=2000, ge=1, description="Training store (predictor and estimator): the newest rows kept as they "
-        "are (the recent window); older rows fall into the reservoir.")
-    learning_store_reservoir_rows: int = Field(
-        default=2000, ge=0, description="Training store: rows kept from everything older than the recent window, "
-        "a uniform sample (reservoir sampling), so old behaviour is remembered without the store growing.")
-    learning_cpu_share: float = Field(
-        default=0.25, gt=0.0, le=1.0, description="The share of the machine's cores the learning worker may use: "
-        "its torch/OMP/BLAS threads (share x cores, at least 1) and a duty cycle (a watcher stops and continues "
-        "it so its CPU time stays under share x cores over each second). 1.0: no duty cycle.")
-    learning_nice: int = Field(default=19, ge=0, le=19, description="os.nice increment of the learning worker "
-                               "(19: lowest priority; serving processes win every contended core).")
-    retention_every_s: float = Field(default=300.0, gt=0.0, description="How often beat runs the retention pass.")
-    retention_log_max_age_s: float = Field(
-        default=7 * 24 * 3600.0, gt=0.0, description="Log-DB rows (requests, batches) settled longer ago are deleted.")
-    retention_log_max_rows: int = Field(
-        default=200_000, ge=100, description="Most request rows (and as many batch rows) the log DB keeps; the oldest "
-        "settled rows go first.")
-    retention_prompt_age_s: float = Field(
-        default=3600.0, ge=0.0, description="Prompts (instruction, user_input) of requests settled longer ago are "
-        "blanked; their measurements (lengths, times, status) stay. Keep it above the retrain periods.")
-    retention_keep_versions: int = Field(
-        default=5, ge=1, description="Model versions kept per target (predictor, estimator): the newest N and the "
-        "active one; older ones are deleted (rollback reaches the kept ones).")
-    retention_cache_mb: int = Field(
-        default=256, ge=1, description="Embedding-cache shards (<data_dir>/cache) kept up to this many MB; the "
-        "oldest shards go first (a vector dropped is recomputed when needed).")
+    # --- Redis streams and memory ----------------------------------------------------------
     stream_end_ttl_s: float = Field(
         default=60.0, ge=1.0, description="A request's Redis stream lives this long after its final event (the "
         "gateway reads it within COHORT_DISCONNECT_CHECK_S); an open stream expires when nothing is written to it "

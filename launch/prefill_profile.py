@@ -43,7 +43,7 @@ def profile_prefill(
     engine = LLMEngine(get_settings())
     shapes = [(b, L) for b in map(int, sizes.split(",")) for L in map(int, input_lens.split(","))]
     timer = PrefillTimer(engine.model, engine.dtype, engine.device, max(b * L for b, L in shapes),
-                         engine.settings.kv_page_tokens, clock=clock)
+                         engine.settings.continuous.page_tokens, clock=clock)
     load_before, t0 = os.getloadavg(), time.time()
     samples = profile_prefill_shapes(timer, shapes, repeats, rounds)
     cfg = engine.model.config

@@ -57,7 +57,7 @@ def serve_all(s: Settings, host: str | None = None, port: int | None = None, wit
     signal.signal(signal.SIGINT, lambda signum, _f: stopping.append(signum))
     url = f"http://{host}:{port}"
     local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    env.setdefault("COHORT_OFFLINE_GATEWAY_URL", f"http://{local}:{port}")  # the job runner's gateway
+    env.setdefault("COHORT_OFFLINE__GATEWAY_URL", f"http://{local}:{port}")  # the job runner's gateway
     stack = Stack(env, url)
     t0 = time.time()
     try:

@@ -21,14 +21,14 @@ def learning() -> None:
     share of the cores (learning.cpu: threads, nice, duty cycle) before anything loads torch."""
     _setup_logging()
     s = get_settings()
-    apply_cpu_share(s.learning_cpu_share, s.learning_nice)
+    apply_cpu_share(s.learning.cpu_share, s.learning.nice)
     celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", LEARNING_QUEUE,
                             "-n", "learning@%h", "--loglevel=INFO", "--without-gossip", "--without-mingle"])
 
 
 def beat(schedule_file: Path = Path("var/celerybeat-schedule")) -> None:
     """Celery beat: triggers predictor (3 min) and estimator (2 min) retraining, and the
-    retention pass (COHORT_RETENTION_EVERY_S)."""
+    retention pass (COHORT_RETENTION__EVERY_S)."""
     _setup_logging()
     schedule_file.parent.mkdir(parents=True, exist_ok=True)
     celery_app.start(["beat", "--loglevel=INFO", "-s", str(schedule_file)])

@@ -1,4 +1,4 @@
-"""How much of the machine the learning worker may take (COHORT_LEARNING_CPU_SHARE, COHORT_LEARNING_NICE).
+"""How much of the machine the learning worker may take (COHORT_LEARNING__CPU_SHARE, COHORT_LEARNING__NICE).
 
 Why: on a shared host a retrain competes with the LLM worker for the same cores. In a 24-minute
 soak an unbounded learner took 80–88 % of a core for twenty minutes and the LLM worker fell from

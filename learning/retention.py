@@ -1,15 +1,15 @@
 """The retention pass: what keeps disk flat under steady load.
 
-Beat runs it every COHORT_RETENTION_EVERY_S on the learning queue (so it also runs at the
+Beat runs it every COHORT_RETENTION__EVERY_S on the learning queue (so it also runs at the
 learner's low priority). Each bound has its own setting:
 
-- log DB: settled rows older than COHORT_RETENTION_LOG_MAX_AGE_S, and the oldest beyond
-  COHORT_RETENTION_LOG_MAX_ROWS, are deleted; prompts are blanked after
-  COHORT_RETENTION_PROMPT_AGE_S while the measurements stay (cohort.logdb.prune_log);
-- model versions: the newest COHORT_RETENTION_KEEP_VERSIONS per target and the active one;
+- log DB: settled rows older than COHORT_RETENTION__LOG_MAX_AGE_S, and the oldest beyond
+  COHORT_RETENTION__LOG_MAX_ROWS, are deleted; prompts are blanked after
+  COHORT_RETENTION__PROMPT_AGE_S while the measurements stay (cohort.logdb.prune_log);
+- model versions: the newest COHORT_RETENTION__KEEP_VERSIONS per target and the active one;
 - training stores: compacted to the recent window + reservoir (predictor.train_store), which
   matters when the bounds were lowered (each retrain applies them to what it adds);
-- the embedding cache: oldest shards beyond COHORT_RETENTION_CACHE_MB.
+- the embedding cache: oldest shards beyond COHORT_RETENTION__CACHE_MB.
 
 Redis needs no pass: a finished request's stream expires COHORT_STREAM_END_TTL_S after its
 final event (cohort.bus.publish), and the embedded server evicts only keys with a TTL under its
@@ -77,8 +77,8 @@ def retention_pass(settings: Settings, now: float | None = None) -> dict[str, An
     """Apply every bound once; returns what was removed and what remains."""
     now = time.time() if now is None else now
     engine = get_db_engine(settings.database_url)
-    out: dict[str, Any] = {"log": prune_log(engine, now, settings.retention_log_max_age_s,
-                                            settings.retention_log_max_rows, settings.retention_prompt_age_s)}
+    out: dict[str, Any] = {"log": prune_log(engine, now, settings.retention.log_max_age_s,
+                                            settings.retention.log_max_rows, settings.retention.prompt_age_s)}
     if engine.dialect.name == "sqlite":
         # copy the write-ahead log back into the main file so its pages are reused. PASSIVE: it
         # never blocks the gateway's and workers' writes — this process runs at nice 19 and may be
@@ -86,13 +86,13 @@ def retention_pass(settings: Settings, now: float | None = None) -> dict[str, An
         with engine.connect() as conn:
             conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
     out["log_rows"] = log_counts(engine)
-    out["versions_deleted"] = {t: len(prune_versions(Registry(settings.data_dir, t), settings.retention_keep_versions))
+    out["versions_deleted"] = {t: len(prune_versions(Registry(settings.data_dir, t), settings.retention.keep_versions))
                                for t in TARGETS}
-    out["store_rows"] = {name: append_bounded(path, [], settings.learning_store_recent_rows,
-                                              settings.learning_store_reservoir_rows)
+    out["store_rows"] = {name: append_bounded(path, [], settings.learning.store_recent_rows,
+                                              settings.learning.store_reservoir_rows)
                          for name, path in (("predictor", predictor_store(settings)),
                                             ("estimator", estimator_store(settings))) if path.is_file()}
     out["cache_shards_deleted"] = prune_cache(Path(settings.data_dir) / "cache",
-                                              settings.retention_cache_mb * 1024 * 1024)
+                                              settings.retention.cache_mb * 1024 * 1024)
     out["data_dir_bytes"] = dir_bytes(Path(settings.data_dir))
     return out

@@ -30,7 +30,7 @@ def _retrain(name: str, retrain: Callable[..., dict[str, Any]], force: bool,
         log.info("%s coalesced: a retrain started %.1f s after it was requested", name, started - requested_at)
         return {"retrained": False, "coalesced": True}
     try:
-        with thread_limits(learner_threads(settings.learning_cpu_share)):
+        with thread_limits(learner_threads(settings.learning.cpu_share)):
             out = retrain(settings, force=force)
     except RetrainRunning as e:
         log.info("%s skipped: %s", name, e)

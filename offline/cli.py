@@ -96,9 +96,9 @@ def run(input_file: Path = typer.Argument(..., exists=True, dir_okay=False, help
         raise typer.BadParameter(parsed.fatal, param_hint="INPUT_FILE")
     stack = _embedded_stack() if embedded else None
     try:
-        base = stack.url if stack else (url or s.offline_gateway_url or f"http://{s.host}:{s.port}")
-        lines = asyncio.run(run_file(base, parsed.rows, api_key, concurrency, s.offline_max_attempts,
-                                     s.offline_priority))
+        base = stack.url if stack else (url or s.offline.gateway_url or f"http://{s.host}:{s.port}")
+        lines = asyncio.run(run_file(base, parsed.rows, api_key, concurrency, s.offline.max_attempts,
+                                     s.offline.priority))
     finally:
         if stack:
             stack.stop()

@@ -3,11 +3,11 @@
 Why a process of its own that calls the gateway: a job's rows must take the same path as any
 request — validation, the pool's tokenizer, the predictor, admission, the batcher's policy and
 memory plan — so each row is an ordinary request to the gateway's endpoint, sent at a background
-``priority`` (``COHORT_OFFLINE_PRIORITY``, lower is served earlier and the batcher is strict
+``priority`` (``COHORT_OFFLINE__PRIORITY``, lower is served earlier and the batcher is strict
 across levels): the rows fill the capacity interactive traffic leaves and give way to it. The
-runner keeps at most ``COHORT_OFFLINE_MAX_OUTSTANDING`` rows in flight (all jobs together, shared
+runner keeps at most ``COHORT_OFFLINE__MAX_OUTSTANDING`` rows in flight (all jobs together, shared
 round-robin), enough for the batcher to plan large batches, few enough that the queue stays
-short for interactive requests. Past ``COHORT_OFFLINE_URGENT_AFTER`` of its window a job's new
+short for interactive requests. Past ``COHORT_OFFLINE__URGENT_AFTER`` of its window a job's new
 rows rise linearly to priority 0 (reached at 90 % of the window); a job still unfinished when
 its window closes expires as OpenAI's do: rows without an answer go to the error file
 (``batch_expired``), finished ones are kept.
@@ -55,14 +55,14 @@ GATEWAY_WAIT_S = 2.0  # a gateway that did not answer: no row is sent for this l
 
 
 def row_priority(s: Settings, now: float, started: float, expires: float) -> int:
-    """A job's rows start at COHORT_OFFLINE_PRIORITY and rise to 0 as the window closes."""
+    """A job's rows start at COHORT_OFFLINE__PRIORITY and rise to 0 as the window closes."""
     frac = (now - started) / max(1.0, expires - started)
-    lo = s.offline_urgent_after
-    if frac <= lo or s.offline_priority <= 0:
-        return s.offline_priority
+    lo = s.offline.urgent_after
+    if frac <= lo or s.offline.priority <= 0:
+        return s.offline.priority
     if frac >= URGENT_AT or lo >= URGENT_AT:
         return 0
-    return round(s.offline_priority * (URGENT_AT - frac) / (URGENT_AT - lo))
+    return round(s.offline.priority * (URGENT_AT - frac) / (URGENT_AT - lo))
 
 
 class JobRunner:
@@ -70,7 +70,7 @@ class JobRunner:
         self.s = s
         self.db = jobdb.jobs_engine(s.database_url)
         self.store = FileStore(s.resolved_files_dir)
-        url = s.offline_gateway_url or f"http://{s.host}:{s.port}"
+        url = s.offline.gateway_url or f"http://{s.host}:{s.port}"
         self.client = client or httpx.AsyncClient(base_url=url, timeout=s.request_timeout_s + 30)
         self.secret = runner_secret(s.data_dir)
         self.tasks: dict[str, dict[str, asyncio.Task]] = {}  # batch id -> row id -> its sending task
@@ -79,18 +79,18 @@ class JobRunner:
         self.redis = bus.connect_async(s.redis_url) if s.redis_url else None  # only for the interactive hint
 
     async def in_flight_limit(self) -> int:
-        """COHORT_OFFLINE_MAX_OUTSTANDING, or COHORT_OFFLINE_YIELD_OUTSTANDING while interactive
+        """COHORT_OFFLINE__MAX_OUTSTANDING, or COHORT_OFFLINE__YIELD_OUTSTANDING while interactive
         requests arrive: a running batch cannot be interrupted, so while interactive traffic is
         there the background rows go in small batches that finish soon."""
         s = self.s
-        if self.redis is None or s.offline_yield_s <= 0:
-            return s.offline_max_outstanding
+        if self.redis is None or s.offline.yield_s <= 0:
+            return s.offline.max_outstanding
         try:
             seen = float(await self.redis.get(INTERACTIVE_SEEN_KEY) or 0)
         except Exception:  # Redis away: the gateway will refuse rows anyway; no hint
-            return s.offline_max_outstanding
-        recent = time.time() - seen < s.offline_yield_s
-        return min(s.offline_yield_outstanding, s.offline_max_outstanding) if recent else s.offline_max_outstanding
+            return s.offline.max_outstanding
+        recent = time.time() - seen < s.offline.yield_s
+        return min(s.offline.yield_outstanding, s.offline.max_outstanding) if recent else s.offline.max_outstanding
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
@@ -99,7 +99,7 @@ class JobRunner:
             log.info("%d rows a previous runner left in flight are sent again (re-attached where their "
                      "requests still run)", n)
         log.info("job runner ready: rows go to %s, at most %d in flight, priority %d", self.client.base_url,
-                 self.s.offline_max_outstanding, self.s.offline_priority)
+                 self.s.offline.max_outstanding, self.s.offline.priority)
         try:
             while not stop.is_set():
                 try:
@@ -107,7 +107,7 @@ class JobRunner:
                 except Exception:  # the log DB away for a moment: try again next round
                     log.exception("job runner step failed")
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.s.offline_poll_s)
+                    await asyncio.wait_for(stop.wait(), self.s.offline.poll_s)
         finally:
             for rows in self.tasks.values():
                 for t in rows.values():
@@ -245,7 +245,7 @@ class JobRunner:
             await asyncio.to_thread(jobdb.release_row, self.db, r["id"], True)
             return
         (kind, answer), status, rid = outcome(resp), resp.status_code, resp.headers.get("x-request-id")
-        if kind == RETRY and r["attempts"] < self.s.offline_max_attempts:
+        if kind == RETRY and r["attempts"] < self.s.offline.max_attempts:
             await asyncio.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (r["attempts"] - 1)))
             await asyncio.to_thread(jobdb.release_row, self.db, r["id"])
             return

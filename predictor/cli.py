@@ -345,8 +345,8 @@ def replay_command(
     task_labels: bool = typer.Option(False, help="Give the predictor each row's task (source) name; off: "
                                      "unlabelled traffic, as a gateway that is not told the task sees it."),
     online: bool = typer.Option(True, help="Online conformal recalibration (off: the static table only)."),
-    gamma: float | None = typer.Option(None, help="ACI step size (default COHORT_PREDICTOR_ONLINE_GAMMA)."),
-    online_window: int | None = typer.Option(None, help="Online window (default COHORT_PREDICTOR_ONLINE_WINDOW)."),
+    gamma: float | None = typer.Option(None, help="ACI step size (default COHORT_ONLINE__GAMMA)."),
+    online_window: int | None = typer.Option(None, help="Online window (default COHORT_ONLINE__WINDOW)."),
     shuffle: int | None = typer.Option(None, help="Interleave the files' rows in a random order with this seed "
                                        "(mixed traffic) instead of one file after the other."),
 ) -> None:
@@ -369,20 +369,21 @@ def replay_command(
     if not task_labels:
         items = [PredictItem(it.instruction, it.user_input, it.input_tokens) for it in items]
     with tempfile.TemporaryDirectory(prefix="cohort-replay-") as tmp:
-        upd: dict = {"predictor_dir": model, "data_dir": Path(tmp), "predictor_online_conformal": online,
-                     "database_url": f"sqlite:///{tmp}/replay.db"}
+        knobs: dict = {"conformal": online}
         if gamma is not None:
-            upd["predictor_online_gamma"] = gamma
+            knobs["gamma"] = gamma
         if online_window is not None:
-            upd["predictor_online_window"] = online_window
-        svc = PredictorService(base.model_copy(update=upd))
+            knobs["window"] = online_window
+        svc = PredictorService(base.model_copy(update={
+            "predictor_dir": model, "data_dir": Path(tmp), "database_url": f"sqlite:///{tmp}/replay.db",
+            "online": base.online.model_copy(update=knobs)}))
         svc.maybe_reload(force=True)
         typer.echo(f"replaying {len(items)} rows through {svc.model.kind if svc.model else None}", err=True)
         res = replay(svc, items, y, sources=np.array([r.task for r in recs]), chunk=chunk, window=window,
                      final=final, progress=True)
         svc.close()
     res = {"model": str(model), "data": [str(p) for p in data], "part": part, "task_labels": task_labels,
-           "shuffle": shuffle, "clusters": base.predictor_online_clusters, **res}
+           "shuffle": shuffle, "clusters": base.online.clusters, **res}
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(res, indent=2))
     if plot is not None:

@@ -113,7 +113,7 @@ def profile_samples_path(settings: Settings) -> Path:
 def _store_rows(settings: Settings, path: Path, rows: Sequence[dict[str, Any]]) -> int:
     """Add rows to a training store under the bounds of the settings (predictor.train_store):
     a recent window plus a reservoir, so a retrain's cost does not grow with the run's age."""
-    return append_bounded(path, rows, settings.learning_store_recent_rows, settings.learning_store_reservoir_rows)
+    return append_bounded(path, rows, settings.learning.store_recent_rows, settings.learning.store_reservoir_rows)
 
 
 def _state_path(settings: Settings) -> Path:
@@ -217,8 +217,8 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
     reg = Registry(settings.data_dir, "predictor")
     with _lock(settings, "predictor"):
         _save_state(settings, predictor_started=time.time())  # what a later-requested retrain coalesces into
-        if seed_limit_per_file is None:  # default: COHORT_LEARNING_SEED_ROWS_PER_TASK
-            seed_limit_per_file = settings.learning_seed_rows_per_task
+        if seed_limit_per_file is None:  # default: COHORT_LEARNING__SEED_ROWS_PER_TASK
+            seed_limit_per_file = settings.learning.seed_rows_per_task
         seeded = seed_predictor_store(settings, seed_limit_per_file)
         since = float(load_state(settings).get("predictor_since", 0.0))
         rows = finished_requests(get_db_engine(settings.database_url), since)
@@ -231,7 +231,7 @@ def retrain_predictor(settings: Settings, force: bool = False, kind: str | None 
         _store_rows(settings, predictor_store(settings), new)
         last = max((float(r["finished"]) for r in rows if r.get("finished") is not None), default=since)
         pending = int(load_state(settings).get("predictor_pending", 0)) + len(new)
-        if pending < settings.learning_min_new_samples and not seeded and not force and reg.active():
+        if pending < settings.learning.min_new_samples and not seeded and not force and reg.active():
             _save_state(settings, predictor_since=last, predictor_pending=pending)  # stored; fitted once enough
             return {"version": reg.active(), "metrics": reg.meta(reg.active()).get("metrics"),
                     "n_added": len(new), "n_pending": pending, "n_train": None, "retrained": False}

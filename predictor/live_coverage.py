@@ -62,10 +62,10 @@ def planned_coverage(rows: list[dict[str, Any]], last: int | None = None,
 def saved_clusters() -> PromptClusters | None:
     """The prompt clusters in the predictor service's saved online state (None: off or none yet)."""
     s = get_settings()
-    if s.predictor_online_clusters <= 0:
+    if s.online.clusters <= 0:
         return None
     path = state_path(s.data_dir)
-    return load_state(path, {}, None, {"k": s.predictor_online_clusters})[2] if path.is_file() else None
+    return load_state(path, {}, None, {"k": s.online.clusters})[2] if path.is_file() else None
 
 
 def coverage_command(

@@ -67,7 +67,7 @@ class OnlineResidual:
     forget: float = FORGET
     ridge: float = RIDGE
     min_rows: int = MIN_ROWS
-    clusters: int = 0  # prompt-cluster slots in the features (``COHORT_PREDICTOR_ONLINE_CLUSTERS``)
+    clusters: int = 0  # prompt-cluster slots in the features (``COHORT_ONLINE__CLUSTERS``)
     a: dict[str, np.ndarray] = field(default_factory=dict)
     b: dict[str, np.ndarray] = field(default_factory=dict)
     n: dict[str, float] = field(default_factory=dict)  # forgetting-weighted row count

@@ -15,10 +15,10 @@ Predictions are clamped to [1, max_tokens]. A failing model never fails a reques
 answers with the cold-start value. ``predict_bounds`` also returns the model's conformal upper
 quantile (see ``predictor.conformal``), which the batcher plans memory with.
 
-The upper quantile is the *current* one: with ``COHORT_PREDICTOR_ONLINE_CONFORMAL``
+The upper quantile is the *current* one: with ``COHORT_ONLINE__CONFORMAL``
 (default on) the service reads completed requests from the log DB every
-``predictor_online_interval_s`` (off the event loop), corrects the point prediction by a
-residual model learnt online (``predictor.online_residual``, ``COHORT_PREDICTOR_ONLINE_CORRECTION``)
+``online.interval_s`` (off the event loop), corrects the point prediction by a
+residual model learnt online (``predictor.online_residual``, ``COHORT_ONLINE__CORRECTION``)
 and recalibrates the bound online per pool × task / instruction / prompt cluster
 (``predictor.online_conformal``, ``predictor.prompt_clusters``);
 the state is saved next to the registry's versions (``predictor.online_state``), so a restart
@@ -114,10 +114,10 @@ class PredictorService:
         self.online: OnlineConformal | None = None
         self.residual: OnlineResidual | None = None
         self.clusters: PromptClusters | None = None
-        if settings.predictor_online_conformal:
+        if settings.online.conformal:
             self.online, self.residual, self.clusters = self._load_online()
         self._syncing = False
-        self._next_sync = time.monotonic() + settings.predictor_online_interval_s
+        self._next_sync = time.monotonic() + settings.online.interval_s
 
     # --- model state ----------------------------------------------------------------------------
     @property
@@ -231,11 +231,11 @@ class PredictorService:
     # --- online recalibration ----------------------------------------------------------
     def _load_online(self) -> tuple[OnlineConformal, OnlineResidual | None, PromptClusters | None]:
         s = self.settings
-        conformal = {"window": s.predictor_online_window, "gamma": s.predictor_online_gamma,
-                     "min_rows": s.predictor_online_min_rows}
-        residual = ({"forget": s.predictor_online_forget, "ridge": s.predictor_online_ridge,
-                     "clusters": s.predictor_online_clusters} if s.predictor_online_correction else None)
-        clusters = {"k": s.predictor_online_clusters} if s.predictor_online_clusters > 0 else None
+        conformal = {"window": s.online.window, "gamma": s.online.gamma,
+                     "min_rows": s.online.min_rows}
+        residual = ({"forget": s.online.forget, "ridge": s.online.ridge,
+                     "clusters": s.online.clusters} if s.online.correction else None)
+        clusters = {"k": s.online.clusters} if s.online.clusters > 0 else None
         return load_state(self.online_path, conformal, residual, clusters)
 
     def observe(self, items: Sequence[PredictItem], point: np.ndarray, actual: np.ndarray,
@@ -289,12 +289,12 @@ class PredictorService:
         return len(used)
 
     def _maybe_sync_background(self) -> None:
-        """From the event loop: at most every ``predictor_online_interval_s``, read completions off the loop."""
+        """From the event loop: at most every ``online.interval_s``, read completions off the loop."""
         now = time.monotonic()
         if self.online is None or self._syncing or now < self._next_sync:
             return
         self._syncing = True
-        self._next_sync = now + self.settings.predictor_online_interval_s
+        self._next_sync = now + self.settings.online.interval_s
 
         def work() -> None:
             try:

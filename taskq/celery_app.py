@@ -55,12 +55,12 @@ def celery_config(s: Settings) -> dict[str, Any]:
         "beat_schedule": {
             # A periodic retrain not started within its period expires: it never piles up behind a
             # long one (and one that starts while another runs is skipped: predictor.learning._lock).
-            "retrain-predictor": {"task": RETRAIN_TASKS["predictor"], "schedule": s.predictor_retrain_every_s,
-                                  "options": {"expires": s.predictor_retrain_every_s}},
-            "retrain-estimator": {"task": RETRAIN_TASKS["estimator"], "schedule": s.estimator_retrain_every_s,
-                                  "options": {"expires": s.estimator_retrain_every_s}},
-            "retention": {"task": RETENTION_TASK, "schedule": s.retention_every_s,
-                          "options": {"expires": s.retention_every_s}},
+            "retrain-predictor": {"task": RETRAIN_TASKS["predictor"], "schedule": s.learning.predictor_every_s,
+                                  "options": {"expires": s.learning.predictor_every_s}},
+            "retrain-estimator": {"task": RETRAIN_TASKS["estimator"], "schedule": s.learning.estimator_every_s,
+                                  "options": {"expires": s.learning.estimator_every_s}},
+            "retention": {"task": RETENTION_TASK, "schedule": s.retention.every_s,
+                          "options": {"expires": s.retention.every_s}},
         },
     }
 

@@ -10,8 +10,8 @@ attending each row to its own context) and, at every step boundary:
    are prefilled again, their tokens kept), then the groups the batcher sent — while its KV plan
    fits beside the running rows (``RowBook.fits``: the planned peak — each row's context plus its
    upper-quantile remaining length, rows leaving as they finish — within the pool, at most
-   ``COHORT_CONTINUOUS_MAX_ROWS`` rows, and the last one still paying for itself on this
-   instance's own measured steps, ``COHORT_CONTINUOUS_MARGINAL_COST``). An
+   ``COHORT_CONTINUOUS__MAX_ROWS`` rows, and the last one still paying for itself on this
+   instance's own measured steps, ``COHORT_CONTINUOUS__MARGINAL_COST``). An
    empty instance always takes the head of the queue, so a plan that over-reserves never stalls;
 3. runs one packed forward and hands each row that produced a token to ``workers.rows`` (the
    same sampling, token limits and logprobs as the padded paths); the step's ``TokenEvent``s are
@@ -38,8 +38,9 @@ import torch
 from batcher.preemption import SwapLink, choose_preemption, swap_seconds
 from batcher.row_priority import StepShares
 from batcher.running_set import Admission, RunningSet, RunRow, StepPlan
+from cohort.continuous_knobs import ContinuousSettings
 from cohort.protocol import FailureCode, FinishReason
-from cohort.settings import PreemptionMode, Settings
+from cohort.settings import PreemptionMode
 from cohort.types import Batch
 from workers.decode_outputs import StepOutput
 from workers.paged_attention import context_slots
@@ -76,7 +77,7 @@ class SwapPlan:
                                  kv_tokens)
 
 log = logging.getLogger(__name__)
-DEFAULT_MAX_ROWS = Settings.model_fields["continuous_max_rows"].default  # vLLM's max_num_seqs
+DEFAULT_MAX_ROWS = ContinuousSettings.model_fields["max_rows"].default  # vLLM's max_num_seqs
 MIN_STEP_TOKENS = 16  # the smallest per-step token budget a CUDA out-of-memory error halves it to
 
 

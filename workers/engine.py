@@ -84,15 +84,15 @@ class LLMEngine:
         return self.memory.theta_tokens
 
     def marginal_cost(self) -> float:
-        """COHORT_CONTINUOUS_MARGINAL_COST where this worker can price a row: on a CUDA device its
+        """COHORT_CONTINUOUS__MARGINAL_COST where this worker can price a row: on a CUDA device its
         steps are timed after their kernels (the device's own time). A CPU worker shares its cores
         with the gateway, the batcher and Redis, so its step times measure them too: fitted in the
         e2e suite they priced a tiny-model row at 0.5 ms (0.09 ms alone) and would have capped the
         running set at 4-8 rows; alone on an idle CPU the rule binds only past ~118 rows, beyond
         the 64 groups a worker runs. So a CPU worker does not apply it (logged at start)."""
-        limit = self.settings.continuous_marginal_cost
+        limit = self.settings.continuous.marginal_cost
         if limit and self.device.type != "cuda":
-            log.info("continuous: the marginal-cost row rule (COHORT_CONTINUOUS_MARGINAL_COST=%g) is off on a "
+            log.info("continuous: the marginal-cost row rule (COHORT_CONTINUOUS__MARGINAL_COST=%g) is off on a "
                      "%s device: its step times measure the other processes on its cores too", limit, self.device.type)
             return 0.0
         return limit
@@ -101,12 +101,12 @@ class LLMEngine:
         """A fresh continuous run over a page pool of ``kv_capacity_tokens``."""
         s = self.settings
         return ContinuousRun(self.model, self.tokenizer, self.device, self.dtype,
-                             num_pages=max(1, self.kv_capacity_tokens // s.kv_page_tokens),
-                             page_size=s.kv_page_tokens, token_budget=s.step_token_budget,
+                             num_pages=max(1, self.kv_capacity_tokens // s.continuous.page_tokens),
+                             page_size=s.continuous.page_tokens, token_budget=s.continuous.step_token_budget,
                              max_preemptions=s.max_preemptions, emulate=s.emulate_lengths, swap=self.swap_plan(),
-                             max_rows=s.continuous_max_rows, marginal_cost=self.marginal_cost(),
-                             shares=StepShares(span=s.offline_priority, slowdown=s.background_slowdown,
-                                               min_duty=s.background_min_duty))
+                             max_rows=s.continuous.max_rows, marginal_cost=self.marginal_cost(),
+                             shares=StepShares(span=s.offline.priority, slowdown=s.continuous.background_slowdown,
+                                               min_duty=s.continuous.background_min_duty))
 
     @property
     def dtype(self) -> torch.dtype:

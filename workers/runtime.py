@@ -109,7 +109,7 @@ def continuous_loop(engine: LLMEngine, settings: Settings) -> ContinuousLoop | N
         return None
     loop = ContinuousLoop(engine.continuous_run)
     log.info("continuous execution: %d KV pages of %d tokens, %d tokens per step", loop.run.book.pool.num_pages,
-             settings.kv_page_tokens, settings.step_token_budget)
+             settings.continuous.page_tokens, settings.continuous.step_token_budget)
     return loop
 
 

@@ -93,12 +93,12 @@ def start_upstream(settings: Settings) -> Runtime:
     server = UpstreamServer(s.upstream, s.upstream_api_key, server.model, s.upstream_timeout_s)
     server.caps = caps
     published = kv_tokens_from_metrics(metrics) if metrics else None
-    capacity = published or s.upstream_kv_tokens or s.continuous_max_rows * (s.max_input_tokens // 4 + 256)
+    capacity = published or s.upstream_kv_tokens or s.continuous.max_rows * (s.max_input_tokens // 4 + 256)
     if not (published or s.upstream_kv_tokens):
         log.warning("upstream %s publishes no KV capacity and COHORT_UPSTREAM_KV_TOKENS is unset: planning with "
                     "%d tokens", s.upstream, capacity)
     block = block_tokens_from_metrics(metrics) if metrics else None
-    loop = UpstreamLoop(server, tok, capacity, page_tokens=block or s.kv_page_tokens, max_rows=s.continuous_max_rows,
+    loop = UpstreamLoop(server, tok, capacity, page_tokens=block or s.continuous.page_tokens, max_rows=s.continuous.max_rows,
                         use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and caps.priority))
     delta = delta_bytes(s.model)
     name = s.instance_name or f"{socket.gethostname()}-{os.getpid()}-upstream"

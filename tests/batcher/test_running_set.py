@@ -60,7 +60,7 @@ def test_row_at_max_preemptions_is_evicted_last():
 
 
 def test_row_cap_keeps_a_group_out_until_a_row_leaves():
-    """``max_rows`` (COHORT_CONTINUOUS_MAX_ROWS) bounds the running set even with pages to spare;
+    """``max_rows`` (COHORT_CONTINUOUS__MAX_ROWS) bounds the running set even with pages to spare;
     an empty book still takes a group of any size."""
     book = RunningSet(num_pages=100, page_size=16, max_rows=3)
     assert book.fits([(16, 4)] * 5)  # empty: the head of the queue always joins
@@ -96,7 +96,7 @@ class _LinearCost:
 
 
 def test_a_row_joins_only_while_it_pays_for_itself_on_the_steps():
-    """COHORT_CONTINUOUS_MARGINAL_COST: with steps of 10 + rows seconds and a limit of 0.5 a row
+    """COHORT_CONTINUOUS__MARGINAL_COST: with steps of 10 + rows seconds and a limit of 0.5 a row
     pays up to 10 rows (``batcher.row_cost.row_pays``), pages and the row cap to spare."""
     cost = _LinearCost(10.0, 1.0)
     book = RunningSet(num_pages=1000, page_size=16, marginal_cost=0.5, step_cost=cost)  # type: ignore[arg-type]
@@ -124,7 +124,7 @@ def test_the_book_teaches_its_step_cost_each_step():
 
 
 def test_a_book_with_the_rule_off_learns_nothing():
-    """COHORT_CONTINUOUS_MARGINAL_COST 0 (or a CPU worker): the decode thread skips the fit."""
+    """COHORT_CONTINUOUS__MARGINAL_COST 0 (or a CPU worker): the decode thread skips the fit."""
     cost = _LinearCost(1.0, 0.0)
     book = RunningSet(num_pages=100, page_size=16, token_budget=40, step_cost=cost)  # type: ignore[arg-type]
     book.admit([RunRow("a", 10)])

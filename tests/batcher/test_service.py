@@ -296,7 +296,7 @@ def test_the_worst_waiting_priority_follows_dispatch(r, tmp_path):
 
 def test_continuous_keeps_the_lookahead_of_batches_waiting_to_be_admitted(r, tmp_path):
     sent: list = []
-    svc = service(r, tmp_path, sent, execution="continuous", continuous_max_groups=3, continuous_lookahead=1,
+    svc = service(r, tmp_path, sent, execution="continuous", continuous={"max_groups": 3, "lookahead": 1},
                   fixed_batch_size=1, policy="vs")
     register(r, "w1")
     for i in range(6):

@@ -130,7 +130,7 @@ def test_adaptive_fair_picks_the_queue_with_the_higher_mean_priority():
 
 
 def test_the_row_cap_binds_cohort_policies_not_the_baseline():
-    """``max_rows`` (COHORT_CONTINUOUS_MAX_ROWS) is cohort's own cap: its instances never run more
+    """``max_rows`` (COHORT_CONTINUOUS__MAX_ROWS) is cohort's own cap: its instances never run more
     rows at once; cb-fcfs keeps vLLM's max_num_seqs, and every request is still answered."""
     reqs = trace(300, rate=400.0, long_frac=0.3)
     capped = run(reqs, "spf", max_rows=4)
@@ -145,7 +145,7 @@ def test_the_row_cap_binds_cohort_policies_not_the_baseline():
 
 
 def test_the_marginal_cost_rule_binds_cohort_policies_not_the_baseline():
-    """COHORT_CONTINUOUS_MARGINAL_COST: on a step bound by the rows themselves a cohort policy's
+    """COHORT_CONTINUOUS__MARGINAL_COST: on a step bound by the rows themselves a cohort policy's
     instance stops admitting rows that no longer pay for themselves; cb-fcfs has no such rule, and
     every request is still answered."""
     reqs = trace(1500, rate=3000.0, long_frac=0.5)

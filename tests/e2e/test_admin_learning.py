@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-STACK_ENV = {"COHORT_ADMIN_TOKEN": TOKEN, "COHORT_LEARNING_SEED_ROWS_PER_TASK": "0"}
+STACK_ENV = {"COHORT_ADMIN_TOKEN": TOKEN, "COHORT_LEARNING__SEED_ROWS_PER_TASK": "0"}
 STACK_LEARNING = True  # /admin/retrain enqueues; the learning worker runs it
 
 

@@ -18,7 +18,7 @@ from openai import OpenAI
 pytestmark = pytest.mark.e2e
 KEY_A, KEY_B = "sk-team-a", "sk-team-b"
 STACK_ENV = {"COHORT_SERVED_MODEL_NAME": "cohort-tiny", "COHORT_API_KEYS": f"{KEY_A},{KEY_B}",
-             "COHORT_OFFLINE_POLL_S": "0.2"}
+             "COHORT_OFFLINE__POLL_S": "0.2"}
 
 
 def row(cid: str, **body) -> str:
@@ -29,7 +29,7 @@ def row(cid: str, **body) -> str:
 
 @pytest.fixture(scope="module")
 def runner(stack):
-    stack.env["COHORT_OFFLINE_GATEWAY_URL"] = stack.url
+    stack.env["COHORT_OFFLINE__GATEWAY_URL"] = stack.url
     stack.spawn("batch-runner", "batch", "runner")
     return stack
 

@@ -18,7 +18,7 @@ from tests.e2e.scenarios import KV_BYTES_PER_TOKEN as DELTA
 pytestmark = pytest.mark.e2e
 STACK_ENV = {"COHORT_EXECUTION": "continuous", "COHORT_POLICY": "magnus", "COHORT_WMA_THRESHOLD": "1e12",
              "COHORT_KV_BUDGET_BYTES": str(1200 * DELTA), "COHORT_THETA_OVERRIDE_BYTES": "20000000",
-             "COHORT_STEP_TOKEN_BUDGET": "64"}
+             "COHORT_CONTINUOUS__STEP_TOKEN_BUDGET": "64"}
 
 
 async def _post_all(url: str, bodies: list[dict], stagger_s: float = 0.0) -> list[httpx.Response]:

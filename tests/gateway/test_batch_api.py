@@ -248,7 +248,7 @@ def test_admin_keys_create_use_revoke(tmp_path):
 
 
 def test_rows_rise_in_priority_as_the_window_closes():
-    s = Settings(_env_file=None, offline_priority=10, offline_urgent_after=0.5)
+    s = Settings(_env_file=None, offline={"priority": 10, "urgent_after": 0.5})
     assert row_priority(s, 0, 0, 100) == 10 and row_priority(s, 50, 0, 100) == 10
     assert row_priority(s, 70, 0, 100) == 5 and row_priority(s, 90, 0, 100) == 0 and row_priority(s, 99, 0, 100) == 0
 
@@ -291,7 +291,7 @@ def test_a_job_past_its_window_expires(tmp_path):
 
 def test_the_runner_yields_while_interactive_requests_arrive(tmp_path):
     async def scenario():
-        async with gateway(tmp_path, offline_max_outstanding=100, offline_yield_outstanding=4) as (app, client, redis):
+        async with gateway(tmp_path, offline={"max_outstanding": 100, "yield_outstanding": 4}) as (app, client, redis):
             runner = JobRunner(app.state.settings, client=httpx.AsyncClient(
                 transport=httpx.ASGITransport(app), base_url="http://gw"))
             runner.redis = redis

@@ -34,8 +34,8 @@ def _fill_log(s: Settings, now: float, n: int) -> None:
 @pytest.mark.parametrize("chunk", [2000, 7])  # one transaction, or many short ones
 def test_log_rows_are_bounded_prompts_dropped_measurements_kept_open_rows_untouched(tmp_path, monkeypatch, chunk):
     monkeypatch.setattr(logdb, "PRUNE_CHUNK", chunk)
-    s = _settings(tmp_path, retention_log_max_rows=100, retention_prompt_age_s=10_000 - 150,
-                  retention_log_max_age_s=10_000 - 280)
+    s = _settings(tmp_path, retention={"log_max_rows": 100, "prompt_age_s": 10_000 - 150,
+                                        "log_max_age_s": 10_000 - 280})
     now = time.time()
     _fill_log(s, now, 300)
     out = retention_pass(s, now=now)
@@ -47,7 +47,7 @@ def test_log_rows_are_bounded_prompts_dropped_measurements_kept_open_rows_untouc
     with engine.connect() as conn:
         left = {r.id: r for r in conn.execute(batches.select())}
     assert set(left) == {f"b{i}" for i in range(280, 300)}
-    s2 = _settings(tmp_path / "two", retention_log_max_rows=100, retention_prompt_age_s=10_000 - 250)
+    s2 = _settings(tmp_path / "two", retention={"log_max_rows": 100, "prompt_age_s": 10_000 - 250})
     _fill_log(s2, now, 300)
     retention_pass(s2, now=now)
     counts = log_counts(get_db_engine(s2.database_url))
@@ -70,7 +70,8 @@ def test_versions_keep_the_newest_n_and_the_active_one(tmp_path):
 
 
 def test_pass_compacts_stores_and_cache(tmp_path):
-    s = _settings(tmp_path, learning_store_recent_rows=10, learning_store_reservoir_rows=5, retention_cache_mb=1)
+    s = _settings(tmp_path, learning={"store_recent_rows": 10, "store_reservoir_rows": 5},
+                  retention={"cache_mb": 1})
     append_bounded(predictor_store(s), [{"i": i} for i in range(100)], recent=1000, reservoir=0)
     cache = s.data_dir / "cache" / "emb" / "enc"
     cache.mkdir(parents=True)

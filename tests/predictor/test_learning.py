@@ -63,7 +63,7 @@ def test_retrain_predictor_incremental(settings):
     few = learning.retrain_predictor(settings, kind="linear", seed_limit_per_file=0)
     assert not few["retrained"] and few["n_added"] == 4 and few["n_pending"] == 4
     _log_requests(engine, 4, t0 + 6, pred=1, actual=200)
-    enough = settings.model_copy(update={"learning_min_new_samples": 8})  # stored ones count: 4 + 4
+    enough = settings.model_copy(update={"learning": settings.learning.model_copy(update={"min_new_samples": 8})})  # stored ones count: 4 + 4
     third = learning.retrain_predictor(enough, kind="linear", seed_limit_per_file=0)
     assert third["retrained"] and third["n_added"] == 4 and third["n_train"] == 38
     assert reg.versions() == sorted([out["version"], third["version"]])

@@ -97,7 +97,7 @@ def test_state_round_trip(tmp_path) -> None:
 def test_service_learns_from_log_db_and_restarts_from_saved_state(settings) -> None:
     """Completions in the log DB move the bound the service hands out; a new service (restart)
     continues from the saved state and cursor instead of relearning."""
-    settings = settings.model_copy(update={"predictor_online_interval_s": 3600.0})  # no background reads
+    settings = settings.model_copy(update={"online": settings.online.model_copy(update={"interval_s": 3600.0})})  # no background reads
     model = MeanPredictor(40)
     model.conformal = ConformalTable(level=0.9, quantiles={GLOBAL: 0.1})
     svc = PredictorService(settings)
@@ -123,7 +123,7 @@ def test_service_learns_from_log_db_and_restarts_from_saved_state(settings) -> N
     again._swap.current = (model, "v1")
     assert again.online is not None and again.online.cursor == 1059.0
     assert asyncio.run(again.predict_bounds(item, 2000)).upper == after.upper
-    off = PredictorService(settings.model_copy(update={"predictor_online_conformal": False}))
+    off = PredictorService(settings.model_copy(update={"online": settings.online.model_copy(update={"conformal": False})}))
     off._swap.current = (model, "v1")
     assert asyncio.run(off.predict_bounds(item, 2000)).upper == 44  # static table only
 

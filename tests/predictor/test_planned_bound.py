@@ -90,7 +90,7 @@ def test_online_learner_scores_misses_against_the_logged_bound(settings, planned
     """Same completions, same model: rows logged with a bound they outgrew are misses (α falls, the
     bound widens), rows logged with a bound that covered them are not (α rises) — whatever bound
     the service would hand out now."""
-    settings = settings.model_copy(update={"predictor_online_interval_s": 3600.0})
+    settings = settings.model_copy(update={"online": settings.online.model_copy(update={"interval_s": 3600.0})})
     model = MeanPredictor(40)
     model.conformal = ConformalTable(level=0.9, quantiles={GLOBAL: 0.5})
     svc = PredictorService(settings)

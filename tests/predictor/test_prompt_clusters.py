@@ -117,7 +117,7 @@ def test_each_kind_of_request_is_covered_near_the_target_with_clusters_and_not_w
 def test_the_service_clusters_real_prompts_with_the_static_encoder(settings) -> None:
     """The gateway's service, the real MiniLM static vectors and the SQLite log DB: once enough
     completions are read, code and tool prompts get different clusters and different bounds."""
-    settings = settings.model_copy(update={"predictor_online_interval_s": 3600.0, "predictor_online_clusters": 4})
+    settings = settings.model_copy(update={"online": settings.online.model_copy(update={"interval_s": 3600.0, "clusters": 4})})
     model = MeanPredictor(40)
     model.conformal = ConformalTable(level=0.9, quantiles={GLOBAL: 0.1})
     svc = PredictorService(settings)

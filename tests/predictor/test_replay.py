@@ -52,7 +52,7 @@ def test_cli_replay_of_interleaved_sources_reports_each_source(data_paths, tmp_p
     from predictor.cli import app
 
     monkeypatch.setenv("COHORT_DATA_DIR", str(tmp_path / "var"))
-    monkeypatch.setenv("COHORT_PREDICTOR_ONLINE_CLUSTERS", "2")
+    monkeypatch.setenv("COHORT_ONLINE__CLUSTERS", "2")
     settings_mod.get_settings.cache_clear()
     try:
         runner = CliRunner()

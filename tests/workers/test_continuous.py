@@ -89,7 +89,7 @@ def test_groups_join_mid_run_and_greedy_equals_generate(engine, refs):
 
 
 def test_the_run_prices_rows_with_its_own_measured_steps(engine):
-    """COHORT_CONTINUOUS_MARGINAL_COST on a real run: every step the executor runs teaches the
+    """COHORT_CONTINUOUS__MARGINAL_COST on a real run: every step the executor runs teaches the
     book's step cost (``batcher.row_cost.OnlineStepCost``), which the join rule then reads."""
     run = make_run(engine, emulate=True, marginal_cost=0.815)
     run.book.step_cost = OnlineStepCost(min_steps=8, refit=1, min_row_spread=0.3)
@@ -124,7 +124,7 @@ def test_a_group_waits_until_its_plan_fits_beside_the_running_rows(engine):
 
 
 def test_the_row_cap_holds_a_group_until_a_row_leaves(engine):
-    # pages to spare, but at most 2 rows at once (COHORT_CONTINUOUS_MAX_ROWS): B joins the step
+    # pages to spare, but at most 2 rows at once (COHORT_CONTINUOUS__MAX_ROWS): B joins the step
     # after A's short row leaves, and every row is answered
     run = make_run(engine, emulate=True, max_rows=2)
     a = [req(0, PROMPTS[0], max_tokens=30, emulated_tokens=4), req(1, PROMPTS[1], max_tokens=30, emulated_tokens=20)]
