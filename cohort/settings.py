@@ -200,8 +200,7 @@ class Settings(BaseSettings):
     policy: str = Field(default="magnus", description="vs | glp | abp | magnus | s3 | s3-hrrn | slo-dbs | odbs | "
                         "slo-odbs | spf")
     wma_threshold: float = Field(default=20_000.0, description="Φ: WMA (token reads) under which p joins a "
-                                 "batch. 20k was best in the simulator sweep (docs/benchmarks.md); 200k let "
-                                 "10-token requests join 500-token batches.")
+                                 "batch (swept in docs/benchmarks.md: larger lets short requests join long batches).")
     memory_headroom: float = Field(default=0.0, ge=0.0, lt=1.0, description="Policies that plan with "
                                    "predicted lengths use Θ·(1−headroom): slack for under-predictions "
                                    "(0 = the papers' rule; VS plans with max_tokens and ignores it).")
@@ -288,16 +287,14 @@ class Settings(BaseSettings):
                                          description="What the retention pass keeps (COHORT_RETENTION__*).")
     # --- the spf policy ---------------------------
     spf_aging: float = Field(default=3.5, ge=0.0, description="spf (shortest predicted first): predicted tokens "
-                             "of rank a waiting request gains per second; 0 = pure SPF, large = FCFS. 3.5 keeps "
-                             "p99 within 1.5x of vLLM's FCFS in the simulator (V100 / ChatGLM-6B, saturated) at "
-                             "the lowest mean latency (docs/benchmarks.md).")
+                             "of rank a waiting request gains per second; 0 = pure SPF, large = FCFS: aging bounds "
+                             "the tail the long requests pay (tuned in docs/benchmarks.md).")
 
     online: OnlineSettings = Field(default_factory=OnlineSettings,
                                    description="Online recalibration of the predictor (COHORT_ONLINE__*).")
     predictor_threads: int = Field(
         default=1, ge=1, description="OpenMP threads the gateway's predictor thread may use (gradient-boosted "
-        "trees, ridge). A request batch is a few rows: more threads only spin, and the spinning threads took "
-        "as much CPU as the predictions themselves in the soak (docs/retention.md).")
+        "trees, ridge). A request batch is a few rows: more threads only spin (docs/retention.md).")
 
     # --- Batch API (files, batches, job runner) and API keys --------------------
     api_keys: str | None = Field(
