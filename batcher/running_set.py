@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from batcher.elastic import eviction_order
 from batcher.kv_judge import KVJudge, pages_for
+from batcher.page_pool import PagePool
 from batcher.row_cost import OnlineStepCost, row_pays
 from batcher.row_priority import least_urgent
 
@@ -47,6 +49,10 @@ class RunRow:
     computed: int = 0               # KV entries written (prefilled tokens + decoded tokens)
     tokens: int = -1                # prompt + generated ids; -1: prompt_len
     pages: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)   # its prompt's full pages (batcher.prefix_pages)
+    cacheable: bool = True          # may reuse cached pages (not when its prompt's logprobs are asked for)
+    swapped: bool = False           # evicted to the host pool: it comes back with its own KV, not the cache's
+    cached: int = 0                 # prompt tokens this residency reused from the prefix cache
 
     def __post_init__(self) -> None:
         if self.tokens < 0:
@@ -84,29 +90,14 @@ class Admission:
     failed: list[tuple[str, str]] = field(default_factory=list)
 
 
-class PagePool:
-    """A fixed pool of page ids; ``take`` fails (returns None) rather than growing the pool."""
-
-    def __init__(self, num_pages: int) -> None:
-        self.free: deque[int] = deque(range(num_pages))
-        self.num_pages = num_pages
-
-    def take(self, n: int) -> list[int] | None:
-        if n > len(self.free):
-            return None
-        return [self.free.popleft() for _ in range(n)]
-
-    def give(self, pages: list[int]) -> None:
-        self.free.extend(pages)
-
-
 class RunningSet:
     """Rows on one instance: ``add_group`` → (each step) ``admit_waiting``, ``plan_step``, ``commit``,
     ``produced`` / ``release``. ``rows`` are the resident ones in admission order."""
 
     def __init__(self, num_pages: int, page_size: int = 16, token_budget: int = 512, max_preemptions: int = 8,
-                 max_rows: int = 256, marginal_cost: float = 0.0, step_cost: OnlineStepCost | None = None) -> None:
-        self.pool = PagePool(num_pages)
+                 max_rows: int = 256, marginal_cost: float = 0.0, step_cost: OnlineStepCost | None = None,
+                 prefix_caching: bool = True) -> None:
+        self.pool = PagePool(num_pages, prefix_caching)
         self.page_size, self.token_budget, self.max_preemptions = page_size, token_budget, max_preemptions
         self.judge = KVJudge(num_pages * page_size, page_size, max_rows, marginal_cost)
         self.step_cost = step_cost if step_cost is not None else OnlineStepCost()
@@ -127,8 +118,8 @@ class RunningSet:
 
     @property
     def free_tokens(self) -> int:
-        """KV tokens still free (what the instance publishes so the batcher can send more)."""
-        return len(self.pool.free) * self.page_size
+        """KV tokens still free, cached pages included (what the instance publishes so the batcher can send more)."""
+        return self.pool.available * self.page_size
 
     def block_table(self, row_id: str) -> list[int]:
         return list(self.rows[row_id].pages)
@@ -186,18 +177,44 @@ class RunningSet:
         return not (self.rows or self.waiting or self.resume)
 
     # --- a step boundary ------------------------------------------------------------------
+    def _reusable(self, row: RunRow) -> Sequence[int]:
+        """The prompt page hashes ``row`` may look up: none when it may not reuse, and never its whole
+        prompt (its last token is prefilled here, for the logits of its next token)."""
+        if not row.cacheable or row.swapped:
+            return ()
+        return row.hashes[:max(0, (row.prompt_len - 1) // self.page_size)]
+
     def admit(self, rows: list[RunRow]) -> bool:
-        """Make these rows resident now, pages for every row's prefill or for none of them (the
-        step boundary's ``admit_waiting`` calls it; so does the worker's start-up profile)."""
-        need = sum(pages_for(r.prompt_len, self.page_size) for r in rows)
-        pages = self.pool.take(need)
+        """Make these rows resident now, or none of them: each reuses the cached pages of its
+        prompt's longest cached prefix and takes pages for the rest (the step boundary's
+        ``admit_waiting`` calls it; so does the worker's start-up profile)."""
+        hits = [self.pool.lookup(self._reusable(r)) for r in rows]
+        for h in hits:
+            self.pool.hold(h)            # before taking: a page about to be reused is not reclaimed
+        pages = self.pool.take(sum(pages_for(r.prompt_len, self.page_size) - len(h) for r, h in zip(rows, hits, strict=True)))
         if pages is None:
+            for h in hits:
+                self.pool.give(h)
             return False
-        for r in rows:
-            n = pages_for(r.prompt_len, self.page_size)
-            r.pages, pages = pages[:n], pages[n:]
+        for r, h in zip(rows, hits, strict=True):
+            n = pages_for(r.prompt_len, self.page_size) - len(h)
+            r.pages, pages = [*h, *pages[:n]], pages[n:]
+            r.computed = r.cached = len(h) * self.page_size
+            r.swapped = False
+            self.pool.queries += r.prompt_len
+            self.pool.hits += r.cached
             self.rows[r.row_id] = r
         return True
+
+    def _joining_context(self, row: RunRow, seen: set[int]) -> int:
+        """The KV ``row`` adds to the pool: its prompt less the leading pages a resident or an
+        earlier joining row holds already (a shared page counts once)."""
+        shared = 0
+        for h in self._reusable(row):
+            if h not in seen:
+                break
+            shared += 1
+        return max(1, row.prompt_len - shared * self.page_size)
 
     def admit_waiting(self, running: set[int] | None = None) -> Admission:
         """Resumed rows of the levels running this step (``None``: all), then waiting groups, most
@@ -205,9 +222,11 @@ class RunningSet:
         too and waits resident: one held here would hold up the batcher. Stops at the first that
         does not fit, so nothing overtakes a resumed row or the batcher's order."""
         out = Admission()
+        seen = {h for r in self.rows.values() for h in r.hashes} if self.pool.caching else set()
         for row in [r for r in self.resume if running is None or r.priority in running]:
-            if not self.fits([(row.prompt_len, row.planned_remaining)]) or not self.admit([row]):
+            if not self.fits([(self._joining_context(row, seen), row.planned_remaining)]) or not self.admit([row]):
                 return out
+            seen.update(row.hashes)
             self.resume.remove(row)
             out.resumed.append(row.row_id)
         order = sorted(self.waiting, key=lambda g: min((r.priority for r in self.waiting[g]), default=0))
@@ -216,7 +235,11 @@ class RunningSet:
             for r in [r for r in rows if not self.judge.alone_fits(r.prompt_len + 1)]:
                 rows.remove(r)
                 out.failed.append((r.row_id, TOO_LONG))
-            if not self.fits([(r.prompt_len, r.planned_remaining) for r in rows]) or not self.admit(rows):
+            joining = []
+            for r in rows:
+                joining.append((self._joining_context(r, seen), r.planned_remaining))
+                seen.update(r.hashes)
+            if not self.fits(joining) or not self.admit(rows):
                 return out
             del self.waiting[gid]
             out.groups.append(gid)
@@ -251,6 +274,12 @@ class RunningSet:
         else:
             self.resume.append(row)
 
+    def mark_swapped(self, row_id: str) -> None:
+        """The evicted row's KV went to the host pool: it resumes with it, not with cached pages."""
+        for r in self.resume:
+            if r.row_id == row_id:
+                r.swapped = True
+
     def evict(self, row_id: str, plan: StepPlan) -> None:
         """The executor could not run a step (a CUDA out-of-memory error): this row waits and resumes."""
         row = self.rows[row_id]
@@ -268,9 +297,12 @@ class RunningSet:
             if row.row_id in self.rows and self._grow(row, plan):
                 plan.decode.append(row.row_id)
                 budget -= 1
+        writing = self._pages_being_written()
         for row in [r for r in self.rows.values() if r.prefill_left > 0 and r.row_id not in skip]:
             if budget == 0:
                 break
+            if not self._catch_up(row, writing):
+                continue
             n = min(row.prefill_left, budget)
             plan.prefill.append((row.row_id, row.computed, n))
             budget -= n
@@ -278,13 +310,44 @@ class RunningSet:
             plan.decode = [r for r in plan.decode if r in self.rows]
         return plan
 
+    def _pages_being_written(self) -> dict[int, str]:
+        """Prompt page hash -> the first resident row (admission order) still to write that page."""
+        writing: dict[int, str] = {}
+        if self.pool.caching:
+            for r in self.rows.values():
+                if r.prefill_left > 0:
+                    for h in r.hashes[r.computed // self.page_size:]:
+                        writing.setdefault(h, r.row_id)
+        return writing
+
+    def _catch_up(self, row: RunRow, writing: dict[int, str]) -> bool:
+        """Before a row prefills anything of its own: reuse what was cached since it joined (the
+        other choices of its request, or a request with the same prompt admitted just before it), and
+        wait (False) while an earlier row is still writing the next page it could reuse."""
+        if row.computed != row.cached:
+            return True   # it prefills its own pages already: nothing to reuse any more
+        want = self._reusable(row)
+        k = row.computed // self.page_size
+        hits = self.pool.lookup(want)[k:] if k < len(want) else []
+        if hits:
+            self.pool.hold(hits)
+            self.pool.give(row.pages[k:k + len(hits)])
+            row.pages = [*row.pages[:k], *hits, *row.pages[k + len(hits):]]
+            row.computed = row.cached = (k + len(hits)) * self.page_size
+            self.pool.hits += len(hits) * self.page_size
+            k += len(hits)
+        owner = writing.get(want[k]) if k < len(want) else None
+        return owner is None or owner == row.row_id
+
     def commit(self, plan: StepPlan) -> list[str]:
         """The executor ran ``plan``: advance each row's written KV count; returns the rows that
         now produce a token (their prefill completed, or they decoded)."""
         ready = []
-        for row_id, _start, n in plan.prefill:
+        for row_id, start, n in plan.prefill:
             row = self.rows[row_id]
             row.computed += n
+            for k in range(start // self.page_size, min(row.computed // self.page_size, len(row.hashes))):
+                self.pool.cache(row.pages[k], row.hashes[k])   # a full prompt page is written: reusable
             if row.prefill_left == 0:
                 ready.append(row_id)
         for row_id in plan.decode:

@@ -252,6 +252,10 @@ class Settings(BaseSettings):
     instance_ttl_s: float = Field(default=15.0, description="Worker heartbeat expiry: instance considered dead.")
 
     # --- worker ---------------------------------------------------------------------------
+    prefix_caching: bool = Field(
+        default=True, description="continuous: keep the KV of full prompt pages after their rows leave and "
+        "reuse it for any later prompt that starts with the same tokens (system prompts, chat history); "
+        "off: every prompt is prefilled from scratch (for comparisons).")
     model: str = Field(default=DEFAULT_MODEL, description="HF model path, or the built-in tiny random Llama.")
     pool: str = Field(default="default", description="Model pool: one Celery queue per pool.")
     served_model_name: str | None = Field(

@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 
 from batcher.preemption import SwapLink, choose_preemption, swap_seconds
+from batcher.prefix_pages import page_hashes
 from batcher.row_priority import StepShares
 from batcher.running_set import Admission, RunningSet, RunRow, StepPlan
 from cohort.continuous_knobs import ContinuousSettings
@@ -105,8 +106,11 @@ class ContinuousRun:
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, *, num_pages: int,
                  page_size: int = 16, token_budget: int = 512, max_preemptions: int = 8, emulate: bool = False,
                  clock: Callable[[], float] = time.time, swap: SwapPlan | None = None,
-                 shares: StepShares | None = None, max_rows: int = DEFAULT_MAX_ROWS, marginal_cost: float = 0.0) -> None:
-        self.book = RunningSet(num_pages, page_size, token_budget, max_preemptions, max_rows, marginal_cost)
+                 shares: StepShares | None = None, max_rows: int = DEFAULT_MAX_ROWS, marginal_cost: float = 0.0,
+                 prefix_salt: str | None = None) -> None:
+        self.book = RunningSet(num_pages, page_size, token_budget, max_preemptions, max_rows, marginal_cost,
+                               prefix_caching=prefix_salt is not None)
+        self.prefix_salt = prefix_salt  # the model (and adapter) prompt pages are keyed under; None: no cache
         self.executor = PagedExecutor(model, self.book, dtype, device)
         self.swap = swap
         self.shares = shares or StepShares()    # background rows give way (batcher.row_priority)
@@ -143,7 +147,13 @@ class ContinuousRun:
             self.ids[rid] = row.all_ids
         self.book.add_group(batch.id, [RunRow(rid, len(self.ids[rid]), predicted_remaining=row.predicted_remaining,
                                               planned_remaining=row.planned_remaining, preemptions=row.req.preemptions,
-                                              priority=row.req.priority) for rid, row in rows.items()])
+                                              priority=row.req.priority, hashes=self._hashes(rid),
+                                              cacheable=row.prompt_top is None) for rid, row in rows.items()])
+
+    def _hashes(self, rid: str) -> list[int]:
+        if self.prefix_salt is None:
+            return []
+        return page_hashes(self.ids[rid], self.book.page_size, self.prefix_salt)
 
     def cancel(self, request_ids: Iterable[str]) -> None:
         """Drop these rows at the next step boundary (the client went away)."""
@@ -284,6 +294,7 @@ class ContinuousRun:
             if swapped:
                 slots = context_slots(torch.tensor(pages, device=self.device), computed, self.book.page_size)
                 self.swap.pool.swap_out(rid, self.executor.store, slots)
+                self.book.mark_swapped(rid)
                 self.swaps += 1
                 out.swapped.append(rid)
             elif rid in self._prompt_logits:

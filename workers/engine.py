@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from batcher.memory import KVMemory, kv_bytes_per_token
+from batcher.prefix_pages import page_salt
 from batcher.row_priority import StepShares
 from cohort.settings import Settings
 from cohort.tokenizer import uses_special_tokens
@@ -106,7 +107,8 @@ class LLMEngine:
                              max_preemptions=s.max_preemptions, emulate=s.emulate_lengths, swap=self.swap_plan(),
                              max_rows=s.continuous.max_rows, marginal_cost=self.marginal_cost(),
                              shares=StepShares(span=s.offline.priority, slowdown=s.continuous.background_slowdown,
-                                               min_duty=s.continuous.background_min_duty))
+                                               min_duty=s.continuous.background_min_duty),
+                             prefix_salt=page_salt(s.model) if s.prefix_caching else None)
 
     @property
     def dtype(self) -> torch.dtype:
