@@ -62,7 +62,8 @@ def engine_limits(policy: str, limits: EngineLimits, max_rows: int) -> EngineLim
 def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime, limits: EngineLimits,
                    params: dict[str, Any], max_input_tokens: int, max_tokens_limit: int, headroom: float,
                    group_frac: float, max_preemptions: int, marginal_cost: float = DEFAULT_MARGINAL_COST,
-                   step_cost: DecodeStepCost | None = None) -> Scheduler | GroupScheduler:
+                   step_cost: DecodeStepCost | None = None, prefix_caching: bool = False,
+                   prefix_affinity: int = 0) -> Scheduler | GroupScheduler:
     """``cb-fcfs`` or a cohort policy (by base name) planning groups with Θ·group_frac, its rows
     joining while they pay for themselves (``marginal_cost``) on ``step_cost``: the roofline's
     step by default, or a cost learnt from the simulated steps as a live worker learns its own."""
@@ -74,7 +75,7 @@ def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime,
     ctx = PolicyContext(memory=plan_mem, estimator=time_model, max_input_tokens=max_input_tokens,
                         max_tokens_limit=max_tokens_limit, elastic=True)
     return GroupScheduler(make_policy(policy, ctx, **params), limits, max_preemptions,
-                          time_model if step_cost is None else step_cost, marginal_cost)
+                          time_model if step_cost is None else step_cost, marginal_cost, prefix_caching, prefix_affinity)
 
 
 def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, scheduler: Scheduler | GroupScheduler,
@@ -156,6 +157,8 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
                                                      "max_batched_tokens": limits.max_batched_tokens,
                                                      "max_num_seqs": limits.max_num_seqs}}
     metrics["physical_bound_rps"] = bound
+    if isinstance(engine, GroupEngine):
+        metrics.update(engine.prefix_stats())
     return SimResult(policy, metrics, time.perf_counter() - t0, stats.steps, now, extra)
 
 

@@ -19,24 +19,32 @@ from dataclasses import dataclass
 
 from batcher.policies.base import Policy
 from batcher.preemption import SwapLink, choose_preemption, swap_seconds
+from batcher.prefix_pages import page_hashes
 from batcher.row_cost import DecodeStepCost
 from batcher.running_set import Admission, RunningSet, RunRow, StepPlan
 from bench.continuous import EngineLimits, SimInstance, StepStats
 from bench.roofline import RooflineBatchTime
 from cohort.settings import PreemptionMode
-from cohort.types import ProfiledRequest
+from cohort.types import Batch, ProfiledRequest
 
 
 class GroupScheduler:
     """The policy's queue: requests go in, admission groups come out in its order."""
 
     def __init__(self, policy: Policy, limits: EngineLimits, max_preemptions: int = 8,
-                 step_cost: DecodeStepCost | None = None, marginal_cost: float = 0.0) -> None:
+                 step_cost: DecodeStepCost | None = None, marginal_cost: float = 0.0,
+                 prefix_caching: bool = False, affinity: int = 0) -> None:
         self.pol = policy
         self.limits = limits
         self.max_preemptions = max_preemptions
         self.step_cost, self.marginal_cost = step_cost, marginal_cost  # batcher.row_cost
-        self.queued = 0                      # requests in the policy, not yet in a group
+        self.prefix_caching = prefix_caching  # each instance keeps its prompts' pages (batcher.page_pool)
+        # prefix-aware routing: an instance with room takes, of the next ``affinity`` groups in the
+        # policy's order, the first whose prompt starts with a page it holds (else the next one)
+        self.affinity = affinity
+        self.ahead: list[Batch] = []          # groups popped from the policy, not yet taken
+        self._pages: dict[str, list[int]] = {}
+        self.queued = 0                      # requests in the policy or ``ahead``, not yet on an instance
 
     def add(self, req: ProfiledRequest, now: float) -> None:
         self.pol.add(req, now)
@@ -45,11 +53,41 @@ class GroupScheduler:
     def has_work(self) -> bool:
         return self.queued > 0
 
-    def pop(self, now: float):
-        group = self.pol.pop(now) if self.queued else None
-        if group is not None:
-            self.queued -= group.size
+    def pages(self, req: ProfiledRequest) -> list[int]:
+        """The request's prompt page hashes, computed once."""
+        got = self._pages.get(req.id)
+        if got is None:
+            got = self._pages[req.id] = prompt_pages(req, self.limits.page_tokens)
+        return got
+
+    def pop(self, now: float, cached: Callable[[list[int]], int] | None = None) -> Batch | None:
+        """The next group for an instance; with ``affinity``, of the next few groups the one whose
+        first prompt has the longest prefix ``cached`` on the instance (pages), the next one if none."""
+        while len(self.ahead) < max(1, self.affinity) and self.queued > sum(g.size for g in self.ahead):
+            group = self.pol.pop(now)
+            if group is None:
+                break
+            self.ahead.append(group)
+        if not self.ahead:
+            return None
+        pick = 0
+        if self.affinity and cached is not None:
+            scores = [cached(self.pages(g.requests[0])) if g.requests else 0 for g in self.ahead]
+            best = max(scores)
+            pick = scores.index(best) if best > 0 else 0
+        group = self.ahead.pop(pick)
+        self.queued -= group.size
+        for q in group.requests:
+            self._pages.pop(q.id, None)
         return group
+
+
+SALT = "sim"   # one model in a simulation: every prompt's pages are keyed under it
+
+
+def prompt_pages(req: ProfiledRequest, page_tokens: int) -> list[int]:
+    """The request's full prompt page hashes (none when the trace carries no prompt ids)."""
+    return page_hashes(req.prompt_ids, page_tokens, SALT) if req.prompt_ids else []
 
 
 @dataclass
@@ -88,7 +126,8 @@ class GroupEngine:
         if key not in self.sets:
             g = self.groups
             self.sets[key] = RunningSet(inst.total_pages, self.limits.page_tokens, self.limits.max_batched_tokens,
-                                        g.max_preemptions, self.limits.max_num_seqs, g.marginal_cost)
+                                        g.max_preemptions, self.limits.max_num_seqs, g.marginal_cost,
+                                        prefix_caching=g.prefix_caching)
             self.sets[key].step_cost = g.step_cost   # the roofline's step, or one learnt from the steps
         return self.sets[key]
 
@@ -97,16 +136,24 @@ class GroupEngine:
         nbytes = pages * self.limits.page_tokens * self.tm.delta_bytes
         return nbytes / (self.link.to_host_bytes_per_s if to_host else self.link.to_device_bytes_per_s)
 
+    def prefix_stats(self) -> dict[str, float]:
+        """Prompt tokens looked up in the instances' prefix caches and found there (vLLM's counters)."""
+        queries = sum(rs.pool.queries for rs in self.sets.values())
+        hits = sum(rs.pool.hits for rs in self.sets.values())
+        return {"prefix_queries": queries, "prefix_hits": hits, "prefix_hit_rate": hits / queries if queries else 0.0}
+
     # --- a step boundary ------------------------------------------------------------------
     def _admit(self, inst: SimInstance, rs: RunningSet, now: float, index: dict[str, int]) -> None:
         """Resumed rows, then groups from the policy while each fits (one that does not waits here)."""
         while True:
-            if not rs.waiting and (group := self.groups.pop(now)) is not None:
+            if not rs.waiting and (group := self.groups.pop(now, lambda h: len(rs.pool.lookup(h)))) is not None:
                 for q in group.requests:
                     self.rows[q.id] = _Sim(index[q.id], q)
                 rs.add_group(group.id, [RunRow(q.id, q.input_tokens, predicted_remaining=q.predicted_tokens,
                                                planned_remaining=max(1, q.planned_tokens),
-                                               preemptions=q.preemptions, priority=q.priority)
+                                               preemptions=q.preemptions, priority=q.priority,
+                                               hashes=prompt_pages(q, self.limits.page_tokens)
+                                               if self.groups.prefix_caching else [])
                                         for q in group.requests])
             adm = rs.admit_waiting()
             self._admitted(inst, rs, adm, now)

@@ -124,7 +124,8 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
              limits: EngineLimits = EngineLimits(), group_frac: float = DEFAULT_GROUP_FRAC,
              preemption: PreemptionMode = "recompute", link: SwapLink | None = None, host_pages: int = 0,
              online: OnlineQuantile | None = None, max_rows: int = DEFAULT_MAX_ROWS,
-             marginal_cost: float = DEFAULT_MARGINAL_COST, learnt_step_cost: bool = False) -> SimResult:
+             marginal_cost: float = DEFAULT_MARGINAL_COST, learnt_step_cost: bool = False,
+             prefix_caching: bool = False, prefix_affinity: int = 0) -> SimResult:
     """Run one policy over a request trace (sorted by arrival) on ``instances`` identical instances.
 
     ``requests`` must carry ``true_tokens``; the policy reads ``predicted_tokens`` (build the
@@ -144,7 +145,9 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
     for the run's identical instances) as a live worker prices it; ``cb-fcfs`` is vLLM's default
     scheduler, ``adaptive-fair`` AdaptiveLLM's) on
     the roofline time model, preempting by ``preemption`` (swap: ``host_pages`` behind ``link``),
-    planning arrivals with ``online``'s current quantile when given (``bench.online_quantile``).
+    planning arrivals with ``online``'s current quantile when given (``bench.online_quantile``);
+    cohort policies' instances keep a prefix cache with ``prefix_caching`` (requests need
+    ``prompt_ids``) and route by it with ``prefix_affinity`` (``bench.group_engine``).
     """
     if execution == "continuous":
         base, _ = parse_policy(policy)
@@ -152,7 +155,8 @@ def simulate(requests: Sequence[ProfiledRequest], policy: str, memory: KVMemory,
         run_limits = engine_limits(base, limits, max_rows)
         learnt = OnlineStepCost() if learnt_step_cost and base not in ENGINE_SCHEDULERS else None
         sched = make_scheduler(base, memory, time_model, run_limits, params, max_input_tokens,  # type: ignore[arg-type]
-                               max_tokens_limit, headroom, group_frac, max_preemptions, marginal_cost, learnt)
+                               max_tokens_limit, headroom, group_frac, max_preemptions, marginal_cost, learnt,
+                               prefix_caching, prefix_affinity)
         res = simulate_continuous(requests, policy, sched, memory, time_model, instances, run_limits,  # type: ignore[arg-type]
                                   progress, preemption, link, host_pages, online, bound_limits=limits,
                                   step_observer=learnt.observe if learnt is not None else None)

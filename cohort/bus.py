@@ -306,6 +306,18 @@ def stream_progress(redis, request_ids: Iterable[str]) -> dict[str, tuple[bool, 
     return out
 
 
+PREFIX_QUERIES = f"{PREFIX}:prefix_cache:queries"  # hash: instance -> prompt tokens looked up in its prefix cache
+PREFIX_HITS = f"{PREFIX}:prefix_cache:hits"        # hash: instance -> of them, found cached
+
+
+def count_prefix_cache(pipe, instance: str, queries: int, hits: int) -> None:
+    """Add an instance's new prefix-cache lookups (``cohort_prefix_cache_*_total``, vLLM's counters)."""
+    if queries:
+        pipe.hincrby(PREFIX_QUERIES, instance, queries)
+    if hits:
+        pipe.hincrby(PREFIX_HITS, instance, hits)
+
+
 def count_generated(pipe, tokens: int) -> None:
     """Count tokens as a worker generates them — in the pipeline that publishes them, so a row
     cancelled or failed later still counts what it cost (``cohort_generated_tokens_total``)."""

@@ -48,6 +48,7 @@ requests = Table(
     Column("predictor_version", String(64)),
     Column("predicted_upper", Integer),  # the q90 bound memory planning used: live coverage
     Column("actual_tokens", Integer),
+    Column("cached_tokens", Integer),  # prompt tokens whose KV the instance's prefix cache had
     Column("emulated_tokens", Integer),
     Column("slo_s", Float),
     Column("status", String(16), nullable=False, default="queued"),  # queued|done|failed|cancelled|timeout

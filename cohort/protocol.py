@@ -103,6 +103,7 @@ class StreamEvent:
     batch_id: str | None = None
     batch_size: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    cached_tokens: int = 0  # end: prompt tokens served from the instance's prefix cache
     ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # A request that asked for its prompt's logprobs gets one delta with no text and no ids that

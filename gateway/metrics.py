@@ -70,6 +70,12 @@ class GatewayMetrics:
                                              "as they are generated (also for requests later cancelled, failed "
                                              "or preempted)")
         r.register(self.generated_tokens)
+        self.prefix_queries = RedisCounter("cohort_prefix_cache_queries", "Prompt tokens looked up in an "
+                                           "instance's prefix cache (vLLM's vllm:prefix_cache_queries)", "instance")
+        self.prefix_hits = RedisCounter("cohort_prefix_cache_hits", "Of those prompt tokens, the ones whose KV "
+                                        "the instance's prefix cache had", "instance")
+        r.register(self.prefix_queries)
+        r.register(self.prefix_hits)
         self.pending = Gauge("cohort_queue_pending_requests", "Requests waiting to be batched", registry=r)
         self.inflight = Gauge("cohort_inflight_batches", "Batches dispatched and not finished", registry=r)
         self.instances = Gauge("cohort_instances_alive", "LLM instances of this pool heart-beating", registry=r)
@@ -81,6 +87,8 @@ class GatewayMetrics:
         self.pending.set(await redis.llen(keys.incoming) + await redis.hlen(keys.pending))
         self.inflight.set(await redis.hlen(keys.inflight))
         self.instances.set(alive_instances)
+        self.prefix_queries.values = {k: float(v) for k, v in (await redis.hgetall(bus.PREFIX_QUERIES)).items()}
+        self.prefix_hits.values = {k: float(v) for k, v in (await redis.hgetall(bus.PREFIX_HITS)).items()}
         for k, v in (await redis.hgetall(bus.STATS)).items():
             if k == bus.GENERATED_TOKENS:
                 self.generated_tokens.value = float(v)
@@ -93,11 +101,19 @@ class RedisCounter:
     """A counter whose truth lives in Redis (the workers increment it: ``bus.count_generated``),
     exported as a Prometheus counter with the value read at the latest scrape."""
 
-    def __init__(self, name: str, documentation: str) -> None:
+    def __init__(self, name: str, documentation: str, label: str | None = None) -> None:
         self.name, self.documentation, self.value = name, documentation, 0.0
+        self.label = label
+        self.values: dict[str, float] = {}   # with ``label``: one series per label value
 
     def collect(self):
-        yield CounterMetricFamily(self.name, self.documentation, value=self.value)
+        if self.label is None:
+            yield CounterMetricFamily(self.name, self.documentation, value=self.value)
+            return
+        family = CounterMetricFamily(self.name, self.documentation, labels=[self.label])
+        for key, v in sorted(self.values.items()):
+            family.add_metric([key], v)
+        yield family
 
 
 class CountRequests:

@@ -77,11 +77,12 @@ class Answer:
     logprobs: list[tuple[int, list]] = field(default_factory=list)  # every token's, when asked for
     # the prompt's ids and one PromptLogprob (None first) per id, when asked for
     prompt: tuple[list[int], list] | None = None
+    cached_tokens: int = 0   # prompt tokens the instance's prefix cache had
 
     @classmethod
     def from_event(cls, ev: StreamEvent) -> Answer:
         return cls(ev.text, ev.tokens, ev.finish_reason or FinishReason.STOP.value, ev.batch_id or "",
-                   ev.batch_size or 0, dict(ev.timings))
+                   ev.batch_size or 0, dict(ev.timings), cached_tokens=ev.cached_tokens)
 
 
 class RequestMetrics:

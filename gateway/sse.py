@@ -38,9 +38,17 @@ def event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def cached_tokens(answers: Sequence[Answer | None], n: int = 1) -> int:
+    """Usage's cached prompt tokens, each prompt counted once (its first choice) as its tokens are."""
+    return sum(a.cached_tokens for a in answers[::max(1, n)] if a is not None)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV the
+    prefix cache had (OpenAI's field for its own prompt caching)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass
@@ -85,8 +93,8 @@ class Chunks:
     def finish(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         return self._chunk([self._choice(index, None, finish_reason)])
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {**self._chunk([]), "usage": usage(prompt_tokens, completion_tokens)}
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        return {**self._chunk([]), "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 async def merged(relays: Sequence[Relay]) -> AsyncIterator[tuple[int, Piece | Answer]]:
@@ -137,7 +145,7 @@ async def collect_all(relays: Sequence[Relay]) -> list[Answer]:
 
 
 async def sse_events(relays: Relay | Sequence[Relay], chunks: Chunks, prefixes: Sequence[str] = (),
-                     prompt_tokens: int | None = None) -> AsyncIterator[str]:
+                     prompt_tokens: int | None = None, n: int = 1) -> AsyncIterator[str]:
     """The SSE body of one request; closing or cancelling it before the end (client gone)
     withdraws every choice. ``prefixes``: text each choice starts with (``echo``);
     ``prompt_tokens``: the usage's (default: every choice's prompt counted)."""
@@ -160,7 +168,7 @@ async def sse_events(relays: Relay | Sequence[Relay], chunks: Chunks, prefixes: 
             completion = sum(r.answer.tokens for r in relays if r.answer)
             stream_usage(prompt, completion)  # the API key's tokens (gateway.auth), asked for or not
             if chunks.include_usage:
-                yield event(chunks.usage(prompt, completion))
+                yield event(chunks.usage(prompt, completion, cached_tokens([r.answer for r in relays], n)))
         except APIError as e:
             yield event(e.body())
         yield DONE
@@ -171,6 +179,6 @@ async def sse_events(relays: Relay | Sequence[Relay], chunks: Chunks, prefixes: 
 
 
 def sse_response(relays: Relay | Sequence[Relay], chunks: Chunks, prefixes: Sequence[str] = (),
-                 prompt_tokens: int | None = None) -> StreamingResponse:
-    return StreamingResponse(sse_events(relays, chunks, prefixes, prompt_tokens), media_type="text/event-stream",
+                 prompt_tokens: int | None = None, n: int = 1) -> StreamingResponse:
+    return StreamingResponse(sse_events(relays, chunks, prefixes, prompt_tokens, n), media_type="text/event-stream",
                              headers=HEADERS)

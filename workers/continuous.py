@@ -122,6 +122,7 @@ class ContinuousRun:
         self.group_of: dict[str, str] = {}      # row id -> batch id
         self.ids: dict[str, list[int]] = {}     # row id -> prompt + generated ids (what the executor reads)
         self._prompt_logits: dict[str, list[torch.Tensor]] = {}
+        self.cached_tokens: dict[str, int] = {}  # row id -> prompt tokens reused at its first prefill
         self._cancelled: set[str] = set()
         self.just_admitted: list[str] = []      # batch ids admitted by the last step
 
@@ -238,6 +239,7 @@ class ContinuousRun:
         self.groups[bid].left.discard(rid)
         self.ids.pop(rid, None)
         self._prompt_logits.pop(rid, None)
+        self.cached_tokens.pop(rid, None)
         if self.swap is not None:
             self.swap.pool.drop(rid)
 
@@ -316,7 +318,12 @@ class ContinuousRun:
                                                                               row.prompt_top)))
                 row.prompt_top = None
         before = [len(r.new_ids) for r in rows]
+        for rid in ready:
+            self.cached_tokens.setdefault(rid, self.book.rows[rid].cached)
+        events = len(out.tokens)
         self.stepper.accept(rows, torch.stack([logits[rid] for rid in ready]), out)
+        for ev in out.tokens[events:]:  # the usage and the log DB report what the cache served
+            ev.cached_tokens = self.cached_tokens.get(ev.req.id, 0)
         for rid, row, n in zip(ready, rows, before, strict=True):
             if row.done is not None:
                 self.book.release(rid)

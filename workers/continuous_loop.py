@@ -97,6 +97,11 @@ class ContinuousLoop:
         self._wake.set()
         return handle
 
+    def prefix_counts(self) -> tuple[int, int]:
+        """Prompt tokens looked up in this instance's prefix cache so far, and of them found."""
+        pool = self.run.book.pool
+        return pool.queries, pool.hits
+
     def updates(self, timeout_s: float) -> list[Update]:
         return drain(self.outbox, timeout_s)
 

@@ -25,6 +25,7 @@ class RowResult:
     finish_reason: FinishReason
     first_token_at: float | None
     finished_at: float
+    cached_tokens: int = 0   # prompt tokens its KV came from the prefix cache for
 
 
 @dataclass
@@ -39,6 +40,7 @@ class TokenEvent:
     finish: FinishReason | None = None  # the engine ended the row (EOS, its length)
     scored: TokenLogprob | None = None  # the token's logprobs, when the request asked for them
     piece: str | None = None            # its text as an upstream server rendered it (then not decoded here)
+    cached_tokens: int = 0              # with ``finish``: prompt tokens its KV came from the prefix cache for
 
 
 @dataclass

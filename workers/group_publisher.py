@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cohort import bus
 from cohort.logdb import record_batches
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode
 from cohort.types import Batch
@@ -57,6 +58,7 @@ class GroupPublisher:
         self.groups: dict[str, _Group] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._counted = (0, 0)  # prefix-cache counters already sent (``_prefix_counts``)
         self._thread = threading.Thread(target=self._run, name="group-publisher", daemon=True)
         self._thread.start()
 
@@ -117,12 +119,21 @@ class GroupPublisher:
             staged.append(g.reporter.stage(upd.out, upd.alive if last[handle.batch_id] == i else [], upd.generated))
             if upd.done:
                 done.append(g)
+        extra.append(self._prefix_counts())
         send(self.rt, staged, extra, f"a round of {len(staged)} step(s)")
         if done:
             self._end(done)
         if failed:
             for bid, error in failed.items():
                 self._fail({bid}, f"the continuous engine failed: {error}")
+
+    def _prefix_counts(self) -> Fill:
+        """The engine's prefix-cache counters since the last round (read off its thread: two
+        growing ints), for the gateway's ``cohort_prefix_cache_*_total``."""
+        queries, hits = self.loop.prefix_counts()
+        dq, dh = queries - self._counted[0], hits - self._counted[1]
+        self._counted = (queries, hits)
+        return lambda pipe: bus.count_prefix_cache(pipe, self.rt.name, dq, dh)
 
     def _end(self, done: list[_Group]) -> None:
         """The groups' rows are all answered: tell the batcher, record the batch runs."""

@@ -98,7 +98,7 @@ def timings(res: RowResult, started: float) -> dict[str, float]:
 
 def _end_event(res: RowResult, b: Batch, started: float) -> StreamEvent:
     return StreamEvent(StreamKind.END, text=res.text, tokens=res.tokens, finish_reason=res.finish_reason.value,
-                       batch_id=b.id, batch_size=b.size, timings=timings(res, started))
+                       batch_id=b.id, batch_size=b.size, timings=timings(res, started), cached_tokens=res.cached_tokens)
 
 
 def batch_row(rt: Outlet, b: Batch, started: float) -> dict[str, Any]:
@@ -201,7 +201,8 @@ class Reporter:
 
     def _record(self, res: RowResult) -> dict[str, Any]:
         t = timings(res, self.started)
-        return {"status": "done", "actual_tokens": res.tokens, "batch_id": self.batch.id, "queued_s": t["queued_s"],
+        return {"status": "done", "actual_tokens": res.tokens, "cached_tokens": res.cached_tokens,
+                "batch_id": self.batch.id, "queued_s": t["queued_s"],
                 "run_s": t["run_s"], "total_s": t["total_s"], "finished": res.finished_at}
 
     def fail_rest(self, code: FailureCode, message: str) -> None:

@@ -139,7 +139,7 @@ class TextStage:
                text: str | None = None) -> None:
         self.send(t, len(t.pending), out)
         done = RowResult(t.req, t.text() if text is None else text, ev.total_tokens, reason,
-                         ev.first_token_at, ev.at)
+                         ev.first_token_at, ev.at, ev.cached_tokens)
         self.forget(t.req.id)
         if self.streaming:
             out.finished.append(done)

@@ -124,6 +124,11 @@ class UpstreamLoop:
             time.sleep(1.0)
         return handle
 
+    def prefix_counts(self) -> tuple[int, int]:
+        """Nothing here: the upstream server keeps its own prefix cache and counts it (vLLM's
+        ``vllm:prefix_cache_queries`` / ``_hits``)."""
+        return 0, 0
+
     def updates(self, timeout_s: float) -> list[Update]:
         return drain(self.outbox, timeout_s)
 

@@ -43,7 +43,7 @@ from gateway.schemas import (
     CompletionRequest,
     OpenAIRequest,
 )
-from gateway.sse import Chunks, collect_all, sse_response, usage
+from gateway.sse import Chunks, cached_tokens, collect_all, sse_response, usage
 from gateway.submit import Submission, admit_many, check_token_ids
 from gateway.validation import check_text_size
 
@@ -163,7 +163,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.stream:
         chunks = Chunks("completions", cid, created, served.id, body.include_usage,
                         render if body.logprobs is not None else None)
-        return sse_response(relays, chunks, prefixes, _prompt_tokens(tickets, body.n))
+        return sse_response(relays, chunks, prefixes, _prompt_tokens(tickets, body.n), body.n)
     answers = await collect_all(relays)
     choices = []
     for k, a in enumerate(answers):
@@ -173,7 +173,8 @@ async def completions(body: CompletionRequest, request: Request):
         choices.append({"index": k, "text": prefixes[k] + a.text, "finish_reason": a.finish_reason,
                         "logprobs": logprobs, **_prompt_logprobs(body, served, a)})
     return {"id": cid, "object": "text_completion", "created": created, "model": served.id, "choices": choices,
-            "usage": usage(_prompt_tokens(tickets, body.n), sum(a.tokens for a in answers))}
+            "usage": usage(_prompt_tokens(tickets, body.n), sum(a.tokens for a in answers),
+                           cached_tokens(answers, body.n))}
 
 
 async def _chat_submission(body: ChatCompletionRequest, request: Request, served: ServedModel,
@@ -218,11 +219,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         lambda _i, pairs, _text: lp.chat(served.path, pairs) if pairs else None) if body.logprobs else None
     if body.stream:
         return sse_response(relays, Chunks("chat", cid, created, served.id, body.include_usage, render),
-                            prompt_tokens=_prompt_tokens(tickets, body.n))
+                            prompt_tokens=_prompt_tokens(tickets, body.n), n=body.n)
     answers = await collect_all(relays)
     choices = [{"index": k, "message": {"role": "assistant", "content": a.text},
                 "logprobs": render(k, a.logprobs, a.text) if render else None, "finish_reason": a.finish_reason,
                 **_prompt_logprobs(body, served, a)}
                for k, a in enumerate(answers)]
     return {"id": cid, "object": "chat.completion", "created": created, "model": served.id, "choices": choices,
-            "usage": usage(_prompt_tokens(tickets, body.n), sum(a.tokens for a in answers))}
+            "usage": usage(_prompt_tokens(tickets, body.n), sum(a.tokens for a in answers),
+                           cached_tokens(answers, body.n))}

@@ -45,7 +45,7 @@ def test_chat_and_completions_answer_whole(tmp_path):
     k = cmpl.json()
     assert k["id"] == f"cmpl-{req.id}" and k["choices"][0]["text"] == "x"
     assert k["usage"] == {"prompt_tokens": req.input_tokens, "completion_tokens": 1,
-                          "total_tokens": req.input_tokens + 1}
+                          "total_tokens": req.input_tokens + 1, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("code", [FailureCode.OUT_OF_MEMORY, FailureCode.WORKER_LOST, FailureCode.BATCH_FAILED])

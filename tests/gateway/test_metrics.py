@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway.harness import gateway, worker
+from cohort import bus
+from tests.gateway.harness import end, gateway, sse_data, worker
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -58,3 +60,34 @@ def test_per_request_series_count_a_request_once_and_per_choice_series_each_choi
         assert m[(f"{per_request}_count", chat)] == 1, per_request
     for per_choice in ("cohort_choice_e2e_latency_seconds", "cohort_choice_time_to_first_token_seconds"):
         assert m[(f"{per_choice}_count", chat)] == 2, per_choice
+
+
+def test_prefix_cache_counters_and_cached_tokens_in_usage(tmp_path):
+    """Instances count prefix-cache lookups in Redis (``bus.count_prefix_cache``); the gateway exports
+    them per instance, and a request's answer carries the prompt tokens the cache served."""
+    async def scenario():
+        async with gateway(tmp_path) as (_, client, redis):
+            pipe = redis.pipeline()
+            bus.count_prefix_cache(pipe, "i0", 300, 192)
+            bus.count_prefix_cache(pipe, "i0", 20, 0)
+            bus.count_prefix_cache(pipe, "i1", 50, 16)
+            await pipe.execute()
+            w = asyncio.create_task(worker(redis, ["a", "b"], final=replace(end("ab", 2), cached_tokens=32)))
+            r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+            await w
+            w = asyncio.create_task(worker(redis, ["a"], final=replace(end("a", 1), cached_tokens=16)))
+            s = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "stream_options": {"include_usage": True}})
+            await w
+            return r.json(), s.text, (await client.get("/metrics")).text
+
+    body, streamed, text = asyncio.run(scenario())
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    usage = [d["usage"] for d in sse_data(streamed) if isinstance(d, dict) and d.get("usage")]
+    assert usage == [{"prompt_tokens": usage[0]["prompt_tokens"], "completion_tokens": 1,
+                      "total_tokens": usage[0]["prompt_tokens"] + 1, "prompt_tokens_details": {"cached_tokens": 16}}]
+    m = _samples(text)
+    assert m[("cohort_prefix_cache_queries_total", (("instance", "i0"),))] == 320
+    assert m[("cohort_prefix_cache_hits_total", (("instance", "i0"),))] == 192
+    assert m[("cohort_prefix_cache_hits_total", (("instance", "i1"),))] == 16

@@ -37,7 +37,8 @@ def test_chat_stream_chunks_with_usage(tmp_path):
     assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     assert all(c["usage"] is None for c in chunks[:-1])  # OpenAI: null on every chunk but the last
     assert usage["choices"] == [] and usage["usage"] == {
-        "prompt_tokens": req.input_tokens, "completion_tokens": 4, "total_tokens": req.input_tokens + 4}
+        "prompt_tokens": req.input_tokens, "completion_tokens": 4, "total_tokens": req.input_tokens + 4,
+        "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completions_stream_without_usage(tmp_path):
