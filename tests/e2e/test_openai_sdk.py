@@ -78,6 +78,29 @@ def test_chat_and_completions(client):
     assert tokens.usage.prompt_tokens == 3 and tokens.choices[0].text.startswith("this is a")
 
 
+def test_a_shared_system_prompt_comes_from_the_prefix_cache(client, stack):
+    """Two chats with one long system prompt, one after the other: the second's prompt pages come
+    from the instance's prefix cache, as its usage, its log-DB row and /metrics say."""
+    system = {"role": "system", "content": "You answer questions about static batching of LLM requests. " * 8}
+    first = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "Why?"}],
+                                           max_tokens=3, extra_body={"ignore_eos": True})
+    second = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "How?"}],
+                                            max_tokens=3, extra_body={"ignore_eos": True})
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert cached >= 64 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    rid = second.id.removeprefix("chatcmpl-")
+    con = sqlite3.connect(stack.db_path)
+    deadline = time.time() + 30
+    while time.time() < deadline and not con.execute("SELECT cached_tokens FROM requests WHERE id = ? AND "
+                                                     "status = 'done'", (rid,)).fetchone():
+        time.sleep(0.2)
+    assert con.execute("SELECT cached_tokens FROM requests WHERE id = ?", (rid,)).fetchone() == (cached,)
+    metrics = httpx.get(f"{stack.url}/metrics").text
+    hits = [line for line in metrics.splitlines() if line.startswith("cohort_prefix_cache_hits_total{")]
+    assert hits and sum(float(line.rsplit(" ", 1)[1]) for line in hits) >= cached
+
+
 def _stream_two_choices(client, **kw) -> list[str]:
     seen: dict[int, list[str]] = {0: [], 1: []}
     finish: dict[int, str] = {}
