@@ -37,6 +37,7 @@ from bench.continuous_run import (
 from bench.live import answer_digests, check_loopback, compare_answers, run_live_sync
 from bench.live_stack import parse_env, spawned_stack
 from bench.online_quantile import OnlineQuantile
+from bench.prefix_cli import prefix
 from bench.report import base_key, ratio_table, write_result
 from bench.roofline import Instance, fitted_time_model, instance
 from bench.simulator import DEFAULT_THRESHOLD, parse_policy, parse_run, simulate
@@ -50,8 +51,8 @@ from predictor.estimator import AnalyticBatchTime
 
 app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
 
-app.command()(soak)  # `cohort bench soak` (bench/soak_cli.py), `upstream` (bench/upstream_cli.py)
-app.command()(upstream)
+for _command in (soak, upstream, prefix):  # `cohort bench soak|upstream|prefix`: bench/<name>_cli.py
+    app.command()(_command)
 DEFAULT_POLICIES = "vs,glp,abp,magnus,magnus+oracle,s3,slo-dbs,odbs,slo-odbs"
 
 

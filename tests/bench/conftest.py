@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
 
 from bench.workload import build_rows
+from cohort.datasets import shared_data_dir
 
 
 def _write(path, task, n, seed, out_words):
@@ -33,3 +35,15 @@ def tiny_files(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_rows(tiny_files, tmp_path_factory):
     return build_rows(tiny_files, None, cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def chat_files():
+    """The default chat files of ../shared/data (``[]``: ``bench.chat_prefix.CHAT_TASKS``). Outside CI
+    a missing directory skips; under CI=true it fails loudly (CI must have the data)."""
+    d = shared_data_dir()
+    if not d.is_dir():
+        if os.environ.get("CI"):
+            raise FileNotFoundError(d)
+        pytest.skip(f"shared data {d} not present")
+    return []

@@ -4,8 +4,6 @@ gateway's chat rendering, arrivals, the hashes' chaining and the prefix statisti
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -19,20 +17,6 @@ from tests.bench.helpers import StepTime
 
 TM = StepTime()
 N = 300
-
-
-@pytest.fixture(scope="module")
-def chat_files():
-    """The default chat files of ../shared/data. Outside CI a missing directory skips; under CI=true
-    it fails loudly (CI must have the data)."""
-    from cohort.datasets import shared_data_dir
-
-    d = shared_data_dir()
-    if not d.is_dir():
-        if os.environ.get("CI"):
-            raise FileNotFoundError(d)
-        pytest.skip(f"shared data {d} not present")
-    return []   # the default: bench.chat_prefix.CHAT_TASKS
 
 
 @pytest.fixture(scope="module")
