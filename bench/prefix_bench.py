@@ -83,12 +83,15 @@ def _at_rate(cfg: ChatPrefixConfig, rate: float) -> ChatPrefixWorkload:
 
 
 def _scrape_hits(url: str) -> dict[str, float]:
-    """The stack's prefix-cache counters (``cohort_prefix_cache_*_total``, summed over instances)."""
-    out = {"queries": 0.0, "hits": 0.0}
+    """The stack's prefix-cache counters (``cohort_prefix_cache_*_total``, summed over instances)
+    and its evictions (rows preempted for pages)."""
+    out = {"queries": 0.0, "hits": 0.0, "evictions": 0.0}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        for k in out:
+        for k in ("queries", "hits"):
             if line.startswith(f"cohort_prefix_cache_{k}_total{{"):
                 out[k] += float(line.rsplit(" ", 1)[1])
+        if line.startswith('cohort_batcher_events{event="preemptions"}'):
+            out["evictions"] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -121,6 +124,8 @@ def prefix_live(cfg: ChatPrefixConfig, *, policy: str = "spf", load: float = 0.8
                 after = _scrape_hits(url)
                 q = after["queries"] - before["queries"]
                 runs[run_label]["prefix_hit_rate"] = (after["hits"] - before["hits"]) / q if q else 0.0
+                runs[run_label]["evictions"] = after["evictions"] - before["evictions"]
+                runs[run_label]["trace_page_hit_fraction"] = prefix_stats(wl)["page_hit_fraction"]
                 offered[run_label] = rate
     if engine:
         model = _model(engine)
@@ -129,10 +134,12 @@ def prefix_live(cfg: ChatPrefixConfig, *, policy: str = "spf", load: float = 0.8
         label = f"engine direct @ {engine_load:g}x own capacity"
         wl = _at_rate(cfg, engine_load * capacity["engine"])
         runs[label] = _replay(wl, engine, direct_body(wl, model), label)
+        runs[label]["trace_page_hit_fraction"] = prefix_stats(wl)["page_hit_fraction"]
         offered[label] = engine_load * capacity["engine"]
     return {"config": {"runner": "live", "workload": cfg.to_dict(), "policy": policy, "load": load,
                        "engine": engine, "engine_load": engine_load, "server_env": env or {}, "offered_rps": offered,
                        "capacity_rps": capacity, "trace": prefix_stats(burst)}, "runs": runs}
+    # ``trace``: the capacity burst's (first turns mostly); each run keeps its own trace's fraction
 
 
 def ratios(runs: dict[str, dict[str, Any]], base: str, keys: Sequence[str]) -> dict[str, dict[str, float | None]]:
