@@ -21,10 +21,14 @@ serve: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# Every test that needs no service (no Redis, PostgreSQL or spawned stack): the fast loop, one
-# pytest-xdist worker per core; tests/e2e is not even imported.
+# Every test that needs no service (no Redis, PostgreSQL or spawned stack) and is not marked slow
+# (a real model run or a long real computation; `make test` runs those): the fast loop, one
+# pytest-xdist worker per core; tests/e2e is not even imported. Bytecode is cached even where
+# PYTHONDONTWRITEBYTECODE is set: otherwise every run recompiles the project and re-does pytest's
+# assertion rewriting of every test module and of the plugin packages it marks (schemathesis,
+# hypothesis, anyio), seconds per worker.
 test-unit: install
-	$(BIN)/python -m pytest -q -m "not e2e" --ignore=tests/e2e -n auto
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m "not e2e and not slow" --ignore=tests/e2e -n auto
 
 lint: install
 	$(BIN)/ruff check .

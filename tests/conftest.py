@@ -80,7 +80,8 @@ def onnx_cache_root() -> str:
 # "encoder": the files that load the sentence encoder (sentence-transformers imported, MiniLM
 # loaded, the shared data encoded: seconds, paid once on one worker). "hf-models": the files that
 # build small HF causal LMs of their own (transformers' model classes imported, a tiny Llama built;
-# the deployer tests share its shape). "api-fuzz": one gateway, schemathesis imported once. Every
+# the deployer tests share its shape). "api-fuzz": one gateway, schemathesis imported once.
+# "source-ast": every product module parsed once (tests/test_import_cycles.py caches it). Every
 # other test is a unit of its own (the engine tests share one engine per worker, built once
 # whatever runs between: tests/workers/conftest.py); the biggest units are handed out first, so
 # they start early instead of finishing alone at the end.
@@ -94,6 +95,7 @@ ONE_WORKER = {
     "tests/deployer/test_deployer_cli.py": "hf-models",
     "tests/bench/test_roofline.py": "hf-models",
     "tests/gateway/test_schemathesis.py": "api-fuzz",
+    "tests/test_import_cycles.py": "source-ast",  # every module parsed once, not once per worker
 }
 
 

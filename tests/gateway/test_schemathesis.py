@@ -110,6 +110,7 @@ def schema(served):
     return schemathesis.openapi.from_url(f"{served}/openapi.json")
 
 
+@pytest.mark.slow  # only keeps the fuzzed list below whole; imports schemathesis (seconds)
 def test_every_operation_is_fuzzed(schema):
     assert sorted(r.ok().label for r in schema.get_all_operations()) == sorted(OPERATIONS)
 
@@ -142,6 +143,7 @@ def _fuzz(op, mode, url: str, seen: Counter, errors: list[str], undeclared: list
         assert mode is GenerationMode.NEGATIVE, op.label
 
 
+@pytest.mark.slow  # 2 x EXAMPLES generated requests per operation: seconds each (make test runs them)
 @pytest.mark.parametrize("label", OPERATIONS)
 def test_schemathesis_finds_no_server_error(served, schema, label):
     from schemathesis import GenerationMode

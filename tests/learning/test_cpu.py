@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+import pytest
+
 from learning.cpu import _cpu_seconds, duty_cycle, learner_threads
 
 
@@ -19,6 +21,7 @@ def _spin() -> None:
         pass
 
 
+@pytest.mark.slow  # four real one-second periods of a spinning process: seconds of wall time
 def test_duty_cycle_keeps_a_spinning_process_near_its_share():
     """A process that would take a whole core gets about 0.3 of one under a 0.3 s/s budget."""
     p = mp.get_context("fork").Process(target=_spin, daemon=True)

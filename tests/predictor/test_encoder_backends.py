@@ -34,6 +34,7 @@ def _vectors(backend: str, root: str, batch_size: int) -> np.ndarray:
     return np.asarray(model.encode(TEXTS, batch_size=batch_size, convert_to_numpy=True), dtype=np.float32)
 
 
+@pytest.mark.slow  # the real MiniLM through torch and onnxruntime (an export on a cold cache): seconds
 def test_onnx_matches_torch(onnx_root):
     ref = _vectors("torch", onnx_root, 64)
     got = _vectors("onnx", onnx_root, 2)  # other batching: padding must not change a vector
@@ -42,6 +43,7 @@ def test_onnx_matches_torch(onnx_root):
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
 
+@pytest.mark.slow  # the real MiniLM through torch and onnxruntime: seconds
 def test_encode_follows_the_configured_backend(monkeypatch, onnx_root):
     import predictor.encoder as enc
 

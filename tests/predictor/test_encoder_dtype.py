@@ -29,6 +29,7 @@ def _use(monkeypatch, **fields) -> None:
     monkeypatch.setattr(enc, "get_settings", lambda: s)
 
 
+@pytest.mark.slow  # MiniLM in bfloat16, emulated on CPUs without AMX: seconds
 def test_bf16_vectors_stay_close_to_float32():
     ref = enc.load_encoder(None, dtype="float32").encode(TEXTS, batch_size=4, convert_to_numpy=True)
     got = np.asarray(enc.load_encoder(None, dtype="bfloat16").encode(TEXTS, batch_size=16, convert_to_numpy=True),
@@ -38,6 +39,7 @@ def test_bf16_vectors_stay_close_to_float32():
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-2)
 
 
+@pytest.mark.slow  # MiniLM in bfloat16, emulated on CPUs without AMX: seconds
 def test_bf16_vectors_barely_depend_on_their_batch():
     """bf16 arithmetic rounds differently with the padded shape: not bit-identical across batchings
     as float32 is, but far below what moves a prediction on average (docs/predictors.md)."""

@@ -12,7 +12,10 @@ from predictor.training import fit_predictor, predict_items
 
 
 @pytest.mark.data
-@pytest.mark.parametrize("kind", ["mean", "linear", "magnus", "magnus_fast", "semantic"])
+@pytest.mark.parametrize("kind", ["mean", "linear",
+                                  pytest.param("magnus", marks=pytest.mark.slow),  # the real MiniLM
+                                  "magnus_fast",
+                                  pytest.param("semantic", marks=pytest.mark.slow)])
 def test_train_save_load_predict(kind, small_items, emb_cache, tmp_path):
     tr_items, tr_y, va_items, va_y = small_items
     model = fit_predictor(kind, tr_items, tr_y, cache_dir=emb_cache, n_estimators=20, max_iter=30)
@@ -30,6 +33,7 @@ def test_train_save_load_predict(kind, small_items, emb_cache, tmp_path):
 
 
 @pytest.mark.data
+@pytest.mark.slow  # encodes every train and validation text with the real MiniLM: seconds
 def test_magnus_beats_mean(small_items, emb_cache):
     tr_items, tr_y, va_items, va_y = small_items
     mean = fit_predictor("mean", tr_items, tr_y)
@@ -39,6 +43,7 @@ def test_magnus_beats_mean(small_items, emb_cache):
 
 
 @pytest.mark.data
+@pytest.mark.slow  # LoRA training steps on the real MiniLM base: seconds
 def test_lora_tiny_run(small_items, tmp_path):
     from predictor.buckets import bucket_index
     from predictor.lora import LoraBucketPredictor
@@ -128,6 +133,7 @@ def test_lora_on_causal_lm_base(tmp_path):
 
 
 @pytest.mark.data
+@pytest.mark.slow  # encodes every train and validation text with the real MiniLM: seconds
 def test_magnus_vector_cache_identical_predictions(small_items, emb_cache, tmp_path, monkeypatch):
     """Faithful Magnus encodes each distinct instruction / user text once: a repeated request is
     answered from the cache without touching the encoder, with the identical prediction."""

@@ -43,6 +43,7 @@ def test_samples_are_prefills_with_each_shapes_median(tmp_path):
         load_prefill_samples(files, 4, 128, max_gen=0)
 
 
+@pytest.mark.slow  # fits every model family of the paper's grid at every degree: seconds
 def test_search_covers_the_papers_grid_and_finds_a_smooth_cost(tmp_path):
     s = load_prefill_samples([_write(tmp_path / "p.json", 0.0, 0)], layers=4, hidden=128)
     res = model_search(s, seed=0)

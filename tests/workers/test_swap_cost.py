@@ -80,6 +80,7 @@ def test_the_engine_uses_a_cost_file_of_its_model_and_device_and_falls_back_othe
         engine.settings = Settings(profile_on_start=False)
 
 
+@pytest.mark.slow  # times the real model's prefill, repeated per shape: seconds
 def test_the_prefill_timer_samples_the_packed_prefill_with_its_spread(engine):
     timer = PrefillTimer(engine.model, engine.dtype, engine.device, max_tokens=512, page_size=16)
     small, large = profile_prefill_shapes(timer, [(1, 16), (4, 128)], repeats=2, rounds=2, show_progress=False)
