@@ -154,6 +154,25 @@ class SimInstance:
 
 
 Settle = Callable[[int, float, bool], None]
+StepObserver = Callable[[int, int, int, float], None]
+
+
+def account_step(tm: RooflineBatchTime, stats: StepStats, now: float, transfer_s: float, rows: int,
+                 observer: StepObserver | None, p_tok: float, p_pairs: float, p_reads: float, d_rows: float,
+                 d_reads: float) -> float:
+    """Cost one step on the roofline (its prefill tokens, their attention pairs and reads, its decode
+    rows and their reads) plus its PCIe transfers, count it, and return when it ends. ``observer``
+    sees (decode rows, prefill tokens, context tokens attended, seconds) as a live worker's learnt
+    step cost does."""
+    compute = tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads)
+    if observer is not None:
+        observer(int(d_rows), int(p_tok), int(d_reads + p_reads + p_tok), compute)
+    end = now + compute + transfer_s
+    stats.transfer_s += transfer_s
+    stats.steps += 1
+    stats.row_steps += rows
+    stats.busy_s += end - now
+    return end
 
 
 class ContinuousEngine:
@@ -330,16 +349,10 @@ class ContinuousEngine:
         if not self.limits.chunked_prefill and not d_rows:   # vLLM 0.2.5 pads every prompt to the longest
             width = float(max(n for _, n in sched))
             p_tok, p_pairs = width * len(sched), len(sched) * width * width / 2.0
-        compute = self.tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads)
-        if self.step_observer is not None:
-            self.step_observer(int(d_rows), int(p_tok), int(d_reads + p_reads + p_tok), compute)
-        end = now + compute + self.transfer
-        st = self.stats
-        st.transfer_s += self.transfer
+        end = account_step(self.tm, self.stats, now, self.transfer, len(sched), self.step_observer,
+                           p_tok, p_pairs, p_reads, d_rows, d_reads)
         self.transfer = 0.0
-        st.steps += 1
-        st.row_steps += len(sched)
-        st.busy_s += end - now
+        st = self.stats
         for r, n in sched:
             r.kv += n
             if r.filled < r.prompt:

@@ -22,7 +22,7 @@ from batcher.preemption import SwapLink, choose_preemption, swap_seconds
 from batcher.prefix_pages import page_hashes
 from batcher.row_cost import DecodeStepCost
 from batcher.running_set import Admission, RunningSet, RunRow, StepPlan
-from bench.continuous import EngineLimits, SimInstance, StepStats
+from bench.continuous import EngineLimits, SimInstance, StepStats, account_step
 from bench.roofline import RooflineBatchTime
 from cohort.settings import PreemptionMode
 from cohort.types import Batch, ProfiledRequest
@@ -234,16 +234,10 @@ class GroupEngine:
         for rid in plan.decode:
             d_rows += 1
             d_reads += rs.rows[rid].computed + 1
-        compute = self.tm.step_seconds(p_tok, p_pairs, p_reads, d_rows, d_reads)
-        if self.step_observer is not None:
-            self.step_observer(int(d_rows), int(p_tok), int(d_reads + p_reads + p_tok), compute)
-        end = now + compute + self.transfer
-        st = self.stats
-        st.transfer_s += self.transfer
+        end = account_step(self.tm, self.stats, now, self.transfer, len(plan.prefill) + len(plan.decode),
+                           self.step_observer, p_tok, p_pairs, p_reads, d_rows, d_reads)
         self.transfer = 0.0
-        st.steps += 1
-        st.row_steps += len(plan.prefill) + len(plan.decode)
-        st.busy_s += end - now
+        st = self.stats
         for rid in rs.commit(plan):
             sim = self.rows[rid]
             if sim.gen == 0:
