@@ -16,6 +16,7 @@ the curves.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
@@ -33,7 +34,17 @@ import psutil
 import redis
 from sqlalchemy import func, select
 
-from bench.soak_stats import Outcome, first_last, key_family, last_window, resource_trends, summarize, windows
+from bench.soak_stats import (
+    Outcome,
+    engine_windows,
+    first_last,
+    key_family,
+    last_window,
+    resource_trends,
+    summarize,
+    windows,
+)
+from cohort import bus
 from cohort.logdb import get_db_engine, log_counts, requests
 from procstack.embedded_redis import EmbeddedRedis
 from procstack.stack import Stack, free_port
@@ -135,7 +146,10 @@ class Sampler:
                 continue
         info = self.redis.info("memory")
         prefixes = key_prefix_counts(self.redis)
+        keys = bus.pool_keys("default")
+        engines = {k: json.loads(v) for k, v in self.redis.hgetall(bus.ENGINE_STATS).items()}
         s = {"t": round(t, 1), "rss_mb": rss, "cpu_pct": cpu, "redis_used_mb": info["used_memory"] / 2**20,
+             "engines": engines, "queued": self.redis.llen(keys.incoming) + self.redis.hlen(keys.pending),
              "redis_dataset_mb": info.get("used_memory_dataset", 0) / 2**20, "redis_keys": prefixes,
              "stream_keys": prefixes.get("cohort:stream", 0), "data_dir_mb": du_mb(self.data_dir), "log_rows": log_counts(get_db_engine(self.db_url))}
         self.samples.append(s)
@@ -259,6 +273,7 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
     end_s = cfg.minutes * 60.0  # when sending stopped, on the soak's own clock
     return {"summary": summarize(outcomes, warmup_s=cfg.warmup_s, end_s=end_s, wall_s=sent_wall),
             "windows": windows(outcomes, cfg.window_s),
+            "engine_windows": engine_windows(sampler.samples, cfg.window_s),
             "latency_first_last": first_last(outcomes, warmup_s=cfg.warmup_s, end_s=end_s),
             "retrains": retrains, "samples": sampler.samples, "undrained": len(pending)}
 

@@ -17,6 +17,9 @@ from bench.live_stack import parse_env
 from bench.report import pyplot
 from bench.soak import SoakConfig, prime_models, run_soak
 
+# name -> (minutes, rate, max_tokens, retrain_at_s): mixes a change is checked against
+PRESETS = {"steady": (15.0, 10.0, 128, 90.0)}
+
 
 def plot_soak(report: dict[str, Any], out: Path) -> Path:
     """Five panels: p50/p99 per window (admin retrains marked), CPU and RSS per process, Redis
@@ -95,6 +98,9 @@ def mean_cpu(samples: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def soak(
+    preset: str = typer.Option(None, help="steady: the continuous-execution soak (15 minutes at 10 req/s, "
+                               "answers up to 128 tokens, streamed and n=2 among them, an admin retrain at 90 s); "
+                               "it sets those four options."),
     minutes: float = typer.Option(20.0, help="How long traffic is sent."),
     rate: float = typer.Option(4.0, help="Requests per second (Poisson); ~60 % of the stack's capacity."),
     max_tokens: int = typer.Option(32, help="Largest max_tokens a request asks for."),
@@ -119,6 +125,10 @@ def soak(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise typer.BadParameter(f"--preset: one of {', '.join(PRESETS)}")
+        minutes, rate, max_tokens, retrain_at_s = PRESETS[preset]
     cfg = SoakConfig(minutes=minutes, rate=rate, max_tokens=max_tokens, warmup_s=warmup_s, window_s=window_s,
                      retrain_at_s=retrain_at_s if retrain_at_s >= 0 else None, retrain_every_s=retrain_every_s,
                      learning=learning, server_env=parse_env(server_env), drain_s=drain_s,

@@ -132,3 +132,35 @@ def resource_trends(samples: list[dict[str, Any]], warmup_s: float) -> dict[str,
                             "last": after[-1]["data_dir_mb"] if after else None}}
 
 
+
+
+def engine_windows(samples: list[dict[str, Any]], window_s: float) -> list[dict[str, Any]]:
+    """Per window, from the resource samples: each engine's mean step time and rows per step (the
+    change of its running totals over the window), rows resident and groups waiting at the window's
+    end, the batcher's queue and each process's mean CPU — what separates load from a slowing engine."""
+    out: list[dict[str, Any]] = []
+    if not samples:
+        return out
+    n = int(math.ceil(samples[-1]["t"] / window_s)) or 1
+    prev = samples[0]
+    for w in range(n):
+        inside = [s for s in samples if w * window_s < s["t"] <= (w + 1) * window_s]
+        if not inside:
+            continue
+        last = inside[-1]
+        engines = {}
+        for name, c in last.get("engines", {}).items():
+            p = prev.get("engines", {}).get(name, {})
+            steps = c.get("steps", 0) - p.get("steps", 0)
+            engines[name] = {"steps": steps,
+                             "step_ms": 1e3 * (c.get("busy_s", 0) - p.get("busy_s", 0)) / steps if steps else None,
+                             "rows_per_step": (c.get("row_steps", 0) - p.get("row_steps", 0)) / steps if steps else None,
+                             "rows": c.get("rows"), "waiting_groups": c.get("waiting_groups")}
+        cpu: dict[str, float] = {}
+        for s in inside:
+            for k, v in s.get("cpu_pct", {}).items():
+                cpu[k] = cpu.get(k, 0.0) + v / len(inside)
+        out.append({"start_s": w * window_s, "engines": engines, "queued_mean": sum(s.get("queued", 0) for s in inside)
+                    / len(inside), "cpu_pct": {k: round(v, 1) for k, v in cpu.items()}})
+        prev = last
+    return out

@@ -14,6 +14,7 @@ batches), so a restarted batcher picks up where the old one stopped.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -316,6 +317,14 @@ def count_prefix_cache(pipe, instance: str, queries: int, hits: int) -> None:
         pipe.hincrby(PREFIX_QUERIES, instance, queries)
     if hits:
         pipe.hincrby(PREFIX_HITS, instance, hits)
+
+
+ENGINE_STATS = f"{PREFIX}:engine"  # hash: instance -> JSON of its engine's running totals
+
+
+def engine_stats(pipe, instance: str, counters: dict[str, float]) -> None:
+    """An instance's engine totals (steps, seconds, rows per step, rows resident, groups waiting)."""
+    pipe.hset(ENGINE_STATS, instance, json.dumps(counters))
 
 
 def count_generated(pipe, tokens: int) -> None:

@@ -125,6 +125,7 @@ class ContinuousRun:
         self.cached_tokens: dict[str, int] = {}  # row id -> prompt tokens reused at its first prefill
         self._cancelled: set[str] = set()
         self.just_admitted: list[str] = []      # batch ids admitted by the last step
+        self.steps, self.busy_s, self.row_steps = 0, 0.0, 0  # steps run, their seconds, Σ rows per step
 
     @property
     def evictions(self) -> int:
@@ -193,6 +194,9 @@ class ContinuousRun:
                 if self.device.type == "cuda":  # the kernels run after launch: time the step, not its launch
                     torch.cuda.synchronize(self.device)  # (sampling waits for them next anyway)
                 spent = time.perf_counter() - t0
+                self.steps += 1
+                self.busy_s += spent
+                self.row_steps += len(plan.decode) + len(plan.prefill)
                 self.book.observe(plan, spent)
                 self.shares.observe(spent, {self._prio(r) for r in [*plan.decode, *(p[0] for p in plan.prefill)]})
                 break

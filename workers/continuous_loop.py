@@ -97,10 +97,14 @@ class ContinuousLoop:
         self._wake.set()
         return handle
 
-    def prefix_counts(self) -> tuple[int, int]:
-        """Prompt tokens looked up in this instance's prefix cache so far, and of them found."""
-        pool = self.run.book.pool
-        return pool.queries, pool.hits
+    def counters(self) -> dict[str, float]:
+        """The engine's running totals (read off its thread: growing numbers): prompt tokens looked
+        up in the prefix cache and found there, steps, their seconds and Σ rows per step, and the
+        rows resident and groups waiting now."""
+        run = self.run
+        return {"prefix_queries": run.book.pool.queries, "prefix_hits": run.book.pool.hits, "steps": run.steps,
+                "busy_s": run.busy_s, "row_steps": run.row_steps, "rows": len(run.book.rows),
+                "waiting_groups": len(run.book.waiting)}
 
     def updates(self, timeout_s: float) -> list[Update]:
         return drain(self.outbox, timeout_s)

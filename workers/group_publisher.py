@@ -119,7 +119,7 @@ class GroupPublisher:
             staged.append(g.reporter.stage(upd.out, upd.alive if last[handle.batch_id] == i else [], upd.generated))
             if upd.done:
                 done.append(g)
-        extra.append(self._prefix_counts())
+        extra.append(self._engine_counts())
         send(self.rt, staged, extra, f"a round of {len(staged)} step(s)")
         if done:
             self._end(done)
@@ -127,13 +127,19 @@ class GroupPublisher:
             for bid, error in failed.items():
                 self._fail({bid}, f"the continuous engine failed: {error}")
 
-    def _prefix_counts(self) -> Fill:
-        """The engine's prefix-cache counters since the last round (read off its thread: two
-        growing ints), for the gateway's ``cohort_prefix_cache_*_total``."""
-        queries, hits = self.loop.prefix_counts()
+    def _engine_counts(self) -> Fill:
+        """The engine's counters: its prefix-cache lookups since the last round (the gateway's
+        ``cohort_prefix_cache_*_total``) and its running totals (``bus.ENGINE_STATS``: a soak
+        reads step time and rows per step from them)."""
+        c = self.loop.counters()
+        queries, hits = int(c.get("prefix_queries", 0)), int(c.get("prefix_hits", 0))
         dq, dh = queries - self._counted[0], hits - self._counted[1]
         self._counted = (queries, hits)
-        return lambda pipe: bus.count_prefix_cache(pipe, self.rt.name, dq, dh)
+
+        def fill(pipe) -> None:
+            bus.count_prefix_cache(pipe, self.rt.name, dq, dh)
+            bus.engine_stats(pipe, self.rt.name, c)
+        return fill
 
     def _end(self, done: list[_Group]) -> None:
         """The groups' rows are all answered: tell the batcher, record the batch runs."""

@@ -124,10 +124,10 @@ class UpstreamLoop:
             time.sleep(1.0)
         return handle
 
-    def prefix_counts(self) -> tuple[int, int]:
-        """Nothing here: the upstream server keeps its own prefix cache and counts it (vLLM's
-        ``vllm:prefix_cache_queries`` / ``_hits``)."""
-        return 0, 0
+    def counters(self) -> dict[str, float]:
+        """The rows streaming and the groups waiting; the upstream server counts its own prefix
+        cache and steps (vLLM's ``vllm:prefix_cache_queries`` / ``_hits``)."""
+        return {"rows": len(self._rows), "waiting_groups": len(self._waiting)}
 
     def updates(self, timeout_s: float) -> list[Update]:
         return drain(self.outbox, timeout_s)

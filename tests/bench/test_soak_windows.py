@@ -2,7 +2,7 @@
 
 import random
 
-from bench.soak_stats import Outcome, key_family, last_window, windows
+from bench.soak_stats import Outcome, engine_windows, key_family, last_window, windows
 
 
 def _outcomes(n: int, rate: float, seed: int = 3) -> list[Outcome]:
@@ -35,3 +35,18 @@ def test_key_families_count_celery_results_as_one():
     assert key_family("celery-task-meta-3d6e41be-85de-49f5-83af-f05c36fae4c4") == "celery-task-meta-*"
     assert key_family("cohort:stream:abc:def") == "cohort:stream"
     assert key_family("_kombu.binding.celery.pidbox") == "_kombu.binding.celery.pidbox"
+
+
+def test_engine_windows_turn_running_totals_into_step_time_and_rows_per_step():
+    def sample(t, steps, busy, rows, queued, cpu):
+        return {"t": t, "queued": queued, "cpu_pct": {"worker": cpu},
+                "engines": {"w": {"steps": steps, "busy_s": busy, "row_steps": rows, "rows": 3, "waiting_groups": 1}}}
+
+    samples = [sample(10, 100, 1.0, 400, 0, 80), sample(60, 600, 6.0, 2400, 2, 100),
+               sample(70, 700, 8.0, 3000, 4, 90), sample(120, 1100, 16.0, 6200, 6, 110)]
+    w = engine_windows(samples, 60.0)
+    assert [x["start_s"] for x in w] == [0.0, 60.0]
+    assert w[0]["engines"]["w"]["steps"] == 500 and w[0]["engines"]["w"]["step_ms"] == 10.0
+    assert w[0]["engines"]["w"]["rows_per_step"] == 4.0
+    assert w[1]["engines"]["w"]["step_ms"] == 20.0 and w[1]["engines"]["w"]["rows_per_step"] == 7.6
+    assert w[1]["queued_mean"] == 5.0 and w[0]["cpu_pct"] == {"worker": 90.0}
