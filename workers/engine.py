@@ -60,8 +60,9 @@ class LLMEngine:
 
     @property
     def memory(self) -> KVMemory:
-        """The KV memory this instance really has and advertises: Θ, and on a CPU no more than the
-        KV budget its decode loop enforces (the gateway checks requests against this same Θ)."""
+        """The KV memory this instance really has: Θ, and on a CPU no more than the KV budget its
+        decode loop enforces. It advertises Θ (the gateway checks requests against it): the same
+        unless COHORT_THETA_OVERRIDE_BYTES advertises more on purpose (the OOM drills)."""
         cap = min(self.theta_bytes, self.kv_budget) if self.kv_budget is not None else self.theta_bytes
         return KVMemory(self.delta_bytes, cap)
 

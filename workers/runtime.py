@@ -122,7 +122,7 @@ def start(settings: Settings) -> Runtime:
             profile_if_missing(engine, settings)
         name = settings.instance_name or f"{socket.gethostname()}-{os.getpid()}"
         info = InstanceInfo(name=name, pool=settings.pool, model=settings.model,
-                            theta_bytes=engine.memory.theta_bytes, delta_bytes=engine.delta_bytes,
+                            theta_bytes=engine.theta_bytes, delta_bytes=engine.delta_bytes,
                             device=str(engine.device), started=time.time(),
                             served_model_name=settings.served_model_name or settings.model)
         rt = Runtime(settings, engine, bus.connect(settings.resolved_redis_url),
