@@ -18,7 +18,7 @@ from bench.report import pyplot
 from bench.soak import SoakConfig, prime_models, run_soak
 
 # name -> (minutes, rate, max_tokens, retrain_at_s): mixes a change is checked against
-PRESETS = {"steady": (15.0, 10.0, 128, 90.0)}
+PRESETS = {"steady": (15.0, 10.0, 32, 90.0)}
 
 
 def plot_soak(report: dict[str, Any], out: Path) -> Path:
@@ -99,7 +99,7 @@ def mean_cpu(samples: list[dict[str, Any]]) -> dict[str, float]:
 
 def soak(
     preset: str = typer.Option(None, help="steady: the continuous-execution soak (15 minutes at 10 req/s, "
-                               "answers up to 128 tokens, streamed and n=2 among them, an admin retrain at 90 s); "
+                               "answers up to 32 tokens, streamed and n=2 among them, an admin retrain at 90 s); "
                                "it sets those four options."),
     minutes: float = typer.Option(20.0, help="How long traffic is sent."),
     rate: float = typer.Option(4.0, help="Requests per second (Poisson); ~60 % of the stack's capacity."),
