@@ -85,7 +85,3 @@ class PagePool:
         if self.caching and h not in self.by_hash and page not in self.hash_of:
             self.by_hash[h] = page
             self.hash_of[page] = h
-
-    def held_by_others(self, pages: Sequence[int]) -> int:
-        """How many of these cached pages some row already holds (they cost the pool nothing more)."""
-        return sum(1 for p in pages if self.refs[p] > 0)

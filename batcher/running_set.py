@@ -222,6 +222,8 @@ class RunningSet:
         too and waits resident: one held here would hold up the batcher. Stops at the first that
         does not fit, so nothing overtakes a resumed row or the batcher's order."""
         out = Admission()
+        if not self.resume and not self.waiting:
+            return out   # every step asks: nothing to build while nothing waits
         seen = {h for r in self.rows.values() for h in r.hashes} if self.pool.caching else set()
         for row in [r for r in self.resume if running is None or r.priority in running]:
             if not self.fits([(self._joining_context(row, seen), row.planned_remaining)]) or not self.admit([row]):

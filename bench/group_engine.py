@@ -77,9 +77,12 @@ class GroupScheduler:
             pick = scores.index(best) if best > 0 else 0
         group = self.ahead.pop(pick)
         self.queued -= group.size
-        for q in group.requests:
-            self._pages.pop(q.id, None)
         return group
+
+    def take_pages(self, req: ProfiledRequest) -> list[int]:
+        """The request's prompt page hashes for its running-set row, forgotten here."""
+        got = self._pages.pop(req.id, None)
+        return got if got is not None else prompt_pages(req, self.limits.page_tokens)
 
 
 SALT = "sim"   # one model in a simulation: every prompt's pages are keyed under it
@@ -152,7 +155,7 @@ class GroupEngine:
                 rs.add_group(group.id, [RunRow(q.id, q.input_tokens, predicted_remaining=q.predicted_tokens,
                                                planned_remaining=max(1, q.planned_tokens),
                                                preemptions=q.preemptions, priority=q.priority,
-                                               hashes=prompt_pages(q, self.limits.page_tokens)
+                                               hashes=self.groups.take_pages(q)
                                                if self.groups.prefix_caching else [])
                                         for q in group.requests])
             adm = rs.admit_waiting()

@@ -30,7 +30,7 @@ from bench.chat_prefix import ChatPrefixConfig, ChatPrefixWorkload, make_chat_pr
 from bench.live_stack import spawned_stack
 from bench.roofline import instance
 from bench.simulator import simulate
-from bench.upstream_bench import cohort_body, direct_body, replay_streams, summarize
+from bench.upstream_bench import cohort_body, direct_body, replay_streams, served_model, summarize
 from predictor.estimator import AnalyticBatchTime
 
 SIM_KEYS = ("request_throughput", "mean_latency_s", "p99_latency_s", "mean_ttft_s", "p99_ttft_s", "prefix_hit_rate",
@@ -67,10 +67,6 @@ def prefix_sim(cfg: ChatPrefixConfig, *, policy: str = "spf", instances: int = 4
     return {"config": {"runner": "sim", "workload": cfg.to_dict(), "instances": instances, "gpu": gpu,
                        "model": model, "kv_tokens": memory.theta_tokens, "policy": policy, "affinity": affinity,
                        "trace": prefix_stats(wl)}, "runs": runs}
-
-
-def _model(base_url: str) -> str:
-    return httpx.get(f"{base_url}/models", timeout=30).json()["data"][0]["id"]
 
 
 def _replay(wl: ChatPrefixWorkload, url: str, body: Callable, label: str) -> dict[str, Any]:
@@ -110,7 +106,7 @@ def prefix_live(cfg: ChatPrefixConfig, *, policy: str = "spf", load: float = 0.8
     for label, flag in stacks.items():
         with spawned_stack(policy, {**(env or {}), "COHORT_PREFIX_CACHING": flag},
                            workdir / label.replace(" ", "-")) as url:
-            served = _model(f"{url}/v1")
+            served = served_model(f"{url}/v1")
             if label not in capacity:
                 capacity[label] = _replay(burst, f"{url}/v1", cohort_body(burst, served),
                                           f"{label}: capacity")["throughput_rps"]
@@ -128,7 +124,7 @@ def prefix_live(cfg: ChatPrefixConfig, *, policy: str = "spf", load: float = 0.8
                 runs[run_label]["trace_page_hit_fraction"] = prefix_stats(wl)["page_hit_fraction"]
                 offered[run_label] = rate
     if engine:
-        model = _model(engine)
+        model = served_model(engine)
         if "engine" not in capacity:
             capacity["engine"] = _replay(burst, engine, direct_body(burst, model), "engine: capacity")["throughput_rps"]
         label = f"engine direct @ {engine_load:g}x own capacity"

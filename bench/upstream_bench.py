@@ -135,6 +135,11 @@ def summarize(workload: Workload, res: StreamResult) -> dict[str, Any]:
             "goodput_rps": float(good.sum() / span) if span > 0 else 0.0, "wall_s": res.wall_s}
 
 
+def served_model(base_url: str) -> str:
+    """The first model id an OpenAI-compatible server lists (``GET /models``)."""
+    return httpx.get(f"{base_url}/models", timeout=30).json()["data"][0]["id"]
+
+
 def direct_body(workload: Workload, model: str) -> Callable[[int, str], dict[str, Any]]:
     """The engine direct: the true length as max_tokens with ignore_eos (its own FCFS order)."""
     def body(i: int, prompt: str) -> dict[str, Any]:

@@ -12,23 +12,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-import httpx
 import typer
 from tqdm import tqdm
 
 from bench.live_stack import parse_env, spawned_stack
 from bench.report import pyplot
-from bench.upstream_bench import cohort_body, direct_body, replay_streams, summarize
+from bench.upstream_bench import cohort_body, direct_body, replay_streams, served_model, summarize
 from bench.workload import WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
 from predictor.estimator import AnalyticBatchTime
 
 RATIO_KEYS = ("throughput_rps", "mean_latency_s", "p50_latency_s", "p99_latency_s", "mean_ttft_s", "p50_ttft_s",
               "mean_itl_s", "goodput_rps")
-
-
-def _model(base_url: str) -> str:
-    return httpx.get(f"{base_url}/models", timeout=30).json()["data"][0]["id"]
 
 
 def _labels(targets: list[str]) -> list[str]:
@@ -77,7 +72,7 @@ def upstream(
     direct run."""
     files = [str(p) for p in (data or data_files())]
     rows = build_rows(files, None)
-    model = _model(engine)
+    model = served_model(engine)
     env = parse_env(server_env)
 
     def workload(rate: float):
@@ -102,7 +97,7 @@ def upstream(
         policy = target.removeprefix("builtin:")
         stack_env = {**env} if builtin else {**env, "COHORT_UPSTREAMS": engine}
         with spawned_stack(policy, stack_env, workdir / label.replace(":", "_").replace("#", "_")) as url:
-            served = _model(f"{url}/v1")
+            served = served_model(f"{url}/v1")
             _all_loads(label, fracs, capacity, burst, requests, workload, f"{url}/v1",
                        lambda wl, served=served: cohort_body(wl, served), by_load)
     base = next(lb for lb, t in zip(_labels(names), names, strict=True) if t == "direct") if "direct" in names else None
