@@ -76,15 +76,22 @@ class KNNBatchTime:
     Standardising matters: β is tens while L and G are hundreds, and unscaled distances would
     ignore β. Distance weighting makes an exact repeat of a logged shape return its own time.
     Stored with skops (no pickle).
+
+    Estimates are remembered per shape (exact: a fitted model maps a shape to one time). The
+    batcher asks for the same open groups' shapes at every dispatch, and one scikit-learn
+    neighbour query costs about a millisecond whatever its size: in the steady soak those queries
+    were half the batcher's CPU once the first estimator went live (docs/steady.md).
     """
 
     kind = "knn"
+    MEMO = 65536  # shapes remembered; past it the memo starts over
 
     def __init__(self, n_neighbors: int = 5) -> None:
         self.n_neighbors = int(n_neighbors)
         self.model = make_pipeline(StandardScaler(),
                                    KNeighborsRegressor(n_neighbors=self.n_neighbors, weights="distance"))
         self.n_samples = 0
+        self._memo: dict[tuple[float, float, float], float] = {}
 
     def fit(self, shapes: Sequence[tuple[int, int, int]], seconds: Sequence[float]) -> KNNBatchTime:
         x = np.asarray(shapes, dtype=float).reshape(-1, 3)
@@ -95,6 +102,7 @@ class KNNBatchTime:
         self.model.set_params(kneighborsregressor__n_neighbors=k)
         self.model.fit(x, y)
         self.n_samples = len(x)
+        self._memo = {}
         return self
 
     def estimate(self, size: int, input_len: int, gen_len: int) -> float:
@@ -104,7 +112,14 @@ class KNNBatchTime:
         x = np.asarray(shapes, dtype=float).reshape(-1, 3)
         if not len(x):
             return np.zeros(0)
-        return np.maximum(self.model.predict(x), 1e-4)
+        keys = [tuple(row) for row in x.tolist()]
+        missing = list(dict.fromkeys(k for k in keys if k not in self._memo))
+        if missing:
+            if len(self._memo) + len(missing) > self.MEMO:
+                self._memo, missing = {}, list(dict.fromkeys(keys))
+            fresh = np.maximum(self.model.predict(np.asarray(missing, dtype=float)), 1e-4)
+            self._memo.update(zip(missing, fresh.tolist(), strict=True))
+        return np.array([self._memo[k] for k in keys])
 
     def save(self, directory, meta: dict | None = None) -> None:
         directory = Path(directory)

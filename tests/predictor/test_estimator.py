@@ -70,3 +70,28 @@ def test_run_profile_and_estimator_service(settings):
     reg.active_file.unlink()  # no active version any more: back to analytic
     svc.maybe_reload(force=True)
     assert svc.version is None and isinstance(svc.model, AnalyticBatchTime)
+
+
+def test_knn_estimates_are_remembered_per_shape_and_equal_the_models():
+    rng = np.random.default_rng(3)
+    shapes = [(int(b), int(i), int(g)) for b, i, g in rng.integers(1, 300, size=(60, 3))]
+    est = KNNBatchTime().fit(shapes, rng.random(60) + 0.1)
+    queries = [(int(b), int(i), int(g)) for b, i, g in rng.integers(1, 300, size=(40, 3))]
+    queries += queries[:10]  # repeats within one call
+    first = est.estimate_many(queries)
+    direct = np.maximum(est.model.predict(np.asarray(queries, dtype=float)), 1e-4)
+    assert np.array_equal(first, direct)
+    calls = []
+    est.model.predict = lambda x: calls.append(len(x)) or np.ones(len(x))  # any new query would show
+    assert np.array_equal(est.estimate_many(queries[::-1]), first[::-1]) and calls == []
+    est.estimate_many([(1000, 1000, 1000)] + queries)
+    assert calls == [1]  # only the unseen shape reaches the model
+    est.MEMO = 3  # a full memo starts over and still answers every shape
+    assert len(est.estimate_many(queries[:5])) == 5
+
+
+def test_a_refit_forgets_the_remembered_estimates():
+    est = KNNBatchTime(n_neighbors=1).fit([(1, 10, 10)], [1.0])
+    assert est.estimate(1, 10, 10) == 1.0
+    est.fit([(1, 10, 10)], [2.0])
+    assert est.estimate(1, 10, 10) == 2.0

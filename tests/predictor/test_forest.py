@@ -1,0 +1,50 @@
+"""The compiled forest answers what scikit-learn's regressor answers, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.ensemble import HistGradientBoostingRegressor
+
+from predictor.base import PredictItem
+from predictor.forest import COMPILED_ROWS, compile_forest
+from predictor.semantic import SemanticPredictor
+
+
+@pytest.mark.parametrize("loss", ["squared_error", "poisson"])
+def test_compiled_forest_equals_the_regressor_with_missing_values(loss):
+    rng = np.random.default_rng(1)
+    x = rng.random((800, 12)).astype(np.float32)
+    x[rng.random(x.shape) < 0.08] = np.nan  # NaN routes by each split's missing_go_to_left
+    y = np.nansum(x[:, :4], axis=1) * 3 + rng.random(800) + 0.1
+    model = HistGradientBoostingRegressor(loss=loss, max_iter=40, max_leaf_nodes=31, random_state=0).fit(x, y)
+    forest = compile_forest(model)
+    assert forest is not None
+    queries = rng.random((200, 12)).astype(np.float32)
+    queries[rng.random(queries.shape) < 0.1] = np.nan
+    queries[:5] = x[:5]  # thresholds are met exactly by training values
+    for n in (1, 2, 200):
+        assert np.array_equal(forest.predict(queries[:n]), model.predict(queries[:n]))
+
+
+def test_categorical_splits_are_left_to_the_regressor():
+    rng = np.random.default_rng(2)
+    x = np.column_stack([rng.integers(0, 5, 300), rng.random(300)])
+    model = HistGradientBoostingRegressor(max_iter=5, categorical_features=[0]).fit(x, x[:, 0] * 2 + x[:, 1])
+    assert compile_forest(model) is None
+
+
+@pytest.mark.slow  # loads the static MiniLM vectors and fits a semantic model: seconds
+def test_the_semantic_predictor_answers_alike_on_both_paths(tmp_path):
+    items = [PredictItem(f"Translate sentence number {i} into French", "word " * (i % 17), 5 + i % 17, "t")
+             for i in range(120)]
+    targets = [10 + (i % 17) * 4 for i in range(120)]
+    model = SemanticPredictor(max_iter=30).fit(items, targets)
+    assert model._compiled is not None
+    small = [model.predict([it])[0] for it in items[:COMPILED_ROWS]]  # compiled path, row by row
+    whole = model.predict(items)  # more than COMPILED_ROWS rows: scikit-learn's path
+    assert np.array_equal(np.array(small), whole[:COMPILED_ROWS])
+    model.save(tmp_path / "m")
+    loaded = SemanticPredictor.load(tmp_path / "m")
+    assert loaded._compiled is not None
+    assert np.array_equal(loaded.predict(items[:3]), whole[:3])
