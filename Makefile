@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-unit lint bench-sim clean
+.PHONY: install serve test test-unit test-model lint bench-sim clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,14 +21,20 @@ serve: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# Every test that needs no service (no Redis, PostgreSQL or spawned stack) and is not marked slow
-# (a real model run or a long real computation; `make test` runs those): the fast loop, one
-# pytest-xdist worker per core; tests/e2e is not even imported. Bytecode is cached even where
+# Every test that needs no service (no Redis, PostgreSQL or spawned stack), runs no language model
+# (marked `model`: tests/model and the deployer's load checks; `make test-model`) and is not marked
+# slow (a second or more of real computation); `make test` runs them all. The fast loop, one
+# pytest-xdist worker per core; tests/e2e and tests/model are not even imported. Bytecode is cached even where
 # PYTHONDONTWRITEBYTECODE is set: otherwise every run recompiles the project and re-does pytest's
 # assertion rewriting of every test module and of the plugin packages it marks (schemathesis,
 # hypothesis, anyio), seconds per worker.
 test-unit: install
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m "not e2e and not slow" --ignore=tests/e2e -n auto
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m "not e2e and not slow and not model" --ignore=tests/e2e \
+		--ignore=tests/model -n auto
+
+# Every test that runs a language model (the tiny Llama behind the built-in engine), slow ones too.
+test-model: install
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m "model and not e2e" --ignore=tests/e2e -n auto
 
 lint: install
 	$(BIN)/ruff check .

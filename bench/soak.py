@@ -41,6 +41,7 @@ from bench.soak_stats import (
     key_family,
     last_window,
     resource_trends,
+    steadiness,
     summarize,
     windows,
 )
@@ -309,6 +310,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] | N
         stack.stop()
         redis_srv.close()
     report["trends"] = resource_trends(report["samples"], cfg.warmup_s)
+    report["steadiness"] = steadiness(report["windows"])
     report["config"] = asdict(cfg)
     return report
 

@@ -89,6 +89,16 @@ def learning_ab(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] 
             "cpu_pct_mean": {key: mean_cpu(r["samples"]) for key, r in runs.items()}, "runs": runs}
 
 
+def compare_executions(cfg: SoakConfig, workdir: Path, modes: list[str],
+                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The same seeded soak once per execution mode, each on a fresh stack, one after the other:
+    whether a mode's median holds flat, and how its first minute compares with the others'."""
+    runs = {mode: run_soak(replace(cfg, server_env={**cfg.server_env, "COHORT_EXECUTION": mode}),
+                           workdir / f"execution-{mode}", progress) for mode in modes}
+    return {"modes": modes, "steadiness": {m: r["steadiness"] for m, r in runs.items()},
+            "summary": {m: r["summary"] for m, r in runs.items()}, "runs": runs}
+
+
 def mean_cpu(samples: list[dict[str, Any]]) -> dict[str, float]:
     """Each process's mean CPU (% of one core) over a run: on a shared host, whether an "on" run
     lost throughput to its learner (the learner's own share) or to other tenants (the serving
@@ -111,6 +121,8 @@ def soak(
     learning: bool = typer.Option(True, help="Run the learning worker and beat, as `make serve` does."),
     ab: bool = typer.Option(False, help="Throughput with learning off, then on (busy learner): the ratio."),
     repeats: int = typer.Option(1, help="--ab: interleaved off/on pairs."),
+    executions: str = typer.Option(None, help="Execution modes to soak one after the other on fresh stacks, "
+                                              "same seeded traffic (e.g. continuous,elastic); --json holds each run."),
     drain_s: float = typer.Option(120.0, help="After sending stops, how long answers may take (then: lost)."),
     server_env: list[str] = typer.Option(None, help="KEY=VALUE for the stack (repeat)."),
     workdir: Path = typer.Option(Path("var/bench/soak"), help="Where the stack keeps its files and logs."),
@@ -133,7 +145,13 @@ def soak(
                      retrain_at_s=retrain_at_s if retrain_at_s >= 0 else None, retrain_every_s=retrain_every_s,
                      learning=learning, server_env=parse_env(server_env), drain_s=drain_s,
                      models_from=str(models_from) if models_from else None)
-    bar = tqdm(total=int(minutes * 60 / cfg.sample_s) * (2 * repeats if ab else 1), desc="soak samples", unit="sample")
+    modes = [m.strip() for m in executions.split(",") if m.strip()] if executions else []
+    if ab and modes:
+        raise typer.BadParameter("--ab and --executions: one comparison at a time")
+    if any(m not in ("continuous", "elastic", "static") for m in modes):
+        raise typer.BadParameter("--executions: continuous, elastic or static, comma-separated")
+    runs = 2 * repeats if ab else max(1, len(modes))
+    bar = tqdm(total=int(minutes * 60 / cfg.sample_s) * runs, desc="soak samples", unit="sample")
 
     def tick(line: str) -> None:
         bar.update(1)
@@ -143,9 +161,16 @@ def soak(
         report = learning_ab(cfg, workdir, tick, repeats)
         typer.echo(f"throughput (req/s) {report['throughput_rps']}: on/off ratio {report['ratio']:.3f}, "
                    f"per pair {report['pair_ratios']}; mean CPU % per process {report['cpu_pct_mean']}")
+    elif modes:
+        report = compare_executions(cfg, workdir, modes, tick)
+        typer.echo(json.dumps({"steadiness": report["steadiness"], "summary": report["summary"]}, indent=1))
+        if plot:
+            for mode, run in report["runs"].items():
+                plot_soak(run, plot.with_name(f"{plot.stem}-{mode}{plot.suffix}"))
     else:
         report = run_soak(cfg, workdir, tick)
         typer.echo(json.dumps({"summary": report["summary"], "trends": report["trends"],
+                               "steadiness": report["steadiness"],
                                "latency_first_last": report["latency_first_last"],
                                "windows": report["windows"]}, indent=1))
         if plot:

@@ -164,3 +164,18 @@ def engine_windows(samples: list[dict[str, Any]], window_s: float) -> list[dict[
                     / len(inside), "cpu_pct": {k: round(v, 1) for k, v in cpu.items()}})
         prev = last
     return out
+
+
+def steadiness(windows_: list[dict[str, Any]], last: int = 3) -> dict[str, Any]:
+    """Each window's median against the first window's, and the steady soak's two checks: every
+    window within 1.5x of the first, the last ``last`` within 1.2x. A trailing window shorter than
+    the others (sending stopped inside it) is left out: it holds a few seconds of traffic."""
+    full = [w for w in windows_ if w.get("p50_s") is not None]
+    if len(full) > 1 and full[-1]["sent"] < 0.5 * full[-2]["sent"]:
+        full = full[:-1]
+    if not full:
+        return {"ratios": [], "every_window_le_1_5": None, "last_le_1_2": None}
+    base = full[0]["p50_s"]
+    ratios = [round(w["p50_s"] / base, 3) for w in full]
+    return {"minute0_p50_s": base, "ratios": ratios, "worst": max(ratios), f"last{last}": ratios[-last:],
+            "every_window_le_1_5": max(ratios) <= 1.5, "last_le_1_2": max(ratios[-last:]) <= 1.2}

@@ -1,7 +1,7 @@
 """`cohort worker profile-prefill`: the recompute-cost predictor's samples.
 
 Each sample is what a recompute runs in the continuous engine: one packed prefill step of β rows
-of L tokens through the live executor (``workers.profile.PrefillTimer``). Why not wall seconds of
+of L tokens through the live executor (``workers.prefill_timer.PrefillTimer``). Why not wall seconds of
 `cohort worker profile`: on a CPU shared with other processes a neighbour inflates a tiny model's
 prefill several times over (0.03 s and 0.30 s for one shape on a 2-core machine at load 12), and
 no regression reaches the 2 % error the predictor is held to. So: one torch thread, a warm-up run
@@ -37,7 +37,7 @@ def profile_prefill(
 
     from cohort.settings import get_settings
     from workers.engine import LLMEngine
-    from workers.profile import PrefillTimer, profile_prefill_shapes
+    from workers.prefill_timer import PrefillTimer, profile_prefill_shapes
 
     torch.set_num_threads(threads)
     engine = LLMEngine(get_settings())

@@ -83,13 +83,13 @@ def onnx_cache_root() -> str:
 # the deployer tests share its shape). "api-fuzz": one gateway, schemathesis imported once.
 # "source-ast": every product module parsed once (tests/test_import_cycles.py caches it). Every
 # other test is a unit of its own (the engine tests share one engine per worker, built once
-# whatever runs between: tests/workers/conftest.py); the biggest units are handed out first, so
+# whatever runs between: tests/model/conftest.py); the biggest units are handed out first, so
 # they start early instead of finishing alone at the end.
 ONE_WORKER = {
     "tests/predictor/test_predictors.py": "encoder",
     "tests/predictor/test_encoder_backends.py": "encoder",
     "tests/predictor/test_encoder_dtype.py": "encoder",
-    "tests/workers/test_paged_executor.py": "hf-models",
+    "tests/model/test_paged_executor.py": "hf-models",
     "tests/deployer/test_deployer_device_map.py": "hf-models",
     "tests/deployer/test_deployer_helr.py": "hf-models",
     "tests/deployer/test_deployer_cli.py": "hf-models",
@@ -97,6 +97,20 @@ ONE_WORKER = {
     "tests/gateway/test_schemathesis.py": "api-fuzz",
     "tests/test_import_cycles.py": "source-ast",  # every module parsed once, not once per worker
 }
+
+
+# Tests that run a language model are marked ``model``: every test under tests/model (the engine's
+# tests: their modules import torch's and transformers' model code at the top, seconds per
+# process, so ``make test-unit`` does not even collect them) and any test elsewhere that uses one
+# of these fixtures (a tiny Llama built on disk).
+MODEL_DIR = Path(__file__).resolve().parent / "model"
+MODEL_FIXTURES = frozenset({"shared_engine", "tiny_llama", "tiny_llama_tied"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if MODEL_DIR in Path(item.path).parents or MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.hookimpl(optionalhook=True)

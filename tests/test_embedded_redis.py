@@ -77,6 +77,7 @@ def test_a_restart_keeps_the_data_and_the_password(tmp_path: Path) -> None:
         again.close()
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_memory_is_bounded_and_only_keys_with_a_ttl_are_evicted(tmp_path: Path) -> None:
     """maxmemory with volatile-lru: filling it evicts expiring keys (finished streams), never a
     queue (no TTL); when only TTL-less keys are left, writes fail loudly instead of dropping one."""

@@ -92,6 +92,7 @@ def public_names(path: Path) -> set[str]:
             if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")}
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_one_name_per_concept_across_packages() -> None:
     """Two packages never define the same public class or function name for different things
     (a reader who meets ``BatchRun`` must know which world it lives in). Re-exports are imports,

@@ -60,6 +60,7 @@ def _raw(port: int, *parts: bytes) -> tuple[int, socket.socket]:
     return int(head.split()[1]), sock
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_a_real_uvicorn_with_those_options_refuses_a_huge_unfinished_head_and_too_many_clients():
     s = Settings(_env_file=None, http_max_header_bytes=2048, http_limit_concurrency=2)
     port = free_port()

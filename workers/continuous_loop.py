@@ -17,11 +17,14 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cohort.types import Batch
-from workers.continuous import ContinuousRun
 from workers.decode_outputs import StepOutput
 from workers.row_text import TextStage
+
+if TYPE_CHECKING:  # the loop only calls the run it is handed: the upstream loop shares it without torch
+    from workers.continuous import ContinuousRun
 
 log = logging.getLogger(__name__)
 Update = tuple["GroupHandle", "GroupUpdate"]

@@ -205,6 +205,7 @@ def test_peak_profile_rule_equals_a_brute_force_over_steps():
         assert batch_kv_tokens(L, lens, elastic=False) == len(lens) * (L + max(lens))
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_incremental_plan_and_vector_bounds_agree_with_the_rule():
     """KVPlan.fits_with (O(1) bounds, exact fallback) and grow_bounds never contradict the rule."""
     rng = random.Random(1)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.adaptive import RUN_KEYS, plot_adaptive, run_adaptive, target_lines
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_grid_runs_every_policy_and_preemption_and_loses_nothing(tiny_files, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     res = run_adaptive(requests=80, max_outputs=(16, 64), datasets=("tiny",), gpu_pages=16, host_pages=8,

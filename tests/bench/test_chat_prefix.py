@@ -16,7 +16,7 @@ from cohort.tokenizer import build_prompt, builtin_chat_prompt, prompt_token_ids
 from tests.bench.helpers import StepTime
 
 TM = StepTime()
-N = 300
+N = 150
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,7 @@ def test_salt_separates_models_and_adapters():
 
 # --- the workload -------------------------------------------------------------------------------
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_same_seed_same_trace_other_seed_differs(chat_files):
     def make(seed: int) -> ChatPrefixWorkload:
         return make_chat_prefix_workload(ChatPrefixConfig(files=chat_files, requests=60, rate=2.0, seed=seed), TM)

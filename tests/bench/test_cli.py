@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from bench.cli import app
 from bench.metrics import METRICS
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_sim_writes_json_table_and_plots(tiny_files, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the row cache goes to ./var/bench/cache
     out = tmp_path / "r.json"
@@ -40,6 +42,7 @@ def test_sim_writes_json_table_and_plots(tiny_files, tmp_path, monkeypatch):
     assert set(json.loads(out.read_text())) == {"config", "policies"}
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_sim_compares_execution_modes_in_one_run(tiny_files, tmp_path, monkeypatch):
     """--execution static,elastic runs every name under both; a name may carry its own mode."""
     monkeypatch.chdir(tmp_path)

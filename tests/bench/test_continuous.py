@@ -44,6 +44,7 @@ def run(reqs, policy, tokens=4096, instances=1, **kw):
 
 @pytest.mark.parametrize("policy", ["cb-fcfs", "adaptive-fair", "spf", "magnus", "s3-hrrn", "vs"])
 @pytest.mark.parametrize("mode", ["recompute", "swap", "adaptive"])
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_every_request_is_answered_once_under_memory_pressure(policy, mode):
     reqs = trace(300, rate=200.0, noise=0.5)
     r = run(reqs, policy, tokens=2048, preemption=mode, link=INST.swap_link(), host_pages=32)
@@ -56,6 +57,7 @@ def test_every_request_is_answered_once_under_memory_pressure(policy, mode):
         assert m["swaps"] == 0
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_the_policy_order_reaches_the_engine():
     """With a queue, shortest-predicted-first admission beats FCFS on mean latency and TTFT, and the
     results differ (the first cut ran every policy identically)."""
@@ -129,6 +131,7 @@ def test_adaptive_fair_picks_the_queue_with_the_higher_mean_priority():
     assert s.admit(inst, 10.0, 8192)[0].id == "q2"            # highest P joins first
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_the_row_cap_binds_cohort_policies_not_the_baseline():
     """``max_rows`` (COHORT_CONTINUOUS__MAX_ROWS) is cohort's own cap: its instances never run more
     rows at once; cb-fcfs keeps vLLM's max_num_seqs, and every request is still answered."""
@@ -144,6 +147,7 @@ def test_the_row_cap_binds_cohort_policies_not_the_baseline():
     assert capped.extra["physical_bound_rps"] == cb.extra["physical_bound_rps"]
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_the_marginal_cost_rule_binds_cohort_policies_not_the_baseline():
     """COHORT_CONTINUOUS__MARGINAL_COST: on a step bound by the rows themselves a cohort policy's
     instance stops admitting rows that no longer pay for themselves; cb-fcfs has no such rule, and
@@ -172,6 +176,7 @@ def test_the_default_marginal_cost_binds_where_the_rows_bound_the_step(gpu, mode
     assert row_pays(tm, 200, 200 * 150, DEFAULT_MARGINAL_COST)
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_a_step_cost_learnt_from_the_steps_binds_as_the_roofline_does():
     """``learnt_step_cost``: the rule priced on ``OnlineStepCost`` fed by the simulated steps (a
     live worker's way) holds the running set back as the roofline's own cost does."""

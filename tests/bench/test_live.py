@@ -61,6 +61,7 @@ def workload(tiny_files, tiny_rows):
     return make_workload(cfg, instance().time_model(), tiny_rows)
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_live_runner_collects_the_metrics(workload):
     app = fake_gateway()
     res = asyncio.run(run_live(workload, "http://testserver", transport=httpx.ASGITransport(app=app),
@@ -72,6 +73,7 @@ def test_live_runner_collects_the_metrics(workload):
     assert m["valid_token_throughput"] <= m["total_token_throughput"] + 1e-9
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_errors_and_the_time_limit_count_as_failures(workload):
     app = fake_gateway(fail_every=3)
     res = asyncio.run(run_live(workload, "http://testserver", transport=httpx.ASGITransport(app=app),

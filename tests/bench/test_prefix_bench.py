@@ -4,10 +4,13 @@ finds at least as many as least-loaded routing."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.chat_prefix import ChatPrefixConfig
 from bench.prefix_bench import prefix_sim, sim_runs
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_the_simulated_grid_on_a_small_chat_trace(chat_files):
     cfg = ChatPrefixConfig(files=chat_files, requests=240, rate=60.0, seed=3, max_tokens=128, n_system_prompts=6)
     out = prefix_sim(cfg, policy="spf", instances=2, kv_tokens=6000, affinity=16)

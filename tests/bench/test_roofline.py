@@ -68,6 +68,7 @@ def test_fitted_model_from_profile_samples(tmp_path):
         fitted_time_model(p)
 
 
+@pytest.mark.model  # builds the built-in Llama (on the meta device): transformers' model classes, seconds to import
 def test_tiny_preset_is_the_built_in_model():
     """The roofline's "tiny" is the model a CPU worker serves by default: same shape, same
     parameter count, the dtype the worker picks on a CPU."""

@@ -66,6 +66,7 @@ def test_oracle_at_least_as_good_as_noisy_predictions():
     assert o["total_wma"] <= p["total_wma"]
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_magnus_beats_vs_under_load():
     """On the default testbed (ChatGLM-6B/V100 roofline), at twice VS's capacity."""
     inst = instance()
@@ -78,6 +79,7 @@ def test_magnus_beats_vs_under_load():
     assert mg["total_wma"] < vs["total_wma"]
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_default_testbed_runs_a_real_trace(tiny_files, tiny_rows):
     from bench.workload import WorkloadConfig, make_workload
 

@@ -2,7 +2,7 @@
 
 import random
 
-from bench.soak_stats import Outcome, engine_windows, key_family, last_window, windows
+from bench.soak_stats import Outcome, engine_windows, key_family, last_window, steadiness, windows
 
 
 def _outcomes(n: int, rate: float, seed: int = 3) -> list[Outcome]:
@@ -50,3 +50,13 @@ def test_engine_windows_turn_running_totals_into_step_time_and_rows_per_step():
     assert w[0]["engines"]["w"]["rows_per_step"] == 4.0
     assert w[1]["engines"]["w"]["step_ms"] == 20.0 and w[1]["engines"]["w"]["rows_per_step"] == 7.6
     assert w[1]["queued_mean"] == 5.0 and w[0]["cpu_pct"] == {"worker": 90.0}
+
+
+def test_steadiness_compares_each_full_window_with_the_first():
+    w = [{"p50_s": p, "sent": 600} for p in (0.4, 0.5, 0.58, 0.44, 0.46, 0.47)] + [{"p50_s": 2.0, "sent": 20}]
+    s = steadiness(w)
+    assert s["ratios"] == [1.0, 1.25, 1.45, 1.1, 1.15, 1.175]  # the 20-request tail is left out
+    assert s["every_window_le_1_5"] and s["last_le_1_2"]
+    w[2]["p50_s"] = 0.64
+    assert not steadiness(w)["every_window_le_1_5"]
+    assert steadiness([{"p50_s": None, "sent": 0}])["every_window_le_1_5"] is None

@@ -88,6 +88,7 @@ def test_online_quantile_widens_after_under_predictions():
     assert 100 <= later.predicted_upper < 1000                    # learnt: covers the 2× answers, not the cap
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_simulate_with_the_online_quantile_answers_everything():
     reqs = [replace(r, predicted_upper=r.predicted_tokens, max_tokens=512) for r in trace(300, rate=200.0, noise=0.5)]
     r = run(reqs, "spf", tokens=2048, online=OnlineQuantile(None))

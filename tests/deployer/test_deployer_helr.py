@@ -60,6 +60,7 @@ def brute_force(problem: Problem, mode: str, a1: float, a2: float) -> Plan:
 
 
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_dp_matches_brute_force(seed):
     """On small random instances the DP's optimum equals the search over all subsets and orders."""
     rng = np.random.default_rng(seed)
@@ -94,6 +95,7 @@ def test_plan_respects_memory_caps():
             assert used <= prob.mem[pos] - prob.kv_reserve
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_he_never_uses_more_devices_than_lr():
     seen_difference = False
     for _, he, lr in feasible_he_lr(seed=11, tries=120, max_devices=7):
@@ -129,6 +131,7 @@ def test_whole_layers_granularity_is_infeasible():
         solve(prob, "lr")
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_exact_limit_is_fast_and_heuristic_is_feasible():
     rng = np.random.default_rng(5)
     prob = random_problem(rng, EXACT_LIMIT, mem=rng.integers(2, 6, EXACT_LIMIT) * 1000, num_layers=40,

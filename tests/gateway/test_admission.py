@@ -28,6 +28,7 @@ async def _depth(redis) -> int:
     return await redis.llen(KEYS.incoming) + await redis.hlen(KEYS.pending) + await redis.zcard(KEYS.reservations)
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_burst_never_exceeds_the_limit(tmp_path):
     """60 simultaneous requests, room for 10, nobody answering: exactly 10 admitted (they time
     out), 50 refused with 429 + Retry-After and no record."""

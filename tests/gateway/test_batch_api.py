@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from cohort import jobdb
 from cohort.settings import Settings
@@ -265,6 +266,7 @@ def test_a_row_is_answered_once_however_often_it_is_sent(tmp_path):
     assert jobdb.settled_lines(db, "batch-x", jobdb.ROW_DONE) == ["first"]
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_a_job_past_its_window_expires(tmp_path):
     async def scenario():
         async with gateway(tmp_path) as (app, client, _redis):  # no worker: the rows never finish

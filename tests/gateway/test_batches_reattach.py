@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from sqlalchemy import func, select
 
 from cohort import bus, jobdb
@@ -28,6 +29,7 @@ async def _queued(redis, n: int, task: asyncio.Task) -> None:
     raise TimeoutError("the request was not queued")
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_a_row_sent_again_follows_the_request_already_running(tmp_path):
     async def scenario():
         async with gateway(tmp_path) as (app, client, redis):

@@ -115,6 +115,7 @@ def test_stream_closed_after_the_opening_chunk_withdraws(tmp_path):
     assert _status(app, ticket.request.id)[0] == "cancelled"
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_answered_request_is_not_withdrawn(tmp_path):
     async def scenario():
         async with gateway(tmp_path) as (app, client, redis):

@@ -87,6 +87,7 @@ def test_each_sampling_field_reaches_the_worker(tmp_path, field):
     assert shows(req), (field, req)
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_answer_shaping_fields_shape_the_answer(tmp_path):
     r, _ = _post(tmp_path, "/v1/completions", {"prompt": "hello there", "echo": True})
     assert r.json()["choices"][0]["text"] == "hello thereok"

@@ -7,6 +7,8 @@ not when the file is collected: every xdist worker collects every file."""
 
 from __future__ import annotations
 
+import pytest
+
 from cohort.tokenizer import DEFAULT_MODEL, decode, load_tokenizer
 from gateway.logprobs import CompletionLogprobs, fit_pieces
 
@@ -26,6 +28,7 @@ def _render(ids: list[int], text: str, cuts: list[int], offset: int) -> list[dic
     return out
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_tokens_join_to_the_text_and_offsets_point_into_it():
     from hypothesis import given, settings
     from hypothesis import strategies as st

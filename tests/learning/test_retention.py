@@ -32,6 +32,7 @@ def _fill_log(s: Settings, now: float, n: int) -> None:
 
 
 @pytest.mark.parametrize("chunk", [2000, 7])  # one transaction, or many short ones
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_log_rows_are_bounded_prompts_dropped_measurements_kept_open_rows_untouched(tmp_path, monkeypatch, chunk):
     monkeypatch.setattr(logdb, "PRUNE_CHUNK", chunk)
     s = _settings(tmp_path, retention={"log_max_rows": 100, "prompt_age_s": 10_000 - 150,

@@ -71,6 +71,7 @@ def test_bf16_with_the_onnx_backend_is_refused(monkeypatch):
         enc.load_encoder(None, backend="onnx", dtype="bfloat16")
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_a_model_is_served_in_the_dtype_it_was_trained_with(tmp_path, monkeypatch):
     _use(monkeypatch, encoder_dtype="float32")  # what this process would pick for a new model
     MagnusPredictor(encoder_dtype="bfloat16", n_estimators=2).save(tmp_path / "bf16")

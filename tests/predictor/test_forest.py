@@ -14,16 +14,16 @@ from predictor.semantic import SemanticPredictor
 @pytest.mark.parametrize("loss", ["squared_error", "poisson"])
 def test_compiled_forest_equals_the_regressor_with_missing_values(loss):
     rng = np.random.default_rng(1)
-    x = rng.random((800, 12)).astype(np.float32)
+    x = rng.random((400, 12)).astype(np.float32)
     x[rng.random(x.shape) < 0.08] = np.nan  # NaN routes by each split's missing_go_to_left
-    y = np.nansum(x[:, :4], axis=1) * 3 + rng.random(800) + 0.1
-    model = HistGradientBoostingRegressor(loss=loss, max_iter=40, max_leaf_nodes=31, random_state=0).fit(x, y)
+    y = np.nansum(x[:, :4], axis=1) * 3 + rng.random(400) + 0.1
+    model = HistGradientBoostingRegressor(loss=loss, max_iter=15, max_leaf_nodes=31, random_state=0).fit(x, y)
     forest = compile_forest(model)
     assert forest is not None
-    queries = rng.random((200, 12)).astype(np.float32)
+    queries = rng.random((100, 12)).astype(np.float32)
     queries[rng.random(queries.shape) < 0.1] = np.nan
     queries[:5] = x[:5]  # thresholds are met exactly by training values
-    for n in (1, 2, 200):
+    for n in (1, 2, 100):
         assert np.array_equal(forest.predict(queries[:n]), model.predict(queries[:n]))
 
 

@@ -94,6 +94,7 @@ def test_state_round_trip(tmp_path) -> None:
     assert OnlineConformal.load(tmp_path / "bad.json") is None
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_service_learns_from_log_db_and_restarts_from_saved_state(settings) -> None:
     """Completions in the log DB move the bound the service hands out; a new service (restart)
     continues from the saved state and cursor instead of relearning."""

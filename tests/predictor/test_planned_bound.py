@@ -52,6 +52,7 @@ def test_existing_sqlite_file_gains_the_column_and_keeps_its_rows(tmp_path) -> N
     assert add_missing_columns(engine) == []  # a second opening (another process) adds nothing
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_existing_postgres_db_gains_the_column(request) -> None:
     """The same migration on a real PostgreSQL (skipped where none runs)."""
     from sqlalchemy import create_engine

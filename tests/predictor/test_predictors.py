@@ -65,6 +65,7 @@ def test_lora_tiny_run(small_items, tmp_path):
 
 
 @pytest.mark.data
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_cli_train_eval_register(data_paths, tmp_path, monkeypatch):
     from cohort import settings as settings_mod
     from predictor.cli import app
@@ -104,6 +105,7 @@ def test_cli_train_eval_register(data_paths, tmp_path, monkeypatch):
         settings_mod.get_settings.cache_clear()
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_lora_on_causal_lm_base(tmp_path):
     """A causal LM base (tiny random Llama saved to disk) gets a score head and q/v LoRA adapters."""
     from transformers import LlamaConfig, LlamaForCausalLM

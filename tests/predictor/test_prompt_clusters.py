@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from cohort.logdb import finish_request, finished_requests, get_db_engine, record_request
 from predictor.base import PredictItem
@@ -84,6 +85,7 @@ def test_clusters_survive_a_restart_in_the_online_state(tmp_path) -> None:
     assert load_state(tmp_path / "s.json", {}, None, None)[2] is None  # clusters off
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_each_kind_of_request_is_covered_near_the_target_with_clusters_and_not_without() -> None:
     """Chat answers as predicted, code answers 3x longer, interleaved and unlabelled: one pool-wide
     bound covers the mixture on average and code badly; per cluster both come near 0.9."""
@@ -114,6 +116,7 @@ def test_each_kind_of_request_is_covered_near_the_target_with_clusters_and_not_w
     assert 0.84 <= by_cluster["code"] <= 0.96 and 0.84 <= by_cluster["chat"] <= 0.96, by_cluster
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_the_service_clusters_real_prompts_with_the_static_encoder(settings) -> None:
     """The gateway's service, the real MiniLM static vectors and the SQLite log DB: once enough
     completions are read, code and tool prompts get different clusters and different bounds."""

@@ -67,6 +67,7 @@ def _search_and_save(tmp_path, model="cohort/tiny-random-llama", device="cpu"):
     return save_cost_file(tmp_path / "cost.json", s, res, model, device), res
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_the_saved_pick_is_refitted_for_its_model_and_device_only(tmp_path):
     path, res = _search_and_save(tmp_path)
     cost = load_cost_file(path, "cohort/tiny-random-llama", "cpu")
@@ -79,6 +80,7 @@ def test_the_saved_pick_is_refitted_for_its_model_and_device_only(tmp_path):
     assert load_cost_file(tmp_path / "bad.json", "cohort/tiny-random-llama", "cpu") is None
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_a_recompute_beside_running_rows_costs_the_marginal_prefill(tmp_path):
     """Issue 19: a victim re-prefilled inside a packed step costs f(β+1, L) − f(β, L), which
     leaves out the step's fixed cost; alone it costs the whole prefill f(1, L)."""
@@ -90,6 +92,7 @@ def test_a_recompute_beside_running_rows_costs_the_marginal_prefill(tmp_path):
     assert marginal < cost.recompute_seconds(300, running_rows=0)   # the 2 ms step overhead is not the row's
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_a_step_shaped_pick_prices_the_marginal_on_the_best_smooth_family(tmp_path):
     """A forest's f is a step function of β: its f(β+1) − f(β) is 0 inside a leaf. Where the
     search picks one, the marginal comes from the best linear-family model of the same search."""

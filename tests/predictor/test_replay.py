@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 
 @pytest.mark.data
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_cli_replay_windows_final_and_plot(data_paths, tmp_path, monkeypatch):
     """Train on one task, replay another (a shift): the report has the issue's shape, and the
     online bound's coverage over the final rows is closer to 0.9 than the static table's."""
@@ -44,6 +45,7 @@ def test_cli_replay_windows_final_and_plot(data_paths, tmp_path, monkeypatch):
 
 
 @pytest.mark.data
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_cli_replay_of_interleaved_sources_reports_each_source(data_paths, tmp_path, monkeypatch):
     """``--shuffle``: two tasks' rows interleaved (mixed, unlabelled traffic). The report covers each
     source over the final rows and per window, the run says how many prompt clusters it used, and

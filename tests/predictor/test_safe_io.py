@@ -16,6 +16,7 @@ class NotSklearn:
         self.x = 1
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_models_round_trip_and_foreign_types_are_refused(tmp_path):
     x, y = np.random.default_rng(0).random((50, 3)), np.arange(50.0)
     for i, model in enumerate((RandomForestRegressor(n_estimators=2).fit(x, y),

@@ -36,6 +36,7 @@ def test_events_go_out_once_redis_is_back():
         StreamEvent.delta("hi", 1, [5]).to_json()]  # written once: failed attempts wrote nothing
 
 
+@pytest.mark.slow  # a quarter second or more of real work: `make test` runs it, the fast loop does not
 def test_a_long_outage_still_ends_in_an_error():
     r = FlakyRedis(fail=10**6)
     with pytest.raises(redis.ConnectionError):

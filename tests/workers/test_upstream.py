@@ -138,6 +138,7 @@ def test_groups_join_in_order_under_the_servers_kv_and_answer_whole(tok):
     loop.stop()
 
 
+@pytest.mark.slow  # half a second or more of real work: `make test` runs it, the fast loop does not
 def test_a_failing_server_hands_rows_back_from_their_streamed_tokens(tok):
     server = ScriptedServer(fail_after=3)
     loop = UpstreamLoop(server, tok, capacity_tokens=10_000, poll_s=60)

@@ -12,7 +12,7 @@ from batcher.preemption import SwapLink
 from batcher.row_cost import OnlineStepCost
 from cohort.protocol import FailureCode, FinishReason
 from cohort.types import Batch, ProfiledRequest, SamplingParams
-from tests.workers.rendered import step_rendered
+from tests.model.rendered import step_rendered
 from workers.continuous import ContinuousRun, SwapPlan
 from workers.engine import LLMEngine
 from workers.swap_pool import HostSwapPool

@@ -7,7 +7,7 @@ tests paid that. The model serves both paths, the padded decode loop and the pag
 one (``workers.paged_attention``: outside a packed step the paged attention is plain SDPA), so
 one engine is shared by them all.
 
-A test may change the engine's settings (``tests/workers/test_swap_cost.py``); ``engine`` puts
+A test may change the engine's settings (``tests/model/test_swap_cost.py``); ``engine`` puts
 the defaults back, and forgets the recompute cost read under other settings, before each test.
 """
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cohort.types import Batch, ProfiledRequest
-from tests.workers.rendered import step_rendered
+from tests.model.rendered import step_rendered
 from workers.continuous import ContinuousRun
 from workers.model import tiny_llama_config
 

@@ -2,11 +2,14 @@
 ``generate`` run on each request alone: mixed prompt lengths, prefill chunked under a small token
 budget, rows joining while others decode, rows leaving as they finish."""
 
+import pytest
 import torch
 
 from batcher.running_set import RunningSet, RunRow
 from workers.model import tiny_llama_config
 from workers.paged_executor import PagedExecutor, packed_path_refusal
+
+pytestmark = pytest.mark.model  # builds and runs a tiny Llama of its own
 
 
 def _model():

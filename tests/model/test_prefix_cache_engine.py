@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.test_continuous import drive, finished, make_run, req
+from tests.model.test_continuous import drive, finished, make_run, req
 
 SYSTEM = "You are a careful assistant. Answer briefly and politely, in plain words. " * 3
 QUESTIONS = ["Tell me a story.", "What is static batching?", "Name a colour.", "Tell me a story about a cat."]

@@ -13,10 +13,10 @@ from batcher.preemption import SwapLink
 from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest
 from predictor.recompute_cost import PrefillSamples, model_search, save_cost_file
-from tests.workers.rendered import step_rendered
+from tests.model.rendered import step_rendered
 from workers.continuous import ContinuousRun, SwapPlan
 from workers.engine import LLMEngine
-from workers.profile import PrefillTimer, profile_prefill_shapes, repeat_spread
+from workers.prefill_timer import PrefillTimer, profile_prefill_shapes, repeat_spread
 from workers.swap_pool import HostSwapPool
 
 PROMPTS = ["Translate to French: good morning", "Hi", "Summarise: the cat sat on the mat"]
