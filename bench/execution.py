@@ -31,7 +31,7 @@ Memory overflow, when the next step would pass Θ (in tokens, ``KVMemory.theta_t
 
 Pure Python: ``simulate_batch_run`` returns offsets from the batch start; ``bench.simulator``
 turns them into events. (``Sim`` in the names: this is the simulated world's batch, not the
-worker's ``workers.decode`` run.)
+worker's ``workers.padded_run`` run.)
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ forced at each request's length) so every path generates exactly the same tokens
 
 - ``padded_generate``: HF ``generate`` on one left-padded batch to the longest output (static
   execution: the batch ends with its longest row);
-- ``elastic``: cohort's padded decode loop (``workers.decode``: rows leave as they finish);
+- ``elastic``: cohort's padded decode loop (``workers.padded_run``: rows leave as they finish);
 - ``continuous``: cohort's continuous run (``workers.continuous``: packed chunked prefill, paged
   KV, per-row decode) with the whole request set submitted as admission groups of 8; its text
   is rendered in the same process (on the worker the instance's publisher thread does it).
@@ -30,8 +30,8 @@ from transformers import LlamaForCausalLM
 from cohort.tokenizer import load_tokenizer
 from cohort.types import Batch, ProfiledRequest
 from workers.continuous import ContinuousRun
-from workers.decode import DecodeRun
 from workers.model import tiny_llama_config
+from workers.padded_run import PaddedRun
 from workers.row_text import TextStage
 
 CONFIGS = {"tiny": {}, "h1024-l8": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -68,7 +68,7 @@ def _padded(model, tok, reqs, device: torch.device) -> float:
 
 
 def _elastic(model, tok, reqs, device: torch.device) -> float:
-    run = DecodeRun(model, tok, device, 1, None, _profiled(reqs), emulate=True, prompt_ids=[p for p, _ in reqs])
+    run = PaddedRun(model, tok, device, 1, None, _profiled(reqs), emulate=True, prompt_ids=[p for p, _ in reqs])
     t = _sync(device)
     run.run_to_end()
     return _sync(device) - t

@@ -43,11 +43,11 @@ from cohort.continuous_knobs import ContinuousSettings
 from cohort.protocol import FailureCode, FinishReason
 from cohort.settings import PreemptionMode
 from cohort.types import Batch
-from workers.decode_outputs import StepOutput
 from workers.paged_attention import context_slots
 from workers.paged_executor import PagedExecutor
 from workers.prompt_logprobs import prompt_logprobs
 from workers.rows import RowState, TokenStepper
+from workers.step_outputs import StepOutput
 from workers.swap_pool import HostSwapPool
 
 PreemptionChoice = Literal["swap", "recompute"]

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cohort.types import Batch
-from workers.decode_outputs import StepOutput
 from workers.row_text import TextStage
+from workers.step_outputs import StepOutput
 
 if TYPE_CHECKING:  # the loop only calls the run it is handed: the upstream loop shares it without torch
     from workers.continuous import ContinuousRun

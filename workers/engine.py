@@ -1,6 +1,6 @@
 """One LLM instance: the loaded model, its tokenizer, Δ (KV bytes per token) and Θ (KV memory).
 
-``start`` hands a batch to the padded decode loop (workers.decode.DecodeRun) and
+``start`` hands a batch to the padded decode loop (workers.padded_run.PaddedRun) and
 ``continuous_run`` makes the continuous engine's run (workers.continuous); the worker drives them.
 """
 
@@ -20,15 +20,15 @@ from cohort.settings import Settings
 from cohort.tokenizer import uses_special_tokens
 from cohort.types import ProfiledRequest
 from workers.continuous import ContinuousRun, SwapPlan
-from workers.decode import DecodeRun
-from workers.decode_outputs import KVCacheOutOfMemory
 from workers.model import load_model
+from workers.padded_run import PaddedRun
+from workers.step_outputs import KVCacheOutOfMemory
 from workers.swap_pool import HostSwapPool, measure_link
 
 if TYPE_CHECKING:
     from predictor.recompute_cost import FittedRecomputeCost
 
-__all__ = ["DecodeRun", "LLMEngine", "KVCacheOutOfMemory"]
+__all__ = ["PaddedRun", "LLMEngine", "KVCacheOutOfMemory"]
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +172,11 @@ class LLMEngine:
 
     def start(self, requests: Sequence[ProfiledRequest], *, elastic: bool | None = None,
               recovery: str | None = None, emulate: bool | None = None,
-              prompt_ids: Sequence[list[int]] | None = None) -> DecodeRun:
+              prompt_ids: Sequence[list[int]] | None = None) -> PaddedRun:
         """A decode loop over these requests (settings give the modes unless overridden)."""
         s = self.settings
         ids = prompt_ids if prompt_ids is not None else [self.request_prompt_ids(r) for r in requests]
-        return DecodeRun(self.model, self.tokenizer, self.device, self.delta_bytes, self.kv_budget, requests,
+        return PaddedRun(self.model, self.tokenizer, self.device, self.delta_bytes, self.kv_budget, requests,
                         elastic=(s.execution != "static") if elastic is None else elastic,
                         recovery=recovery or s.oom_recovery, max_preemptions=s.max_preemptions,
                         emulate=s.emulate_lengths if emulate is None else emulate, prompt_ids=ids)

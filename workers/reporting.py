@@ -24,7 +24,7 @@ from cohort.logdb import finish_requests
 from cohort.protocol import CompletionEvent, FailureCode, ScoredIds, StreamEvent, StreamKind
 from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest
-from workers.decode_outputs import RowResult, StepOutput
+from workers.step_outputs import RowResult, StepOutput
 
 
 class Outlet(Protocol):

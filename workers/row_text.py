@@ -19,8 +19,8 @@ from dataclasses import replace
 
 from cohort.protocol import FinishReason, ScoredIds, TokenLogprob
 from cohort.types import ProfiledRequest
-from workers.decode_outputs import RowResult, StepOutput, TokenEvent
 from workers.detokenize import IncrementalDetokenizer
+from workers.step_outputs import RowResult, StepOutput, TokenEvent
 
 
 class RowText:

@@ -1,5 +1,5 @@
 """A row's life from its next-token logits to its next token — shared by the padded decode loop
-(``workers.decode``, static and elastic execution) and the continuous engine
+(``workers.padded_run``, static and elastic execution) and the continuous engine
 (``workers.continuous``), so both choose and stop tokens by the same rules.
 
 ``RowState`` is one request while it runs: its ids, sampler and limits. ``TokenStepper`` turns a
@@ -21,9 +21,9 @@ import torch
 
 from cohort.protocol import FinishReason, TokenLogprob
 from cohort.types import ProfiledRequest
-from workers.decode_outputs import StepOutput, TokenEvent
 from workers.row_text import TextStage
 from workers.sampling import RowSampler, token_logprob
+from workers.step_outputs import StepOutput, TokenEvent
 
 
 class RowState:

@@ -21,9 +21,9 @@ from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode
 from cohort.types import Batch
 from taskq.celery_app import RUN_BATCH, celery_app
 from workers import runtime
-from workers.decode import DecodeRun
-from workers.decode_outputs import KVCacheOutOfMemory
+from workers.padded_run import PaddedRun
 from workers.reporting import Reporter, batch_row, complete, mark_admitted
+from workers.step_outputs import KVCacheOutOfMemory
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def run_batch_task(batch: dict[str, Any]) -> dict[str, Any]:
     return {"batch_id": b.id, "running": True}
 
 
-def _drive(rt: runtime.Runtime, b: Batch, run: DecodeRun) -> dict[str, Any]:
+def _drive(rt: runtime.Runtime, b: Batch, run: PaddedRun) -> dict[str, Any]:
     """Publish the padded batch's steps until it ends, then tell the batcher and record the batch."""
     started = time.time()
     t0 = time.perf_counter()

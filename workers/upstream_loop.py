@@ -34,8 +34,8 @@ from batcher.kv_judge import KVJudge
 from cohort.protocol import FailureCode, FinishReason
 from cohort.types import Batch, ProfiledRequest
 from workers.continuous_loop import GroupHandle, GroupUpdate, Update, drain
-from workers.decode_outputs import StepOutput, TokenEvent
 from workers.row_text import TextStage
+from workers.step_outputs import StepOutput, TokenEvent
 from workers.upstream_api import (
     Chunk,
     UpstreamDown,

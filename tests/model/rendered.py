@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from workers.continuous import ContinuousRun
-from workers.decode_outputs import StepOutput
 from workers.row_text import TextStage
+from workers.step_outputs import StepOutput
 
 
 def step_rendered(run: ContinuousRun, stages: dict[str, TextStage]) -> dict[str, StepOutput]:

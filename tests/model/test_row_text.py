@@ -12,9 +12,9 @@ from cohort.protocol import FinishReason
 from cohort.types import Batch, ProfiledRequest, SamplingParams
 from workers.continuous import ContinuousRun
 from workers.continuous_loop import ContinuousLoop
-from workers.decode_outputs import StepOutput, TokenEvent
 from workers.engine import LLMEngine
 from workers.row_text import TextStage
+from workers.step_outputs import StepOutput, TokenEvent
 
 PROMPT = "Translate to French: good morning"
 

@@ -33,10 +33,10 @@ from batcher.elastic import eviction_order, next_step_kv_tokens
 from batcher.memory import KVMemory
 from cohort.protocol import FailureCode, FinishReason
 from cohort.types import ProfiledRequest
-from workers.decode_outputs import KVCacheOutOfMemory, StepOutput
 from workers.prompt_logprobs import prompt_logprobs
 from workers.row_text import TextStage
 from workers.rows import RowState, TokenStepper
+from workers.step_outputs import KVCacheOutOfMemory, StepOutput
 
 
 def _rollback(cache: DynamicCache, length: int) -> None:
@@ -48,7 +48,7 @@ def _rollback(cache: DynamicCache, length: int) -> None:
             layer.crop(-extra)
 
 
-class DecodeRun:
+class PaddedRun:
     """Runs one batch step by step; ``step()`` until ``done``. Raises KVCacheOutOfMemory only
     under split recovery."""
 

@@ -8,10 +8,10 @@ import torch
 
 from cohort.protocol import FailureCode, FinishReason
 from cohort.types import ProfiledRequest, SamplingParams
-from workers.decode import DecodeRun
-from workers.decode_outputs import KVCacheOutOfMemory
 from workers.detokenize import IncrementalDetokenizer
 from workers.engine import LLMEngine
+from workers.padded_run import PaddedRun
+from workers.step_outputs import KVCacheOutOfMemory
 
 PROMPTS = ["Translate to French: good morning", "Hi", "a much longer prompt about static batching " * 4,
            "Summarise: the cat sat on the mat"]
@@ -22,7 +22,7 @@ def req(i: int, prompt: str, max_tokens: int = 20, **kw) -> ProfiledRequest:
                            predicted_tokens=kw.pop("predicted", max_tokens), max_tokens=max_tokens, **kw)
 
 
-def run(engine: LLMEngine, reqs, capacity=None, **kw) -> tuple[DecodeRun, list]:
+def run(engine: LLMEngine, reqs, capacity=None, **kw) -> tuple[PaddedRun, list]:
     b = engine.start(reqs, **kw)
     if capacity is not None:
         b.capacity = capacity
