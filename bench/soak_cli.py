@@ -8,7 +8,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import typer
 from tqdm import tqdm
@@ -16,6 +16,7 @@ from tqdm import tqdm
 from bench.live_stack import parse_env
 from bench.report import pyplot
 from bench.soak import SoakConfig, prime_models, run_soak
+from cohort.settings import Settings
 
 # name -> (minutes, rate, max_tokens, retrain_at_s): mixes a change is checked against
 PRESETS = {"steady": (15.0, 10.0, 32, 90.0)}
@@ -148,8 +149,9 @@ def soak(
     modes = [m.strip() for m in executions.split(",") if m.strip()] if executions else []
     if ab and modes:
         raise typer.BadParameter("--ab and --executions: one comparison at a time")
-    if any(m not in ("continuous", "elastic", "static") for m in modes):
-        raise typer.BadParameter("--executions: continuous, elastic or static, comma-separated")
+    known = get_args(Settings.model_fields["execution"].annotation)  # the settings own the modes
+    if any(m not in known for m in modes):
+        raise typer.BadParameter(f"--executions: {', '.join(known)}, comma-separated")
     runs = 2 * repeats if ab else max(1, len(modes))
     bar = tqdm(total=int(minutes * 60 / cfg.sample_s) * runs, desc="soak samples", unit="sample")
 

@@ -4,9 +4,9 @@ Why: scikit-learn predicts a ``HistGradientBoostingRegressor`` by looping in Pyt
 trees, one compiled call (and one OpenMP region) per tree. The gateway predicts one or two
 requests at a time, so ``semantic``'s 300 trees cost a few milliseconds per request, nearly all
 of it per-tree overhead: in the steady soak (docs/steady.md) it was the largest single cost in
-the gateway, which shares a 2-core host with the LLM worker. Here every tree's nodes sit in one
-padded table and all trees descend together, one level per numpy step, so a prediction costs
-about as many array operations as the deepest tree has levels.
+the gateway, which shares a 2-core host with the LLM worker. Here every tree's nodes sit in flat
+arrays and all trees descend together, one level per numpy step, so a prediction costs about as
+many array operations as the deepest tree has levels.
 
 The answer is the regressor's own, bit for bit: the same descent (NaN follows
 ``missing_go_to_left``, else ``x <= threshold`` goes left), the leaf values added to the baseline
