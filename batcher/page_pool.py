@@ -79,6 +79,20 @@ class PagePool:
                 del self.idle[page]
             self.refs[page] += 1
 
+    def summary(self, limit: int) -> list[int]:
+        """At most ``limit`` keys of cached pages, for prefix-aware routing: those rows hold first
+        (they are in use now), then the most recently released. Bounded, so an instance with a
+        large pool publishes a fixed-size summary of what its next lookups most likely find."""
+        held = [h for page, h in list(self.hash_of.items()) if self.refs[page] > 0]
+        out = held[:limit]
+        for page in reversed(list(self.idle)):
+            if len(out) >= limit:
+                break
+            h = self.hash_of.get(page)
+            if h is not None:
+                out.append(h)
+        return out
+
     def cache(self, page: int, h: int) -> None:
         """``page`` now holds the written KV of the full prompt page keyed ``h``: later prompts may
         reuse it. A key already cached keeps its page (this one stays the row's own)."""

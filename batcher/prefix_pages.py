@@ -20,8 +20,9 @@ code; a page is 16 ids = 128 bytes at 8 bytes an id).
 
 from __future__ import annotations
 
+import base64
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from hashlib import blake2b
 
 DEFAULT_PAGE_TOKENS = 16
@@ -59,3 +60,16 @@ def shared_prefix_pages(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def encode_summary(hashes: Iterable[int]) -> str:
+    """The wire form of an instance's cached page keys (``PagePool.summary``): 8 little-endian bytes
+    a key, base64 (Redis clients here decode replies as text). 4,096 keys: 44 KB."""
+    keys = list(hashes)
+    return base64.b64encode(struct.pack(f"<{len(keys)}Q", *keys)).decode("ascii")
+
+
+def decode_summary(text: str) -> frozenset[int]:
+    """The keys ``encode_summary`` wrote."""
+    raw = base64.b64decode(text)
+    return frozenset(struct.unpack(f"<{len(raw) // 8}Q", raw))

@@ -22,6 +22,7 @@ import redis
 
 from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
+from batcher.placement import Placement
 from batcher.policies import Policy, PolicyContext, make_policy, planning_memory
 from cohort import bus
 from cohort.logdb import fail_stale_queued, finish_request, get_db_engine, settled_ids
@@ -38,6 +39,8 @@ class Inflight:
     batch: Batch
     dispatched: float
     admitted: bool = False  # its rows run on an instance (continuous: the group joined the running rows)
+    target: str | None = None  # the instance it was routed to (None: the pool's queue)
+    owner: str | None = None   # the instance that claimed it, once seen
 
 
 @dataclass
@@ -47,13 +50,19 @@ class BatcherService:
     settings: Settings
     redis: redis.Redis
     estimator: object
-    send_task: Callable[[Batch], None]  # hands a batch to the pool's queue (taskq.celery_app.batch_sender)
+    # hands a batch to the pool's queue, or to one instance's (taskq.celery_app.batch_sender)
+    send_task: Callable[[Batch, str | None], None]
     policy: Policy | None = None
+    placement: Placement | None = None  # prefix-aware routing (COHORT_PREFIX_ROUTING)
     inflight: dict[str, Inflight] = field(default_factory=dict)
     instances: dict[str, InstanceInfo] = field(default_factory=dict)
     _last_refresh: float = 0.0
     _last_sweep: float = 0.0
     _waiting: dict[str, ProfiledRequest] = field(default_factory=dict)  # in the policy, not dispatched
+
+    def __post_init__(self) -> None:
+        if self.settings.prefix_routing and self.placement is None:
+            self.placement = Placement(self.settings, self.redis)
 
     @property
     def keys(self) -> bus.PoolKeys:
@@ -88,6 +97,8 @@ class BatcherService:
                 self.policy.set_memory(memory)
         if set(alive) != set(self.instances):
             log.info("instances in pool %s: %s", self.settings.pool, sorted(alive) or "none")
+        if self.placement is not None:
+            self.placement.sync(alive, [n for n in self.instances if n not in alive], now)
         self.instances = alive
         self._last_refresh = now
 
@@ -99,7 +110,7 @@ class BatcherService:
         for js in self.redis.hvals(self.keys.inflight):
             d = json.loads(js)
             b = Batch.from_dict(d["batch"])
-            self.inflight[b.id] = Inflight(b, d["dispatched"])
+            self.inflight[b.id] = Inflight(b, d["dispatched"], target=d.get("target"))
         if pending or self.inflight:
             log.info("recovered %d pending requests and %d in-flight batches", len(pending), len(self.inflight))
 
@@ -261,8 +272,11 @@ class BatcherService:
         self._requeue([a, b], now, replaces=batch.id)
 
     def _queued_ids(self) -> str:
-        """The pool's Celery queue as raw text (short: batches are sent only to idle instances)."""
-        return "".join(self.redis.lrange(bus.queue_for_pool(self.settings.pool), 0, -1))
+        """The pool's Celery queue and the routed instances' as raw text (short: batches are sent only
+        to instances with room)."""
+        targets = sorted({fl.target for fl in self.inflight.values() if fl.target})
+        queues = [bus.queue_for_pool(self.settings.pool), *map(bus.queue_for_instance, targets)]
+        return "".join(m for q in queues for m in self.redis.lrange(q, 0, -1))
 
     def _check_lost(self, now: float) -> bool:
         """Re-queue batches whose instance died: mid-batch (claimed, heartbeat gone), or after
@@ -273,8 +287,12 @@ class BatcherService:
         alive = bus.alive(self.redis, owners.values())
         for bid, owner in owners.items():
             fl = self.inflight[bid]
+            if owner and owner != bus.CANCELLED and fl.owner is None and self.placement is not None:
+                self.placement.claimed(fl, owner)
             if owner and owner != bus.CANCELLED and not alive[owner]:
                 lost.append((bid, owner))
+            elif owner is None and fl.target is not None and fl.target not in self.instances:
+                lost.append((bid, f"{fl.target} (routed, unclaimed)"))
             elif owner is None and now - fl.dispatched > 2 * self.settings.instance_ttl_s:
                 queued = self._queued_ids() if queued is None else queued
                 if bid not in queued:
@@ -346,25 +364,26 @@ class BatcherService:
                 batch.requests = [r for r in batch.requests if r.id not in gone]
                 if not batch.requests:
                     continue
-            self._send(batch, now)
+            target = None if self.placement is None else self.placement.target(batch, list(self.inflight.values()))
+            self._send(batch, now, target)
             sent = True
         if sent:
             self._publish_worst()  # what left changes the least urgent priority still waiting
         return sent
 
-    def _send(self, batch: Batch, now: float) -> None:
+    def _send(self, batch: Batch, now: float, target: str | None = None) -> None:
         payload = batch.to_dict()
         pipe = self.redis.pipeline()
-        pipe.hset(self.keys.inflight, batch.id, dumps({"batch": payload, "dispatched": now}))
+        pipe.hset(self.keys.inflight, batch.id, dumps({"batch": payload, "dispatched": now, "target": target}))
         pipe.hdel(self.keys.pending, *[r.id for r in batch.requests])
         pipe.hincrby(bus.STATS, "batches_dispatched", 1)
         pipe.execute()
-        self.inflight[batch.id] = Inflight(batch, now)
+        self.inflight[batch.id] = Inflight(batch, now, target=target)
         for r in batch.requests:
             self._waiting.pop(r.id, None)
-        self.send_task(batch)
-        log.info("dispatched batch %s: β=%d L=%d G'=%d", batch.id, batch.size, batch.input_len,
-                 batch.predicted_gen_len)
+        self.send_task(batch, target)
+        log.info("dispatched batch %s: β=%d L=%d G'=%d%s", batch.id, batch.size, batch.input_len,
+                 batch.predicted_gen_len, f" to {target} (its prefix is cached there)" if target else "")
 
     def _fail(self, requests: list[ProfiledRequest], code: FailureCode, message: str) -> None:
         """Answer each request with an explicit error; nothing accepted is ever dropped silently."""

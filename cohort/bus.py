@@ -238,6 +238,26 @@ def queue_for_pool(pool: str) -> str:
     return f"{PREFIX}.pool.{pool}"
 
 
+def queue_for_instance(instance: str) -> str:
+    """One instance's own Celery queue: batches routed to it (prefix-aware routing). The instance
+    consumes it beside its pool's queue; the batcher deletes it when the instance is gone."""
+    return f"{PREFIX}.instance.{instance}"
+
+
+def prefix_summary_key(instance: str) -> str:
+    """The keys of the KV pages an instance has cached (``batcher.prefix_pages.encode_summary``),
+    rewritten with its heartbeat and expiring with it."""
+    return f"{PREFIX}:instance:{instance}:prefixes"
+
+
+def prefix_summaries(r: redis.Redis, instances: Iterable[str]) -> dict[str, str | None]:
+    """Each instance's published prefix summary (None: it publishes none), one round trip."""
+    names = sorted(instances)
+    if not names:
+        return {}
+    return dict(zip(names, r.mget([prefix_summary_key(n) for n in names]), strict=True))
+
+
 CANCELLED = "cancelled"  # a batch claim value: the batch was superseded, a redelivery is a no-op
 
 

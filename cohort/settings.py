@@ -256,6 +256,13 @@ class Settings(BaseSettings):
         default=True, description="continuous: keep the KV of full prompt pages after their rows leave and "
         "reuse it for any later prompt that starts with the same tokens (system prompts, chat history); "
         "off: every prompt is prefilled from scratch (for comparisons).")
+    prefix_routing: bool = Field(
+        default=True, description="The batcher sends a batch to the instance of its pool that holds the most of "
+        "its prompts' KV pages (reported by built-in instances, remembered from what was sent for upstreams), "
+        "when that instance has room; off: every batch goes to the pool's queue and any instance takes it.")
+    prefix_summary_pages: int = Field(
+        default=4096, ge=0, description="Most page keys a built-in instance publishes with its heartbeat for "
+        "prefix-aware routing (8 bytes each; held pages first, then the most recently released; 0: none).")
     model: str = Field(default=DEFAULT_MODEL, description="HF model path, or the built-in tiny random Llama.")
     pool: str = Field(default="default", description="Model pool: one Celery queue per pool.")
     served_model_name: str | None = Field(

@@ -17,7 +17,7 @@ from typing import Any
 
 from celery import Celery
 
-from cohort.bus import queue_for_pool
+from cohort.bus import queue_for_instance, queue_for_pool
 from cohort.settings import Settings, get_settings
 from cohort.types import Batch
 
@@ -96,12 +96,14 @@ def configure_celery(settings: Settings) -> None:
         celery_app.conf.update(celery_config(settings))
 
 
-def batch_sender(settings: Settings) -> Callable[[Batch], None]:
-    """How the batcher hands a batch to its pool: the ``cohort.run_batch`` task on the pool's queue, with the
-    batch id as the task id (a redelivery is recognised by it)."""
-    queue = queue_for_pool(settings.pool)
+def batch_sender(settings: Settings) -> Callable[[Batch, str | None], None]:
+    """How the batcher hands a batch to its pool: the ``cohort.run_batch`` task on the pool's queue, or on one
+    instance's own queue when the batcher routed it there, with the batch id as the task id (a redelivery
+    is recognised by it)."""
+    pool_queue = queue_for_pool(settings.pool)
 
-    def send(batch: Batch) -> None:
+    def send(batch: Batch, instance: str | None = None) -> None:
+        queue = pool_queue if instance is None else queue_for_instance(instance)
         celery_app.send_task(RUN_BATCH, args=[batch.to_dict()], task_id=batch.id, queue=queue)
 
     return send

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from cohort.bus import queue_for_pool
+from cohort.bus import queue_for_instance, queue_for_pool
 from cohort.settings import get_settings
 from predictor.learning import profile_samples_path
 from taskq.celery_app import celery_app
@@ -47,7 +47,8 @@ def worker(ctx: typer.Context) -> None:
     else:
         rt = runtime.start(s)
     try:
-        celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_for_pool(s.pool),
+        queues = f"{queue_for_pool(s.pool)},{queue_for_instance(rt.name)}"  # its pool's, and batches routed to it
+        celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queues,
                                 "-n", f"{rt.name}@%h", "--loglevel=INFO", "--without-gossip",
                                 "--without-mingle", "--prefetch-multiplier=1"])
     finally:

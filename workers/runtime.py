@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from batcher.prefix_pages import encode_summary
 from cohort import bus
 from cohort.logdb import get_db_engine
 from cohort.protocol import dumps
@@ -40,6 +41,8 @@ class Runtime:
     publisher: GroupPublisher | None = None  # ... and the one thread that reports for its groups
     # what to advertise now: None withdraws the instance (an upstream whose server is down)
     status: Callable[[], InstanceInfo | None] | None = None
+    # the page keys its KV pool holds, published for prefix-aware routing (None: it publishes none)
+    prefix_summary: Callable[[], list[int]] | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -56,7 +59,10 @@ class Runtime:
             self.info = info
         pipe = self.redis.pipeline()
         pipe.hset(bus.INSTANCES, self.name, dumps(self.info.to_dict()))
-        pipe.set(bus.alive_key(self.name), str(time.time()), ex=max(1, int(self.settings.instance_ttl_s)))
+        ttl = max(1, int(self.settings.instance_ttl_s))
+        pipe.set(bus.alive_key(self.name), str(time.time()), ex=ttl)
+        if self.prefix_summary is not None:
+            pipe.set(bus.prefix_summary_key(self.name), encode_summary(self.prefix_summary()), ex=ttl)
         pipe.execute()
 
     def _beat(self) -> None:
@@ -75,7 +81,7 @@ class Runtime:
         self._stop.set()
         try:
             self.redis.hdel(bus.INSTANCES, self.name)
-            self.redis.delete(bus.alive_key(self.name))
+            self.redis.delete(bus.alive_key(self.name), bus.prefix_summary_key(self.name))
         except redis.RedisError:
             pass
 
@@ -130,6 +136,9 @@ def start(settings: Settings) -> Runtime:
         rt.loop = continuous_loop(engine, settings)
         if rt.loop is not None:
             rt.publisher = GroupPublisher(rt, rt.loop)
+            pool, limit = rt.loop.run.book.pool, settings.prefix_summary_pages
+            if settings.prefix_caching and settings.prefix_routing and limit:
+                rt.prefix_summary = lambda: pool.summary(limit)
         rt.start_heartbeat()
         log.info("instance %s registered in pool %s: Θ=%d bytes, Δ=%d bytes/token", name, settings.pool,
                  info.theta_bytes, info.delta_bytes)

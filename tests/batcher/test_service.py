@@ -52,7 +52,7 @@ def service(r, tmp_path, sent: list, **kw) -> BatcherService:
     # the padded paths' rule (an instance takes a batch when idle) unless a test asks for continuous
     s = Settings(database_url=f"sqlite:///{tmp_path}/log.db", policy=kw.pop("policy", "magnus"),
                  wma_threshold=1e9, execution=kw.pop("execution", "elastic"), **kw)
-    return BatcherService(s, r, AnalyticBatchTime(), send_task=sent.append)
+    return BatcherService(s, r, AnalyticBatchTime(), send_task=lambda batch, target=None: sent.append(batch))
 
 
 def test_nothing_is_dispatched_without_an_idle_instance(r, tmp_path):

@@ -1,0 +1,145 @@
+"""Prefix-aware routing: the rule (``PrefixRouter``), the instances' summaries (``PagePool.summary``
+and its wire form), and the live batcher routing batches on fakeredis."""
+
+from __future__ import annotations
+
+import json
+
+import fakeredis
+import pytest
+
+from batcher.page_pool import PagePool
+from batcher.prefix_pages import decode_summary, encode_summary, page_hashes, page_salt
+from batcher.prefix_routing import PrefixRouter
+from batcher.service import BatcherService
+from cohort import bus
+from cohort.settings import Settings
+from cohort.types import Batch, InstanceInfo, ProfiledRequest
+from predictor.estimator import AnalyticBatchTime
+
+KEYS = bus.pool_keys("default")
+SYSTEM_A = list(range(100, 164))   # 4 full pages
+SYSTEM_B = list(range(500, 564))
+
+
+def req(rid: str, ids: list[int]) -> ProfiledRequest:
+    return ProfiledRequest(id=rid, prompt="p", input_tokens=len(ids), predicted_tokens=8, max_tokens=16,
+                           arrival=0.0, prompt_ids=ids)
+
+
+def keys(ids: list[int]) -> list[int]:
+    return page_hashes(ids, 16, page_salt("m"))
+
+
+def test_the_instance_with_the_longest_cached_prefix_is_chosen_among_those_with_room():
+    router = PrefixRouter()
+    router.sync_instances({"w1": 10_000, "w2": 10_000, "w3": 10_000})
+    router.report("w2", frozenset(keys(SYSTEM_A)[:2]))      # half of A's pages
+    router.report("w3", frozenset(keys(SYSTEM_A)))          # all of them
+    batch = Batch(id="b", created=0.0, requests=[req("r", SYSTEM_A + [1, 2, 3])])
+    assert router.cached_tokens(batch, "w3", "m") == 64 and router.cached_tokens(batch, "w2", "m") == 32
+    assert router.choose(batch, ["w1", "w2", "w3"], "m") == "w3"
+    assert router.choose(batch, ["w1", "w2"], "m") == "w2"          # w3 has no room: never chosen
+    assert router.choose(batch, ["w1"], "m") is None                 # nothing cached: the pool queue
+    other = Batch(id="c", created=0.0, requests=[req("s", SYSTEM_B)])
+    assert router.choose(other, ["w1", "w2", "w3"], "m") is None
+    again = Batch(id="d", created=0.0, requests=[req("r2", SYSTEM_A)])
+    assert router.choose(again, ["w3"], "other-model") is None       # another salt: other keys
+
+
+def test_what_was_sent_counts_as_cached_within_the_instance_kv():
+    router = PrefixRouter()
+    router.sync_instances({"up": 64})                                # 4 pages of KV
+    router.record("up", Batch(id="b", created=0.0, requests=[req("r", SYSTEM_A)]), "m")
+    assert router.choose(Batch(id="c", created=0.0, requests=[req("s", SYSTEM_A)]), ["up"], "m") == "up"
+    router.record("up", Batch(id="d", created=0.0, requests=[req("t", SYSTEM_B)]), "m")  # B pushes A out
+    assert router.cached_tokens(Batch(id="e", created=0.0, requests=[req("u", SYSTEM_A)]), "up", "m") == 0
+    router.sync_instances({})                                        # gone: its view goes too
+    assert router.views == {}
+
+
+def test_a_pool_summary_holds_used_pages_first_then_the_most_recently_released():
+    pool = PagePool(8)
+    pages = pool.take(4)
+    for i, page in enumerate(pages):
+        pool.cache(page, 1000 + i)
+    pool.give(pages[:3])             # 1000 released first, then 1001, 1002; 1003 still held
+    assert pool.summary(8) == [1003, 1002, 1001, 1000]
+    assert pool.summary(2) == [1003, 1002]
+    assert decode_summary(encode_summary([2**64 - 1, 5])) == {2**64 - 1, 5}
+    assert len(encode_summary(range(4096))) < 45_000
+
+
+@pytest.fixture
+def r():
+    return fakeredis.FakeRedis(decode_responses=True)
+
+
+def register(r, name: str) -> None:
+    info = InstanceInfo(name=name, pool="default", model="m", theta_bytes=10**6, delta_bytes=1)
+    r.hset(bus.INSTANCES, name, json.dumps(info.to_dict()))
+    r.set(bus.alive_key(name), "1", ex=60)
+
+
+def arrive(r, rid: str, ids: list[int]) -> None:
+    r.lpush(KEYS.incoming, json.dumps(req(rid, ids).to_dict()))
+
+
+def service(r, tmp_path, sent: list, **kw) -> BatcherService:
+    s = Settings(database_url=f"sqlite:///{tmp_path}/log.db", policy="spf", execution="continuous",
+                 continuous={"lookahead": 1, "group_frac": 1.0}, **kw)
+    return BatcherService(s, r, AnalyticBatchTime(), send_task=lambda batch, target=None: sent.append((batch, target)))
+
+
+def test_the_batcher_routes_to_the_reporting_instance_and_falls_back_to_the_pool(r, tmp_path):
+    register(r, "w1")
+    register(r, "w2")
+    r.set(bus.prefix_summary_key("w2"), encode_summary(keys(SYSTEM_A)))
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    arrive(r, "a1", SYSTEM_A + [7] * 20)
+    svc.step(now=1.0)
+    assert [t for _, t in sent] == ["w2"]                 # w2 holds A's pages
+    arrive(r, "b1", SYSTEM_B)
+    svc.step(now=2.0)
+    assert sent[-1][1] is None                            # nobody holds B: the pool queue
+    r.set(bus.claim_key(sent[1][0].id), "w1")             # w1 took B from the pool queue
+    r.set(bus.admitted_key(sent[1][0].id), "1")
+    arrive(r, "a2", SYSTEM_A)
+    svc.step(now=3.0)
+    assert sent[-1][0].requests[0].id == "a2" and sent[-1][1] is None  # w2's one slot is taken: not pinned
+    r.set(bus.admitted_key(sent[0][0].id), "1")
+    r.set(bus.admitted_key(sent[2][0].id), "1")
+    arrive(r, "b2", SYSTEM_B + [9] * 16)
+    svc.step(now=4.0)
+    assert sent[-1][0].requests[0].id == "b2" and sent[-1][1] == "w1"   # where B went before
+
+
+def test_a_batch_routed_to_an_instance_that_dies_before_claiming_it_is_requeued(r, tmp_path):
+    register(r, "w1")
+    register(r, "w2")
+    r.set(bus.prefix_summary_key("w2"), encode_summary(keys(SYSTEM_A)))
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    arrive(r, "a1", SYSTEM_A)
+    svc.step(now=1.0)
+    (first, target), = sent
+    assert target == "w2"
+    r.lpush(bus.queue_for_instance("w2"), "a message nobody will take")
+    r.delete(bus.alive_key("w2"))                         # w2 dies with the batch on its own queue
+    svc.step(now=3.0)
+    assert not r.exists(bus.queue_for_instance("w2"))     # its queue is gone with it
+    assert r.get(bus.claim_key(first.id)) == bus.CANCELLED
+    again, where = sent[-1]
+    assert again.id != first.id and [q.id for q in again.requests] == ["a1"] and where != "w2"
+
+
+def test_routing_off_sends_everything_to_the_pool_queue(r, tmp_path):
+    register(r, "w1")
+    register(r, "w2")
+    r.set(bus.prefix_summary_key("w2"), encode_summary(keys(SYSTEM_A)))
+    sent: list = []
+    svc = service(r, tmp_path, sent, prefix_routing=False)
+    arrive(r, "a1", SYSTEM_A)
+    svc.step(now=1.0)
+    assert [t for _, t in sent] == [None] and svc.placement is None
