@@ -50,8 +50,9 @@ def parse_env(pairs: list[str] | None) -> dict[str, str]:
 
 @contextmanager
 def spawned_stack(policy: str, extra_env: Mapping[str, str], workdir: Path,
-                  timeout_s: float = 600.0) -> Iterator[str]:
-    """Start worker, batcher and gateway for the run ``policy`` names (``run_env``); yield the URL."""
+                  timeout_s: float = 600.0, workers: int = 1) -> Iterator[str]:
+    """Start worker, batcher and gateway for the run ``policy`` names (``run_env``); yield the URL.
+    ``workers`` > 1: more built-in worker processes in the pool, each its own instance."""
     folder = workdir / policy.replace("/", "_")
     redis = EmbeddedRedis(folder / "redis")
     port = free_port()
@@ -61,7 +62,11 @@ def spawned_stack(policy: str, extra_env: Mapping[str, str], workdir: Path,
     stack = Stack(env, f"http://127.0.0.1:{port}", log_dir=folder / "logs")
     try:
         stack.start_core("127.0.0.1", port)
+        for i in range(1, workers):
+            stack.spawn(f"worker-{i + 1}", "worker")
         stack.wait_healthy(timeout_s)
+        if workers > 1:
+            stack.wait_instances(workers, timeout_s)
         yield stack.url
     finally:
         stack.stop()

@@ -138,6 +138,27 @@ def prefix_live(cfg: ChatPrefixConfig, *, policy: str = "spf", load: float = 0.8
     # ``trace``: the capacity burst's (first turns mostly); each run keeps its own trace's fraction
 
 
+def prefix_live_routing(cfg: ChatPrefixConfig, *, policy: str = "spf", rate: float = 2.0, workers: int = 2,
+                        env: dict[str, str] | None = None, workdir: Path = Path("var/bench/prefix")) -> dict[str, Any]:
+    """Live routing: ``workers`` built-in instances with their prefix caches, the trace at ``rate``
+    req/s, once with every batch on the pool queue (whichever instance takes it first) and once with
+    prefix-aware routing (``COHORT_PREFIX_ROUTING``), each on a fresh stack."""
+    runs: dict[str, dict[str, Any]] = {}
+    wl = _at_rate(cfg, rate)
+    for label, flag in {"pool queue": "false", "prefix-aware": "true"}.items():
+        with spawned_stack(policy, {**(env or {}), "COHORT_PREFIX_CACHING": "true", "COHORT_PREFIX_ROUTING": flag},
+                           workdir / f"routing-{flag}", workers=workers) as url:
+            served = served_model(f"{url}/v1")
+            before = _scrape_hits(url)
+            runs[label] = _replay(wl, f"{url}/v1", cohort_body(wl, served), label)
+            after = _scrape_hits(url)
+            q = after["queries"] - before["queries"]
+            runs[label]["prefix_hit_rate"] = (after["hits"] - before["hits"]) / q if q else 0.0
+            runs[label]["evictions"] = after["evictions"] - before["evictions"]
+    return {"config": {"runner": "live-routing", "workload": cfg.to_dict(), "policy": policy, "rate_rps": rate,
+                       "workers": workers, "server_env": env or {}, "trace": prefix_stats(wl)}, "runs": runs}
+
+
 def ratios(runs: dict[str, dict[str, Any]], base: str, keys: Sequence[str]) -> dict[str, dict[str, float | None]]:
     """Each run's ``keys`` over the ``base`` run's."""
     b = runs[base]

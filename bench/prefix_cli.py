@@ -11,7 +11,7 @@ import typer
 
 from bench.chat_prefix import ChatPrefixConfig
 from bench.live_stack import parse_env
-from bench.prefix_bench import prefix_live, prefix_sim, ratios
+from bench.prefix_bench import prefix_live, prefix_live_routing, prefix_sim, ratios
 from bench.report import pyplot
 
 PLOT_KEYS = {"sim": ("request_throughput", "mean_ttft_s", "mean_latency_s", "prefix_hit_rate"),
@@ -40,7 +40,9 @@ def prefix(
     max_tokens: int = typer.Option(512, help="Answers are capped here (reference lengths, emulated live)."),
     systems: int = typer.Option(32, help="Distinct system prompts (200-1,000 tokens, Zipf-popular)."),
     policy: str = typer.Option("spf", help="cohort's policy."),
-    instances: int = typer.Option(4, help="Simulator: instances."),
+    instances: int = typer.Option(4, help="Simulator: instances (--live-routing: built-in workers)."),
+    live_routing: bool = typer.Option(False, help="Live: the pool queue against prefix-aware routing on --instances "
+                                      "built-in workers with their caches, the trace at --rate req/s."),
     kv_tokens: int = typer.Option(12_000, help="Simulator: KV tokens per instance (0: the preset's Θ)."),
     affinity: int = typer.Option(32, help="Simulator: groups an instance looks through for its cached prefix."),
     load: float = typer.Option(0.8, help="Live: offered load as a share of the cache-off capacity."),
@@ -54,7 +56,12 @@ def prefix(
     """Prefix caching on the chat-prefix workload: off, on with least-loaded routing, on with
     prefix-aware routing (simulator), or off and on live; ratios to the cache-off run."""
     cfg = ChatPrefixConfig(requests=requests, rate=rate, seed=seed, max_tokens=max_tokens, n_system_prompts=systems)
-    if live:
+    if live_routing:
+        out = prefix_live_routing(cfg, policy=policy, rate=rate, workers=instances, env=parse_env(server_env),
+                                  workdir=workdir)
+        base = "pool queue"
+        keys = PLOT_KEYS["live"]
+    elif live:
         out = prefix_live(cfg, policy=policy, load=load, env=parse_env(server_env), workdir=workdir, engine=engine,
                           engine_load=engine_load)
         base = f"no cache @ {load:g}x no-cache capacity"

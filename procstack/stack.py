@@ -105,6 +105,20 @@ class Stack:
         if not wait_until_ok(f"{self.url}/health", timeout_s, check):
             raise TimeoutError("stack not healthy:\n" + "\n".join(self.tail(n) for n in self.procs))
 
+    def wait_instances(self, n: int, timeout_s: float = 600.0) -> None:
+        """Until /health counts ``n`` live instances (extra workers register after the first)."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            try:
+                if len(httpx.get(f"{self.url}/health", timeout=5).json().get("instances", [])) >= n:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            if dead := self.dead():
+                raise RuntimeError(f"{dead[0]} exited:\n" + self.tail(dead[0]))
+            time.sleep(1.0)
+        raise TimeoutError(f"fewer than {n} instances registered in {timeout_s:.0f} s")
+
     def tail(self, name: str, lines: int = 40) -> str:
         if not self.log_dir:
             return f"--- {name}: see the terminal ---"
