@@ -88,8 +88,7 @@ class BatcherService:
                 self.redis.hdel(bus.INSTANCES, name)
         if alive:
             s = self.settings
-            memory = planning_memory(s.policy, KVMemory.for_pool(alive.values()), s.memory_headroom,
-                                     s.continuous.group_frac if s.execution == "continuous" else 1.0)
+            memory = planning_memory(s.policy, KVMemory.for_pool(alive.values()), s.memory_headroom, self._group_frac(alive))
             if self.policy is None:
                 self.policy = self._make_policy(memory)
                 self._recover(now)
@@ -101,6 +100,14 @@ class BatcherService:
             self.placement.sync(alive, [n for n in self.instances if n not in alive], now)
         self.instances = alive
         self._last_refresh = now
+
+    def _group_frac(self, alive: dict[str, InstanceInfo]) -> float:
+        """The share of Θ one admission group is planned with: all of it on the padded paths; under
+        continuous execution a small share, a larger one where every instance is an upstream."""
+        s = self.settings
+        if s.execution != "continuous":
+            return 1.0
+        return s.upstream_group_frac if all(i.upstream for i in alive.values()) else s.continuous.group_frac
 
     def _recover(self, now: float) -> None:
         """Reload what a previous batcher left in Redis."""

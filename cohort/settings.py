@@ -192,6 +192,11 @@ class Settings(BaseSettings):
     upstream_priority: Literal["auto", "on", "off"] = Field(
         default="auto", description="Pass the policy's order as the request's `priority` (vLLM/SGLang with "
         "--scheduling-policy priority). auto: on until the server refuses it.")
+    upstream_group_frac: float = Field(
+        default=0.2, gt=0.0, le=1.0, description="The share of Θ the policy plans one admission group with when every "
+        "instance of the pool is an upstream (COHORT_CONTINUOUS__GROUP_FRAC for built-in ones): the server runs each "
+        "row as its own stream in the group's order, so a group is only how rows travel, and each one costs a "
+        "Celery task and a round of bookkeeping (measured in docs/upstream.md).")
     upstream_timeout_s: float = Field(
         default=60.0, gt=0, description="An upstream that sends nothing on a stream this long is down: its "
         "unfinished rows continue elsewhere.")

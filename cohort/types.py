@@ -225,6 +225,11 @@ class InstanceInfo:
     started: float = 0.0
     served_model_name: str = ""   # the OpenAI ``model`` id clients use for this pool ("": the model path)
 
+    @property
+    def upstream(self) -> bool:
+        """An OpenAI-compatible server cohort feeds (``workers.upstream_start``), not a built-in engine."""
+        return self.device.startswith("upstream:")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -47,7 +47,8 @@ from workers.upstream_api import (
 )
 
 log = logging.getLogger(__name__)
-PRIORITY_SPAN = 1_000_000  # admission numbers within one client priority
+PRIORITY_SPAN = 1_000_000_000  # admission ranks within one client priority
+GROUP_SPAN = 1_000             # ranks within one group (its rows, shortest predicted first)
 
 
 @dataclass
@@ -182,13 +183,22 @@ class UpstreamLoop:
             g = self._waiting.pop(0)
             g.admitted = g.dirty = True
             self._admissions += 1
-            for row in g.rows:
+            ranked = sorted(g.rows, key=lambda r: r.req.predicted_tokens)
+            for rank, row in enumerate(ranked):
                 if row.ended:  # cancelled while it waited
                     continue
                 self._rows[row.req.id] = row
-                prio = row.req.priority * PRIORITY_SPAN + self._admissions % PRIORITY_SPAN
-                row.task = self._aloop.create_task(self._stream(row, prio if self.use_priority else None))
+                row.task = self._aloop.create_task(self._stream(row, self._priority(row, rank)))
             self._schedule_flush()
+
+    def _priority(self, row: _Row, rank: int) -> int | None:
+        """The server's ``priority`` (lower runs first): the client's priority, then the group's
+        admission number, then the row's rank in its group by predicted length, so the server sees
+        the policy's order between groups and shortest-first within one."""
+        if not self.use_priority:
+            return None
+        order = (self._admissions * GROUP_SPAN + min(rank, GROUP_SPAN - 1)) % PRIORITY_SPAN
+        return row.req.priority * PRIORITY_SPAN + order
 
     def _hand_back(self, g: _Group) -> None:
         """A group that never ran goes back to the batcher whole."""

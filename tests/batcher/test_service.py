@@ -353,3 +353,15 @@ def test_an_arrival_already_in_pending_but_unknown_to_the_batcher_is_taken(r, tm
     r.hset(KEYS.pending, req.id, json.dumps(req.to_dict()))  # applied, reply lost
     svc.step(now=2.0)
     assert [q.id for b in sent for q in b.requests] == ["q7"]
+
+
+def test_a_pool_of_upstreams_plans_larger_admission_groups(r, tmp_path):
+    """An upstream runs each row as its own stream: its groups are planned with
+    COHORT_UPSTREAM_GROUP_FRAC of Θ, a built-in instance's with COHORT_CONTINUOUS__GROUP_FRAC."""
+    svc = service(r, tmp_path, [], execution="continuous")
+    up = InstanceInfo(name="u", pool="default", model="m", theta_bytes=10**6, delta_bytes=1, device="upstream:http://x")
+    own = InstanceInfo(name="w", pool="default", model="m", theta_bytes=10**6, delta_bytes=1)
+    assert up.upstream and not own.upstream
+    assert svc._group_frac({"u": up}) == svc.settings.upstream_group_frac == 0.2
+    assert svc._group_frac({"u": up, "w": own}) == svc.settings.continuous.group_frac
+    assert service(r, tmp_path, [])._group_frac({"u": up}) == 1.0  # padded execution: the whole Θ

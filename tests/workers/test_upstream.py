@@ -22,7 +22,7 @@ from workers.upstream_api import (
     parse_chunk,
     refused_fields,
 )
-from workers.upstream_loop import PRIORITY_SPAN, UpstreamLoop
+from workers.upstream_loop import GROUP_SPAN, PRIORITY_SPAN, UpstreamLoop
 
 VLLM_METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
@@ -124,16 +124,17 @@ def test_groups_join_in_order_under_the_servers_kv_and_answer_whole(tok):
     server = ScriptedServer()
     # room for one group's rows at a time: the second waits until the first has ended
     loop = UpstreamLoop(server, tok, capacity_tokens=80, page_tokens=16, poll_s=60)
-    a = Batch("ba", [_req("a1", 20), _req("a2", 20)], time.time())
+    a = Batch("ba", [_req("a1", 20), _req("a2", 12)], time.time())
     b = Batch("bb", [_req("b1", 5, priority=2)], time.time())
     got = _run(loop, [a, b])
     finished = {res.request.id: res for ups in got.values() for u in ups for res in u.out.finished}
-    assert {k: v.tokens for k, v in finished.items()} == {"a1": 20, "a2": 20, "b1": 5}
+    assert {k: v.tokens for k, v in finished.items()} == {"a1": 20, "a2": 12, "b1": 5}
     assert finished["b1"].text == " w0 w1 w2 w3 w4"  # the server's text, not a re-decoding
-    assert [body["id"] for body in server.bodies] == ["a1", "a2", "b1"]
+    assert [body["id"] for body in server.bodies] == ["a2", "a1", "b1"]  # shortest predicted first in a group
     # b joined only after a's rows had ended (its KV would not fit beside them)
     assert all(any(u.admitted for u in ups) for ups in got.values())
-    assert server.bodies[2]["priority"] == 2 * PRIORITY_SPAN + 2  # client priority, then admission order
+    # client priority, then admission order, then the rank in the group
+    assert [b["priority"] for b in server.bodies] == [GROUP_SPAN, GROUP_SPAN + 1, 2 * PRIORITY_SPAN + 2 * GROUP_SPAN]
     assert server.bodies[0]["prompt"] == [101, 7592, 2045]  # token ids: tokenized once, by cohort
     loop.stop()
 
