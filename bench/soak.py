@@ -232,7 +232,8 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
     tasks: set[asyncio.Task] = set()  # in flight only: a finished one drops out (the list grew all run)
     retrains: list[dict[str, Any]] = []
     headers = {"Authorization": f"Bearer {token}"}
-    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
+    # idle connections expire before the server's 5 s keep-alive: one reused as the server closes it is a ReadError
+    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(660.0, connect=30.0), limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         t0 = time.perf_counter()
@@ -266,9 +267,9 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         sampler.sample(time.perf_counter() - t0)
-        for r in retrains:  # how each admin retrain ended
+        for r in retrains:  # how each admin retrain ended (a failed read is reported, never ends the soak)
             if r["task_id"]:
-                st = (await client.get(f"/admin/tasks/{r['task_id']}", headers=headers)).json()
+                st = await _task_state(client, headers, r["task_id"])
                 r["state"] = st.get("state")
                 r["retrained"] = (st.get("result") or {}).get("retrained")
     end_s = cfg.minutes * 60.0  # when sending stopped, on the soak's own clock
@@ -277,6 +278,19 @@ async def drive(cfg: SoakConfig, url: str, sampler: Sampler, token: str,
             "engine_windows": engine_windows(sampler.samples, cfg.window_s),
             "latency_first_last": first_last(outcomes, warmup_s=cfg.warmup_s, end_s=end_s),
             "retrains": retrains, "samples": sampler.samples, "undrained": len(pending)}
+
+
+async def _task_state(client: httpx.AsyncClient, headers: dict, task_id: str, tries: int = 3) -> dict:
+    """An admin task's state; a connection the server closed as it was reused (ReadError) is tried
+    again, and after ``tries`` the error itself is the state, so the soak's results are kept."""
+    for attempt in range(tries):
+        try:
+            return (await client.get(f"/admin/tasks/{task_id}", headers=headers)).json()
+        except (httpx.HTTPError, ValueError) as e:
+            if attempt == tries - 1:
+                return {"state": f"unread: {type(e).__name__}"}
+            await asyncio.sleep(0.5)
+    return {}
 
 
 async def _guarded(client: httpx.AsyncClient, o: Outcome, i: int, rng: random.Random, max_tokens: int,
