@@ -127,6 +127,18 @@ class Sampler:
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
         self.procs: dict[str, psutil.Process] = {}
         self.samples: list[dict[str, Any]] = []
+        self._host = psutil.cpu_times()
+
+    def _steal_pct(self) -> float | None:
+        """The host's CPU time the hypervisor gave to other guests since the last sample, as a share
+        of all CPU time (Linux ``steal``; None elsewhere). A VM whose CPUs are stolen runs every
+        process slower at the same CPU%: latency then moves without anything in the stack changing."""
+        now = psutil.cpu_times()
+        before, self._host = self._host, now
+        if not hasattr(now, "steal"):
+            return None
+        total = sum(now) - sum(before)
+        return round(100.0 * (now.steal - before.steal) / total, 1) if total > 0 else 0.0
 
     def _proc(self, name: str, pid: int) -> psutil.Process:
         p = self.procs.get(name)
@@ -149,7 +161,8 @@ class Sampler:
         prefixes = key_prefix_counts(self.redis)
         keys = bus.pool_keys("default")
         engines = {k: json.loads(v) for k, v in self.redis.hgetall(bus.ENGINE_STATS).items()}
-        s = {"t": round(t, 1), "rss_mb": rss, "cpu_pct": cpu, "redis_used_mb": info["used_memory"] / 2**20,
+        s = {"t": round(t, 1), "rss_mb": rss, "cpu_pct": cpu, "host_steal_pct": self._steal_pct(),
+             "redis_used_mb": info["used_memory"] / 2**20,
              "engines": engines, "queued": self.redis.llen(keys.incoming) + self.redis.hlen(keys.pending),
              "redis_dataset_mb": info.get("used_memory_dataset", 0) / 2**20, "redis_keys": prefixes,
              "stream_keys": prefixes.get("cohort:stream", 0), "data_dir_mb": du_mb(self.data_dir), "log_rows": log_counts(get_db_engine(self.db_url))}
@@ -324,7 +337,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, progress: Callable[[str], None] | N
         stack.stop()
         redis_srv.close()
     report["trends"] = resource_trends(report["samples"], cfg.warmup_s)
-    report["steadiness"] = steadiness(report["windows"])
+    report["steadiness"] = steadiness(report["windows"], engine_windows_=report["engine_windows"])
     report["config"] = asdict(cfg)
     return report
 

@@ -160,16 +160,33 @@ def engine_windows(samples: list[dict[str, Any]], window_s: float) -> list[dict[
         for s in inside:
             for k, v in s.get("cpu_pct", {}).items():
                 cpu[k] = cpu.get(k, 0.0) + v / len(inside)
+        steal = [s["host_steal_pct"] for s in inside if s.get("host_steal_pct") is not None]
         out.append({"start_s": w * window_s, "engines": engines, "queued_mean": sum(s.get("queued", 0) for s in inside)
-                    / len(inside), "cpu_pct": {k: round(v, 1) for k, v in cpu.items()}})
+                    / len(inside), "cpu_pct": {k: round(v, 1) for k, v in cpu.items()},
+                    "host_steal_pct": round(sum(steal) / len(steal), 1) if steal else None})
         prev = last
     return out
 
 
-def steadiness(windows_: list[dict[str, Any]], last: int = 3) -> dict[str, Any]:
+STEAL_LIMIT_PCT = 5.0  # a window whose host lost more CPU than this to other guests measures the host
+
+
+def steadiness(windows_: list[dict[str, Any]], last: int = 3,
+               engine_windows_: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Each window's median against the first window's, and the steady soak's two checks: every
     window within 1.5x of the first, the last ``last`` within 1.2x. A trailing window shorter than
-    the others (sending stopped inside it) is left out: it holds a few seconds of traffic."""
+    the others (sending stopped inside it) is left out: it holds a few seconds of traffic. With the
+    engine windows, the windows whose host CPU steal exceeded ``STEAL_LIMIT_PCT`` are named: the
+    checks still run, but a miss there says the VM was starved, not that the stack drifted."""
+    out = _ratios(windows_, last)
+    if engine_windows_ is not None:
+        out["host_steal_pct"] = [w.get("host_steal_pct") for w in engine_windows_]
+        out["starved_windows"] = [i for i, w in enumerate(engine_windows_)
+                                  if (w.get("host_steal_pct") or 0.0) > STEAL_LIMIT_PCT]
+    return out
+
+
+def _ratios(windows_: list[dict[str, Any]], last: int) -> dict[str, Any]:
     full = [w for w in windows_ if w.get("p50_s") is not None]
     if len(full) > 1 and full[-1]["sent"] < 0.5 * full[-2]["sent"]:
         full = full[:-1]

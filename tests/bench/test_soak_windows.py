@@ -60,3 +60,16 @@ def test_steadiness_compares_each_full_window_with_the_first():
     w[2]["p50_s"] = 0.64
     assert not steadiness(w)["every_window_le_1_5"]
     assert steadiness([{"p50_s": None, "sent": 0}])["every_window_le_1_5"] is None
+
+
+def test_windows_where_the_host_was_starved_are_named():
+    """A VM's CPU taken by other guests (Linux ``steal``) slows every process at the same CPU%;
+    steadiness names those windows so a miss there is read as the host's, not the stack's."""
+    samples = [{"t": t, "cpu_pct": {}, "engines": {}, "host_steal_pct": st}
+               for t, st in ((30, 0.5), (60, 1.5), (90, 20.0), (120, 30.0), (150, None), (180, 2.0))]
+    ew = engine_windows(samples, 60.0)
+    assert [x["host_steal_pct"] for x in ew] == [1.0, 25.0, 2.0]
+    w = [{"p50_s": p, "sent": 600} for p in (0.4, 1.2, 0.42)]
+    s = steadiness(w, engine_windows_=ew)
+    assert s["host_steal_pct"] == [1.0, 25.0, 2.0] and s["starved_windows"] == [1]
+    assert not s["every_window_le_1_5"]  # the check itself is unchanged
