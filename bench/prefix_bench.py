@@ -91,6 +91,18 @@ def _scrape_hits(url: str) -> dict[str, float]:
     return out
 
 
+def _replay_counted(wl: ChatPrefixWorkload, url: str, served: str, label: str) -> dict[str, Any]:
+    """Replay ``wl`` on a cohort stack, with the prefix-cache hit rate and evictions of that run alone
+    (the stack's counters before and after)."""
+    before = _scrape_hits(url)
+    run = _replay(wl, f"{url}/v1", cohort_body(wl, served), label)
+    after = _scrape_hits(url)
+    q = after["queries"] - before["queries"]
+    run["prefix_hit_rate"] = (after["hits"] - before["hits"]) / q if q else 0.0
+    run["evictions"] = after["evictions"] - before["evictions"]
+    return run
+
+
 def prefix_live(cfg: ChatPrefixConfig, *, policy: str = "spf", load: float = 0.8, env: dict[str, str] | None = None,
                 workdir: Path = Path("var/bench/prefix"), engine: str | None = None, engine_load: float = 0.5,
                 burst_s: float = 1.5, capacity: dict[str, float] | None = None) -> dict[str, Any]:
@@ -115,12 +127,7 @@ def prefix_live(cfg: ChatPrefixConfig, *, policy: str = "spf", load: float = 0.8
                 rates[f"{label} @ {engine_load:g}x own capacity"] = engine_load * capacity[label]
             for run_label, rate in rates.items():
                 wl = _at_rate(cfg, rate)
-                before = _scrape_hits(url)
-                runs[run_label] = _replay(wl, f"{url}/v1", cohort_body(wl, served), run_label)
-                after = _scrape_hits(url)
-                q = after["queries"] - before["queries"]
-                runs[run_label]["prefix_hit_rate"] = (after["hits"] - before["hits"]) / q if q else 0.0
-                runs[run_label]["evictions"] = after["evictions"] - before["evictions"]
+                runs[run_label] = _replay_counted(wl, url, served, run_label)
                 runs[run_label]["trace_page_hit_fraction"] = prefix_stats(wl)["page_hit_fraction"]
                 offered[run_label] = rate
     if engine:
@@ -148,13 +155,7 @@ def prefix_live_routing(cfg: ChatPrefixConfig, *, policy: str = "spf", rate: flo
     for label, flag in {"pool queue": "false", "prefix-aware": "true"}.items():
         with spawned_stack(policy, {**(env or {}), "COHORT_PREFIX_CACHING": "true", "COHORT_PREFIX_ROUTING": flag},
                            workdir / f"routing-{flag}", workers=workers) as url:
-            served = served_model(f"{url}/v1")
-            before = _scrape_hits(url)
-            runs[label] = _replay(wl, f"{url}/v1", cohort_body(wl, served), label)
-            after = _scrape_hits(url)
-            q = after["queries"] - before["queries"]
-            runs[label]["prefix_hit_rate"] = (after["hits"] - before["hits"]) / q if q else 0.0
-            runs[label]["evictions"] = after["evictions"] - before["evictions"]
+            runs[label] = _replay_counted(wl, url, served_model(f"{url}/v1"), label)
     return {"config": {"runner": "live-routing", "workload": cfg.to_dict(), "policy": policy, "rate_rps": rate,
                        "workers": workers, "server_env": env or {}, "trace": prefix_stats(wl)}, "runs": runs}
 

@@ -91,12 +91,17 @@ def service(r, tmp_path, sent: list, **kw) -> BatcherService:
     return BatcherService(s, r, AnalyticBatchTime(), send_task=lambda batch, target=None: sent.append((batch, target)))
 
 
-def test_the_batcher_routes_to_the_reporting_instance_and_falls_back_to_the_pool(r, tmp_path):
+def two_instances(r, tmp_path, **kw) -> tuple[BatcherService, list]:
+    """w1 and w2 in one pool; w2 reports holding SYSTEM_A's pages."""
     register(r, "w1")
     register(r, "w2")
     r.set(bus.prefix_summary_key("w2"), encode_summary(keys(SYSTEM_A)))
     sent: list = []
-    svc = service(r, tmp_path, sent)
+    return service(r, tmp_path, sent, **kw), sent
+
+
+def test_the_batcher_routes_to_the_reporting_instance_and_falls_back_to_the_pool(r, tmp_path):
+    svc, sent = two_instances(r, tmp_path)
     arrive(r, "a1", SYSTEM_A + [7] * 20)
     svc.step(now=1.0)
     assert [t for _, t in sent] == ["w2"]                 # w2 holds A's pages
@@ -116,11 +121,7 @@ def test_the_batcher_routes_to_the_reporting_instance_and_falls_back_to_the_pool
 
 
 def test_a_batch_routed_to_an_instance_that_dies_before_claiming_it_is_requeued(r, tmp_path):
-    register(r, "w1")
-    register(r, "w2")
-    r.set(bus.prefix_summary_key("w2"), encode_summary(keys(SYSTEM_A)))
-    sent: list = []
-    svc = service(r, tmp_path, sent)
+    svc, sent = two_instances(r, tmp_path)
     arrive(r, "a1", SYSTEM_A)
     svc.step(now=1.0)
     (first, target), = sent
@@ -135,11 +136,7 @@ def test_a_batch_routed_to_an_instance_that_dies_before_claiming_it_is_requeued(
 
 
 def test_routing_off_sends_everything_to_the_pool_queue(r, tmp_path):
-    register(r, "w1")
-    register(r, "w2")
-    r.set(bus.prefix_summary_key("w2"), encode_summary(keys(SYSTEM_A)))
-    sent: list = []
-    svc = service(r, tmp_path, sent, prefix_routing=False)
+    svc, sent = two_instances(r, tmp_path, prefix_routing=False)
     arrive(r, "a1", SYSTEM_A)
     svc.step(now=1.0)
     assert [t for _, t in sent] == [None] and svc.placement is None
