@@ -23,7 +23,7 @@ import redis
 from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.placement import Placement
-from batcher.policies import Policy, PolicyContext, make_policy, planning_memory
+from batcher.policies import Policy, PolicyContext, group_share, make_policy, planning_memory
 from cohort import bus
 from cohort.logdb import fail_stale_queued, finish_request, get_db_engine, settled_ids
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, dumps
@@ -88,7 +88,9 @@ class BatcherService:
                 self.redis.hdel(bus.INSTANCES, name)
         if alive:
             s = self.settings
-            memory = planning_memory(s.policy, KVMemory.for_pool(alive.values()), s.memory_headroom, self._group_frac(alive))
+            share = group_share(s.execution, all(i.upstream for i in alive.values()), s.continuous.group_frac,
+                                s.upstream_group_frac)
+            memory = planning_memory(s.policy, KVMemory.for_pool(alive.values()), s.memory_headroom, share)
             if self.policy is None:
                 self.policy = self._make_policy(memory)
                 self._recover(now)
@@ -100,14 +102,6 @@ class BatcherService:
             self.placement.sync(alive, [n for n in self.instances if n not in alive], now)
         self.instances = alive
         self._last_refresh = now
-
-    def _group_frac(self, alive: dict[str, InstanceInfo]) -> float:
-        """The share of Θ one admission group is planned with: all of it on the padded paths; under
-        continuous execution a small share, a larger one where every instance is an upstream."""
-        s = self.settings
-        if s.execution != "continuous":
-            return 1.0
-        return s.upstream_group_frac if all(i.upstream for i in alive.values()) else s.continuous.group_frac
 
     def _recover(self, now: float) -> None:
         """Reload what a previous batcher left in Redis."""

@@ -16,11 +16,10 @@ import torch
 from cohort.settings import DEFAULT_MODEL, Settings
 from cohort.tokenizer import load_tokenizer
 from deployer import plan_device_map as plan
+from workers.tiny_llama import TINY_LLAMA
 
 log = logging.getLogger(__name__)
 
-TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=8192, rope_theta=10000.0)
 
 
 def resolve_device(setting: str) -> torch.device:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -22,10 +23,11 @@ from cohort.settings import Settings
 from cohort.types import InstanceInfo
 from predictor.learning import profile_samples_path
 from workers.continuous_loop import ContinuousLoop
-from workers.engine import LLMEngine
 from workers.group_publisher import GroupPublisher
-from workers.paged_executor import packed_path_refusal
 from workers.profile import run_profile
+
+if TYPE_CHECKING:  # the model side (torch, transformers) loads only where a model does: an upstream
+    from workers.engine import LLMEngine  # worker runs none, and starts without it
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,8 @@ def continuous_loop(engine: LLMEngine, settings: Settings) -> ContinuousLoop | N
     the packed path; otherwise the instance runs batches on the padded path (named in the log)."""
     if settings.execution != "continuous":
         return None
+    from workers.paged_executor import packed_path_refusal  # torch: see TYPE_CHECKING above
+
     refusal = packed_path_refusal(engine.model)
     if refusal is not None:
         log.warning("continuous execution asked for, but %s: this instance runs each batch on the padded "
@@ -123,6 +127,8 @@ def start(settings: Settings) -> Runtime:
     """Load the model, register the instance and start its heartbeat (once per process)."""
     global _runtime
     if _runtime is None:
+        from workers.engine import LLMEngine  # torch: see TYPE_CHECKING above
+
         engine = LLMEngine(settings)
         if settings.profile_on_start:
             profile_if_missing(engine, settings)

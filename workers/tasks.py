@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cohort import bus
 from cohort.logdb import record_batch
@@ -21,9 +21,11 @@ from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode
 from cohort.types import Batch
 from taskq.celery_app import RUN_BATCH, celery_app
 from workers import runtime
-from workers.padded_run import PaddedRun
 from workers.reporting import Reporter, batch_row, complete, mark_admitted
 from workers.step_outputs import KVCacheOutOfMemory
+
+if TYPE_CHECKING:  # torch: an upstream worker, which runs these tasks too, never loads it
+    from workers.padded_run import PaddedRun
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from cohort.settings import DEFAULT_MODEL, Settings
 from cohort.tokenizer import load_tokenizer, prompt_token_ids
 from cohort.types import InstanceInfo, ProfiledRequest
 from workers.group_publisher import GroupPublisher
-from workers.model import TINY_LLAMA
 from workers.runtime import Runtime
+from workers.tiny_llama import TINY_LLAMA
 from workers.upstream_api import (
     UpstreamDown,
     UpstreamServer,

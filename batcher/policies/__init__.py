@@ -56,6 +56,15 @@ def planning_memory(policy: str, memory: KVMemory, headroom: float, group_frac: 
     return memory if theta == memory.theta_bytes else KVMemory(memory.delta_bytes, int(theta))
 
 
+def group_share(execution: str, all_upstream: bool, builtin_frac: float, upstream_frac: float) -> float:
+    """The share of Θ one batch is planned with (``planning_memory``'s ``group_frac``): all of it on the
+    padded paths; under continuous execution a small share, a larger one where every instance of the
+    pool is an upstream (its server streams each row on its own: a group is only how rows travel)."""
+    if execution != "continuous":
+        return 1.0
+    return upstream_frac if all_upstream else builtin_frac
+
+
 def make_policy(name: str, ctx: PolicyContext, **params: Any) -> Policy:
     """Build a policy by name; ``params`` may carry settings a policy ignores (threshold, batch_size…).
     Every policy honours per-request priority the same way (batcher.policies.priority)."""

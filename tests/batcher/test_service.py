@@ -8,6 +8,7 @@ import json
 import fakeredis
 import pytest
 
+from batcher.policies import group_share
 from batcher.service import BatcherService
 from cohort import bus
 from cohort.protocol import BatchOutcome, CompletionEvent, StreamEvent, StreamKind
@@ -358,10 +359,15 @@ def test_an_arrival_already_in_pending_but_unknown_to_the_batcher_is_taken(r, tm
 def test_a_pool_of_upstreams_plans_larger_admission_groups(r, tmp_path):
     """An upstream runs each row as its own stream: its groups are planned with
     COHORT_UPSTREAM_GROUP_FRAC of Θ, a built-in instance's with COHORT_CONTINUOUS__GROUP_FRAC."""
-    svc = service(r, tmp_path, [], execution="continuous")
     up = InstanceInfo(name="u", pool="default", model="m", theta_bytes=10**6, delta_bytes=1, device="upstream:http://x")
     own = InstanceInfo(name="w", pool="default", model="m", theta_bytes=10**6, delta_bytes=1)
     assert up.upstream and not own.upstream
-    assert svc._group_frac({"u": up}) == svc.settings.upstream_group_frac == 0.2
-    assert svc._group_frac({"u": up, "w": own}) == svc.settings.continuous.group_frac
-    assert service(r, tmp_path, [])._group_frac({"u": up}) == 1.0  # padded execution: the whole Θ
+    assert Settings(_env_file=None).upstream_group_frac == 0.2
+    assert group_share("continuous", True, 0.01, 0.2) == 0.2
+    assert group_share("continuous", False, 0.01, 0.2) == 0.01       # a mixed pool keeps the built-in share
+    assert group_share("elastic", True, 0.01, 0.2) == 1.0             # padded execution: the whole Θ
+    r.hset(bus.INSTANCES, "u", json.dumps(up.to_dict()))
+    r.set(bus.alive_key("u"), "1", ex=60)
+    svc = service(r, tmp_path, [], execution="continuous", memory_headroom=0.0)
+    svc.step(now=1.0)
+    assert svc.policy.ctx.memory.theta_bytes == int(10**6 * 0.2)
