@@ -8,7 +8,6 @@ for one more batch, and the clean-up of a gone instance's queue.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,8 +18,6 @@ from batcher.prefix_routing import PrefixRouter
 from cohort import bus
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo
-
-log = logging.getLogger("cohort.batcher")
 
 
 class Placed(Protocol):
@@ -85,8 +82,11 @@ class Placement:
             self.router.forget(r.id for r in batch.requests)
         return name
 
-    def claimed(self, fl: Placed, owner: str) -> None:
-        """A pool-queue batch was claimed by ``owner``: its prompts are cached there from now on."""
+    def claimed(self, fl: Placed, owner: str | None) -> None:
+        """What an in-flight batch's claim marker says (None: unclaimed yet). The first real claim
+        is remembered; a pool-queue batch's prompts are cached on its claimer from then on."""
+        if not owner or owner == bus.CANCELLED or fl.owner is not None:
+            return
         fl.owner = owner
         if fl.target is None:
             self.router.record(owner, fl.batch, self.model)

@@ -288,7 +288,7 @@ class BatcherService:
         alive = bus.alive(self.redis, owners.values())
         for bid, owner in owners.items():
             fl = self.inflight[bid]
-            if owner and owner != bus.CANCELLED and fl.owner is None and self.placement is not None:
+            if self.placement is not None:
                 self.placement.claimed(fl, owner)
             if owner and owner != bus.CANCELLED and not alive[owner]:
                 lost.append((bid, owner))

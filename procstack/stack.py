@@ -30,16 +30,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until_ok(url: str, timeout_s: float, check: Callable[[], None] = lambda: None) -> bool:
-    """Poll ``GET url`` until it answers 200 (True) or ``timeout_s`` passes (False); ``check`` runs
-    before each try and raises to stop early (a process that died)."""
+def wait_until_ok(url: str, timeout_s: float, check: Callable[[], None] = lambda: None,
+                  accept: Callable[[httpx.Response], bool] = lambda r: True) -> bool:
+    """Poll ``GET url`` until it answers 200 and ``accept`` takes the answer (True) or ``timeout_s``
+    passes (False); ``check`` runs before each try and raises to stop early (a process that died)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         check()
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200 and accept(r):
                 return True
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.5)
     return False
@@ -95,29 +97,21 @@ class Stack:
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]
 
+    def _check_alive(self) -> None:
+        """Raise when a process of the stack has died (a wait then stops early, with its log)."""
+        if dead := self.dead():
+            raise RuntimeError(f"{dead[0]} exited with {self.procs[dead[0]].returncode}:\n" + self.tail(dead[0]))
+
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
         """Until /health says ok (Redis up, an instance alive); raises if a process dies first."""
-        def check() -> None:
-            if dead := self.dead():
-                raise RuntimeError(f"{dead[0]} exited with {self.procs[dead[0]].returncode}:\n"
-                                   + self.tail(dead[0]))
-
-        if not wait_until_ok(f"{self.url}/health", timeout_s, check):
+        if not wait_until_ok(f"{self.url}/health", timeout_s, self._check_alive):
             raise TimeoutError("stack not healthy:\n" + "\n".join(self.tail(n) for n in self.procs))
 
     def wait_instances(self, n: int, timeout_s: float = 600.0) -> None:
         """Until /health counts ``n`` live instances (extra workers register after the first)."""
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            try:
-                if len(httpx.get(f"{self.url}/health", timeout=5).json().get("instances", [])) >= n:
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            if dead := self.dead():
-                raise RuntimeError(f"{dead[0]} exited:\n" + self.tail(dead[0]))
-            time.sleep(1.0)
-        raise TimeoutError(f"fewer than {n} instances registered in {timeout_s:.0f} s")
+        if not wait_until_ok(f"{self.url}/health", timeout_s, self._check_alive,
+                             accept=lambda r: len(r.json().get("instances", [])) >= n):
+            raise TimeoutError(f"fewer than {n} instances registered in {timeout_s:.0f} s")
 
     def tail(self, name: str, lines: int = 40) -> str:
         if not self.log_dir:

@@ -21,7 +21,6 @@ from workers.tiny_llama import TINY_LLAMA
 log = logging.getLogger(__name__)
 
 
-
 def resolve_device(setting: str) -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
