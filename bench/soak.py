@@ -148,13 +148,15 @@ class Sampler:
         return p
 
     def sample(self, t: float) -> dict[str, Any]:
-        rss, cpu = {}, {}
+        rss, cpu, threads = {}, {}, {}
         for name, popen in self.stack.procs.items():
             try:
                 p = self._proc(name, popen.pid)
                 family = [p, *p.children(recursive=True)]
                 rss[name] = sum(q.memory_info().rss for q in family) / 2**20
                 cpu[name] = sum(q.cpu_percent(None) for q in family)
+                if name == "gateway":
+                    threads = thread_cpu_s(p)
             except psutil.Error:
                 continue
         info = self.redis.info("memory")
@@ -162,12 +164,20 @@ class Sampler:
         keys = bus.pool_keys("default")
         engines = {k: json.loads(v) for k, v in self.redis.hgetall(bus.ENGINE_STATS).items()}
         s = {"t": round(t, 1), "rss_mb": rss, "cpu_pct": cpu, "host_steal_pct": self._steal_pct(),
+             "gateway_thread_cpu_s": threads,
              "redis_used_mb": info["used_memory"] / 2**20,
              "engines": engines, "queued": self.redis.llen(keys.incoming) + self.redis.hlen(keys.pending),
              "redis_dataset_mb": info.get("used_memory_dataset", 0) / 2**20, "redis_keys": prefixes,
              "stream_keys": prefixes.get("cohort:stream", 0), "data_dir_mb": du_mb(self.data_dir), "log_rows": log_counts(get_db_engine(self.db_url))}
         self.samples.append(s)
         return s
+
+
+def thread_cpu_s(p: psutil.Process) -> dict[str, float]:
+    """CPU seconds so far of each of the process's threads, by native thread id: when a process's CPU
+    climbs, the thread whose share climbs names the cause (a sampler's stacks cannot see native
+    threads or the garbage collector). ``py-spy dump`` maps the ids to Python thread names."""
+    return {str(th.id): round(th.user_time + th.system_time, 2) for th in p.threads()}
 
 
 def key_prefix_counts(r: redis.Redis) -> dict[str, int]:

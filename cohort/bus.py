@@ -163,6 +163,11 @@ def stream_key(request_id: str) -> str:
     return f"{PREFIX}:stream:{request_id}"
 
 
+def hub_wake_key(hub: str) -> str:
+    """A gateway's stream hub's own stream: an entry ends its blocking read (gateway.stream_hub)."""
+    return f"{PREFIX}:hubwake:{hub}"
+
+
 def cancel_key(request_id: str) -> str:
     """Present while a request is cancelled: the worker drops its row at the next step."""
     return f"{PREFIX}:cancel:{request_id}"

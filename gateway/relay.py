@@ -22,6 +22,7 @@ cancelling the iterator (Starlette cancels a streaming response whose client wen
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,6 +37,7 @@ from cohort.protocol import FailureCode, FinishReason, StreamEvent, StreamKind
 from cohort.types import ProfiledRequest
 from gateway.errors import APIError
 from gateway.stream import Withdrawn, read_events
+from gateway.stream_hub import hub_for
 
 log = logging.getLogger("cohort.gateway")
 
@@ -147,36 +149,38 @@ class Relay:
         request fails or is withdrawn (499 client gone, 504 deadline)."""
         t, m = self.ticket, self.st.metrics
         try:
-            async for ev in read_events(self.st.redis, t.request.id, t.deadline,
-                                        self.st.settings.disconnect_check_s, self.disconnected):
-                if ev.kind is StreamKind.DELTA:
-                    if ev.prompt_logprobs and self.prompt is None:  # a re-run may send them again
-                        self.prompt = (ev.prompt_ids, ev.prompt_logprobs)
-                    self._take_logprobs(ev)
-                    if ev.tokens > self.sent_tokens and ev.text:
-                        self._observe_tokens(ev.tokens)
-                        self.sent, self.sent_tokens = self.sent + ev.text, ev.tokens
-                        yield self._piece(ev.text)
-                    continue
-                self._settled = True
-                if ev.kind is StreamKind.ERROR:
-                    code = FailureCode.parse(ev.code)
-                    m.failures.labels(t.endpoint, code.value).inc()
-                    raise APIError(code.http_status, ev.message or "the request failed", code=code.value)
-                answer = Answer.from_event(ev)
-                answer.logprobs, answer.prompt = self.logprobs, self.prompt
-                if answer.text.startswith(self.sent):
-                    if tail := answer.text[len(self.sent):]:
-                        self._observe_tokens(answer.tokens)
-                        self.sent, self.sent_tokens = answer.text, answer.tokens
-                        yield self._piece(tail)
-                else:
-                    log.warning("request %s: relayed text is not a prefix of its answer (a sampled re-run "
-                                "after a worker loss?)", t.request.id)
-                if self._unsent_logprobs:
-                    yield self._piece("")
-                self._finish(answer)
-                return
+            events = read_events(hub_for(self.st), t.request.id, t.deadline,
+                                 self.st.settings.disconnect_check_s, self.disconnected)
+            async with contextlib.aclosing(events):  # its stream is dropped from the hub at once
+                async for ev in events:
+                    if ev.kind is StreamKind.DELTA:
+                        if ev.prompt_logprobs and self.prompt is None:  # a re-run may send them again
+                            self.prompt = (ev.prompt_ids, ev.prompt_logprobs)
+                        self._take_logprobs(ev)
+                        if ev.tokens > self.sent_tokens and ev.text:
+                            self._observe_tokens(ev.tokens)
+                            self.sent, self.sent_tokens = self.sent + ev.text, ev.tokens
+                            yield self._piece(ev.text)
+                        continue
+                    self._settled = True
+                    if ev.kind is StreamKind.ERROR:
+                        code = FailureCode.parse(ev.code)
+                        m.failures.labels(t.endpoint, code.value).inc()
+                        raise APIError(code.http_status, ev.message or "the request failed", code=code.value)
+                    answer = Answer.from_event(ev)
+                    answer.logprobs, answer.prompt = self.logprobs, self.prompt
+                    if answer.text.startswith(self.sent):
+                        if tail := answer.text[len(self.sent):]:
+                            self._observe_tokens(answer.tokens)
+                            self.sent, self.sent_tokens = answer.text, answer.tokens
+                            yield self._piece(tail)
+                    else:
+                        log.warning("request %s: relayed text is not a prefix of its answer (a sampled re-run "
+                                    "after a worker loss?)", t.request.id)
+                    if self._unsent_logprobs:
+                        yield self._piece("")
+                    self._finish(answer)
+                    return
         except Withdrawn as w:
             self._settled = True
             with anyio.CancelScope(shield=True):  # the client leaving also cancels us: finish the withdrawal

@@ -1,9 +1,8 @@
 """Reading one request's Redis Stream: its StreamEvents in order, up to and including the final one.
 
-Why slices: a blocking XREAD longer than the Redis client's socket timeout (5 s by default in
-redis-py 8) fails as a timeout on our side, and between slices the gateway checks whether the
-client is still there. A slice returns as soon as an event arrives, so slicing adds no latency
-to the tokens themselves.
+The entries come from the gateway's one reader of every stream (gateway.stream_hub); this waits
+for them in slices, and between slices checks whether the client is still there. A slice returns
+as soon as an event arrives, so slicing adds no latency to the tokens themselves.
 
 The reader owns the two reasons a request stops being wanted before its answer: the deadline
 passed (``FailureCode.TIMEOUT``) or the client disconnected (``FailureCode.CANCELLED``); it raises
@@ -17,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from cohort import bus
 from cohort.protocol import FailureCode, StreamEvent
+from gateway.stream_hub import StreamHub
 
 
 class Withdrawn(Exception):
@@ -27,7 +27,7 @@ class Withdrawn(Exception):
         self.code = code
 
 
-async def read_events(redis, request_id: str, deadline: float, slice_s: float,
+async def read_events(hub: StreamHub, request_id: str, deadline: float, slice_s: float,
                       disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[StreamEvent]:
     """The request's events in order, ending after the first final (end/error) one.
 
@@ -36,18 +36,18 @@ async def read_events(redis, request_id: str, deadline: float, slice_s: float,
     The stream is left in place (it expires with its TTL): the batcher reads a lost batch's
     streams to tell answered rows from unanswered ones (``bus.stream_progress``).
     """
-    key, last = bus.stream_key(request_id), "0"
-    while True:
-        if disconnected is not None and await disconnected():
-            raise Withdrawn(FailureCode.CANCELLED)
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise Withdrawn(FailureCode.TIMEOUT)
-        got = await redis.xread({key: last}, block=max(1, int(min(slice_s, left) * 1000)))
-        for _, entries in got or ():
-            for entry_id, fields in entries:
-                last = entry_id
+    reader = await hub.subscribe(request_id)
+    try:
+        while True:
+            if disconnected is not None and await disconnected():
+                raise Withdrawn(FailureCode.CANCELLED)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Withdrawn(FailureCode.TIMEOUT)
+            for _entry_id, fields in await reader.next(min(slice_s, left)):
                 event = StreamEvent.from_json(fields[bus.STREAM_FIELD])
                 yield event
                 if event.final:
                     return
+    finally:
+        hub.unsubscribe(reader)

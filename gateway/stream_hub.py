@@ -1,0 +1,131 @@
+"""One blocking XREAD for every answer stream the gateway relays (``StreamHub``).
+
+Why: with a blocking XREAD per request, the event loop pays one Redis round trip (command
+encoding, reply parsing, a pooled connection held while blocked) per event batch per request. In a
+burst of 300 streamed requests that was 45 % of the gateway's main thread (py-spy, docs/upstream.md
+"The gateway's intake"), more than admission itself, and the relaying of early requests' tokens
+delayed the admission of later ones. The hub reads every followed stream in one call, which
+returns all their new entries at once, and hands each reader its own.
+
+A reader that subscribes while the call is blocked wakes it through a stream of the hub's own
+(one XADD per blocked call, however many subscribe meanwhile), so its first tokens wait for
+nothing. Two readers of one request (a Batch API row sent again) each get every entry: the call
+reads each stream from its slowest reader's position. An error of the call (Redis gone) reaches
+every reader, as its own read would have; the next reader starts a new call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from cohort import bus
+
+Entries = list[tuple[str, dict[str, str]]]
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class Reader:
+    """One request's place in the hub: its stream, the last entry it was given, what is waiting."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.last = "0"
+        self._queue: asyncio.Queue[Entries | BaseException] = asyncio.Queue()
+
+    def deliver(self, entries: Entries) -> None:
+        last = _stream_id(self.last)
+        if new := [e for e in entries if _stream_id(e[0]) > last]:
+            self.last = new[-1][0]
+            self._queue.put_nowait(new)
+
+    def fail(self, exc: BaseException) -> None:
+        self._queue.put_nowait(exc)
+
+    async def next(self, timeout_s: float) -> Entries:
+        """The entries that arrived since the last call, waiting up to ``timeout_s`` (then none)."""
+        if self._queue.empty():
+            try:
+                async with asyncio.timeout(timeout_s):
+                    got = await self._queue.get()
+            except TimeoutError:
+                return []
+        else:
+            got = self._queue.get_nowait()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+
+class StreamHub:
+    """Follows the answer streams of the requests this gateway relays, with one blocking call."""
+
+    def __init__(self, redis: Any, block_s: float) -> None:
+        self.redis = redis
+        self.loop = asyncio.get_running_loop()
+        self.block_ms = max(1, int(block_s * 1000))
+        self.readers: dict[str, list[Reader]] = {}
+        self._wake_key, self._wake_last = bus.hub_wake_key(uuid.uuid4().hex), "0"
+        self._task: asyncio.Task | None = None
+        self._blocked = self._woken = False
+
+    async def subscribe(self, request_id: str) -> Reader:
+        """Follow ``request_id``'s stream from its first entry; ``unsubscribe`` when done."""
+        reader = Reader(bus.stream_key(request_id))
+        self.readers.setdefault(reader.key, []).append(reader)
+        if self._task is None or self._task.done():
+            self._task = self.loop.create_task(self._run())
+        elif self._blocked and not self._woken:  # the call under way does not read this stream: end it
+            self._woken = True
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1, approximate=False)
+            pipe.expire(self._wake_key, 3600)
+            await pipe.execute()
+        return reader
+
+    def unsubscribe(self, reader: Reader) -> None:
+        readers = self.readers.get(reader.key, [])
+        if reader in readers:
+            readers.remove(reader)
+        if not readers:
+            self.readers.pop(reader.key, None)
+
+    async def _run(self) -> None:
+        me = asyncio.current_task()
+        try:
+            while self.readers and not (me and me.cancelling()):  # a client may swallow a cancel
+                streams = {self._wake_key: self._wake_last}
+                for key, readers in self.readers.items():
+                    streams[key] = min((r.last for r in readers), key=_stream_id)
+                self._blocked, self._woken = True, False
+                started = time.monotonic()
+                try:
+                    got = await self.redis.xread(streams, block=self.block_ms)
+                finally:
+                    self._blocked = False
+                if not got and time.monotonic() - started < self.block_ms / 2000:
+                    await asyncio.sleep(0.01)  # an empty answer before its time (fakeredis): no spinning
+                for key, entries in got or ():
+                    if key == self._wake_key:
+                        self._wake_last = entries[-1][0]
+                        continue
+                    for reader in self.readers.get(key, ()):
+                        reader.deliver(entries)
+        except Exception as exc:  # Redis gone: every reader fails as its own read would have
+            for readers in self.readers.values():
+                for reader in readers:
+                    reader.fail(exc)
+
+
+def hub_for(app_state: Any) -> StreamHub:
+    """The app's hub on the running event loop and its Redis client (made on first use)."""
+    hub = getattr(app_state, "stream_hub", None)
+    if hub is None or hub.redis is not app_state.redis or hub.loop is not asyncio.get_running_loop():
+        hub = app_state.stream_hub = StreamHub(app_state.redis, app_state.settings.disconnect_check_s)
+    return hub

@@ -1,0 +1,99 @@
+"""The gateway's one reader of every answer stream (gateway.stream_hub), on fakeredis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fakeredis import aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from cohort import bus
+from gateway.stream_hub import StreamHub
+
+
+async def _add(redis, request_id: str, text: str) -> str:
+    return await redis.xadd(bus.stream_key(request_id), {bus.STREAM_FIELD: text})
+
+
+async def _texts(reader, n: int, timeout_s: float = 3.0) -> list[str]:
+    got: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        got += [fields[bus.STREAM_FIELD] for _id, fields in await reader.next(0.2)]
+    return got
+
+
+def test_each_reader_gets_its_own_stream_in_order():
+    asyncio.run(_test_each_reader_gets_its_own_stream_in_order())
+
+
+async def _test_each_reader_gets_its_own_stream_in_order():
+    redis = aioredis.FakeRedis(decode_responses=True)
+    hub = StreamHub(redis, block_s=5.0)
+    a, b = await hub.subscribe("a"), await hub.subscribe("b")
+    for i in range(3):
+        await _add(redis, "a", f"a{i}")
+        await _add(redis, "b", f"b{i}")
+    assert await _texts(a, 3) == ["a0", "a1", "a2"]
+    assert await _texts(b, 3) == ["b0", "b1", "b2"]
+    hub.unsubscribe(a)
+    hub.unsubscribe(b)
+    assert hub.readers == {}
+
+
+def test_a_reader_joining_a_blocked_read_is_not_kept_waiting():
+    asyncio.run(_test_a_reader_joining_a_blocked_read_is_not_kept_waiting())
+
+
+async def _test_a_reader_joining_a_blocked_read_is_not_kept_waiting():
+    """The hub blocks up to 5 s on the first stream; a second reader's entry still arrives at once."""
+    redis = aioredis.FakeRedis(decode_responses=True)
+    hub = StreamHub(redis, block_s=5.0)
+    first = await hub.subscribe("quiet")
+    await asyncio.sleep(0.2)  # the hub's call is now blocked on the quiet stream
+    await _add(redis, "late", "x")
+    t0 = time.monotonic()
+    late = await hub.subscribe("late")
+    assert await _texts(late, 1) == ["x"]
+    assert time.monotonic() - t0 < 2.0
+    hub.unsubscribe(first)
+    hub.unsubscribe(late)
+
+
+def test_two_readers_of_one_request_each_get_every_entry():
+    asyncio.run(_test_two_readers_of_one_request_each_get_every_entry())
+
+
+async def _test_two_readers_of_one_request_each_get_every_entry():
+    redis = aioredis.FakeRedis(decode_responses=True)
+    hub = StreamHub(redis, block_s=0.5)
+    early = await hub.subscribe("r")
+    await _add(redis, "r", "0")
+    await _add(redis, "r", "1")
+    assert await _texts(early, 2) == ["0", "1"]
+    again = await hub.subscribe("r")  # a row sent again follows the same request from its start
+    await _add(redis, "r", "2")
+    assert await _texts(again, 3) == ["0", "1", "2"]
+    assert await _texts(early, 1) == ["2"]
+    hub.unsubscribe(early)
+    hub.unsubscribe(again)
+
+
+def test_a_failed_read_reaches_every_reader():
+    asyncio.run(_test_a_failed_read_reaches_every_reader())
+
+
+async def _test_a_failed_read_reaches_every_reader():
+    redis = aioredis.FakeRedis(decode_responses=True)
+
+    async def gone(*_a, **_k):
+        raise RedisConnectionError("redis went away")
+
+    redis.xread = gone
+    hub = StreamHub(redis, block_s=0.5)
+    readers = [await hub.subscribe("a"), await hub.subscribe("b")]
+    for reader in readers:
+        with pytest.raises(RedisConnectionError):
+            await reader.next(2.0)
