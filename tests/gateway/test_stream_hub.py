@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -11,6 +12,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from cohort import bus
 from gateway.stream_hub import StreamHub
+
+
+def synchronous(scenario):
+    """The scenario as a plain test: run on its own event loop."""
+
+    @functools.wraps(scenario)
+    def test() -> None:
+        asyncio.run(scenario())
+
+    return test
 
 
 async def _add(redis, request_id: str, text: str) -> str:
@@ -25,11 +36,8 @@ async def _texts(reader, n: int, timeout_s: float = 3.0) -> list[str]:
     return got
 
 
-def test_each_reader_gets_its_own_stream_in_order():
-    asyncio.run(_test_each_reader_gets_its_own_stream_in_order())
-
-
-async def _test_each_reader_gets_its_own_stream_in_order():
+@synchronous
+async def test_each_reader_gets_its_own_stream_in_order():
     redis = aioredis.FakeRedis(decode_responses=True)
     hub = StreamHub(redis, block_s=5.0)
     a, b = await hub.subscribe("a"), await hub.subscribe("b")
@@ -43,11 +51,8 @@ async def _test_each_reader_gets_its_own_stream_in_order():
     assert hub.readers == {}
 
 
-def test_a_reader_joining_a_blocked_read_is_not_kept_waiting():
-    asyncio.run(_test_a_reader_joining_a_blocked_read_is_not_kept_waiting())
-
-
-async def _test_a_reader_joining_a_blocked_read_is_not_kept_waiting():
+@synchronous
+async def test_a_reader_joining_a_blocked_read_is_not_kept_waiting():
     """The hub blocks up to 5 s on the first stream; a second reader's entry still arrives at once."""
     redis = aioredis.FakeRedis(decode_responses=True)
     hub = StreamHub(redis, block_s=5.0)
@@ -62,11 +67,8 @@ async def _test_a_reader_joining_a_blocked_read_is_not_kept_waiting():
     hub.unsubscribe(late)
 
 
-def test_two_readers_of_one_request_each_get_every_entry():
-    asyncio.run(_test_two_readers_of_one_request_each_get_every_entry())
-
-
-async def _test_two_readers_of_one_request_each_get_every_entry():
+@synchronous
+async def test_two_readers_of_one_request_each_get_every_entry():
     redis = aioredis.FakeRedis(decode_responses=True)
     hub = StreamHub(redis, block_s=0.5)
     early = await hub.subscribe("r")
@@ -81,11 +83,8 @@ async def _test_two_readers_of_one_request_each_get_every_entry():
     hub.unsubscribe(again)
 
 
-def test_a_failed_read_reaches_every_reader():
-    asyncio.run(_test_a_failed_read_reaches_every_reader())
-
-
-async def _test_a_failed_read_reaches_every_reader():
+@synchronous
+async def test_a_failed_read_reaches_every_reader():
     redis = aioredis.FakeRedis(decode_responses=True)
 
     async def gone(*_a, **_k):
