@@ -134,9 +134,9 @@ class Settings(BaseSettings):
         default=600.0, description="How long the gateway waits for a result before failing with 504."
     )
     disconnect_check_s: float = Field(
-        default=1.0, gt=0.0, le=5.0, description="Longest single blocking read of a request's stream: how late "
-        "a client that went away is noticed (and its row stops decoding). Shorter: more Redis reads per waiting "
-        "request; at most the Redis client's 5 s socket timeout.")
+        default=1.0, gt=0.0, le=5.0, description="Longest single blocking read of the gateway's answer "
+        "streams (gateway.stream_hub): how late a client that went away is noticed (and its row stops decoding). "
+        "Shorter: more Redis reads while streams wait; at most the Redis client's 5 s socket timeout.")
     max_pending: int = Field(default=10_000, description="Queue depth above which new requests get 429.")
     max_text_chars: int = Field(default=100_000, ge=1, description="Characters one request's text may have in "
                                 "all (prompts, messages, instruction + input), checked before tokenizing.")

@@ -83,10 +83,15 @@ class StreamHub:
             self._task = self.loop.create_task(self._run())
         elif self._blocked and not self._woken:  # the call under way does not read this stream: end it
             self._woken = True
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1, approximate=False)
-            pipe.expire(self._wake_key, 3600)
-            await pipe.execute()
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.expire(self._wake_key, 3600)
+                await pipe.execute()
+            except BaseException:  # Redis gone or the client left: nobody will read for this reader
+                self._woken = False
+                self.unsubscribe(reader)
+                raise
         return reader
 
     def unsubscribe(self, reader: Reader) -> None:

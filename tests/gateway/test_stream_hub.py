@@ -96,3 +96,20 @@ async def test_a_failed_read_reaches_every_reader():
     for reader in readers:
         with pytest.raises(RedisConnectionError):
             await reader.next(2.0)
+
+
+@synchronous
+async def test_a_reader_whose_wake_fails_is_not_left_behind():
+    redis = aioredis.FakeRedis(decode_responses=True)
+    hub = StreamHub(redis, block_s=5.0)
+    first = await hub.subscribe("quiet")
+    await asyncio.sleep(0.2)  # blocked: the next reader must wake the call
+
+    def broken_pipeline(*_a, **_k):
+        raise RedisConnectionError("redis went away")
+
+    redis.pipeline = broken_pipeline
+    with pytest.raises(RedisConnectionError):
+        await hub.subscribe("late")
+    assert list(hub.readers) == [bus.stream_key("quiet")]
+    hub.unsubscribe(first)
