@@ -355,8 +355,9 @@ class UpstreamLoop:
             self._admit()
 
     async def _watch(self) -> None:
-        """Every ``poll_s``: a down server's /health (it comes back when that answers), a vLLM
-        server's KV capacity and queue from its /metrics."""
+        """Every ``poll_s``: the server's /health (a server that dies while no row streams is marked
+        down here; a down one comes back when it answers), a vLLM server's KV capacity and queue
+        from its /metrics."""
         while True:
             await asyncio.sleep(self.poll_s)
             try:
@@ -364,6 +365,9 @@ class UpstreamLoop:
                     if await self.server.healthy():
                         log.info("upstream %s answers /health again: back in the pool", self.server.base_url)
                         self.down = False
+                    continue
+                if not await self.server.healthy():  # died while idle: no stream broke to say so
+                    self._mark_down("its /health does not answer")
                     continue
                 text = await self.server.metrics()
                 if text:

@@ -27,6 +27,11 @@ def test_each_second_turn_goes_where_its_system_prompt_is_cached(stack):
     while time.time() < deadline and stack.redis.hlen(bus.INSTANCES) < 2:
         time.sleep(0.5)
     assert stack.redis.hlen(bus.INSTANCES) == 2, stack.tail("worker-2")
+    # registered is not yet alive to the batcher: wait until it routes among both (a slow host
+    # may take seconds between a worker's registration and its first heartbeat)
+    while time.time() < deadline and not any(line.count("'vm-") == 2 for line in stack.tail("batcher", 400)
+                                             .splitlines() if "instances in pool" in line):
+        time.sleep(0.5)
     client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=120, max_retries=0)
 
     def turn(topic: str, question: str):
