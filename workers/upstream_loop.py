@@ -361,12 +361,13 @@ class UpstreamLoop:
         while True:
             await asyncio.sleep(self.poll_s)
             try:
+                healthy = await self.server.healthy()
                 if self.down:
-                    if await self.server.healthy():
+                    if healthy:
                         log.info("upstream %s answers /health again: back in the pool", self.server.base_url)
                         self.down = False
                     continue
-                if not await self.server.healthy():  # died while idle: no stream broke to say so
+                if not healthy:  # died while idle: no stream broke to say so
                     self._mark_down("its /health does not answer")
                     continue
                 text = await self.server.metrics()
