@@ -86,14 +86,28 @@ class RowSampler:
         """The next token from processed ``scores`` (``process``)."""
         if self.params.greedy:
             return int(scores.argmax(dim=-1))
-        probs = torch.softmax(scores, dim=-1)
         gen = None
         if self.params.seed is not None:
             if self._gen is None:
-                self._gen = torch.Generator(device=probs.device)
+                self._gen = torch.Generator(device=scores.device)
             self._gen.manual_seed((self.params.seed * _SEED_STRIDE + position) % _SEED_MOD)
             gen = self._gen
-        return int(torch.multinomial(probs, 1, generator=gen))
+        return draw(scores[0], torch.rand((), generator=gen, device=scores.device, dtype=torch.float64))
+
+
+def draw(scores: torch.Tensor, u: torch.Tensor) -> int:
+    """The token whose share of the softmax of ``scores`` (vocab,) covers ``u`` ∈ [0, 1): inverse
+    CDF sampling, one uniform number per token. Why not ``torch.multinomial``: on a CPU it draws a
+    random number for every vocabulary entry, ~1 ms a token at a 32k vocabulary — a cost per row
+    of every step, which made the engine's steps grow with its rows (docs/steady.md). The CDF is
+    summed in float64 and searched from the right, so a token the processors ruled out (−inf,
+    probability 0) is never drawn."""
+    weights = torch.softmax(scores.double(), dim=-1)
+    cdf = torch.cumsum(weights, dim=-1)
+    i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    if i >= len(cdf) or weights[i] == 0:  # u·total rounded onto the last step: the last token that can occur
+        i = int(torch.nonzero(weights).max())
+    return i
 
 
 LOGPROB_FLOOR = -9999.0  # what -inf (a token the processors ruled out) is reported as: JSON has no -inf
