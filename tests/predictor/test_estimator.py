@@ -80,14 +80,31 @@ def test_knn_estimates_are_remembered_per_shape_and_equal_the_models():
     queries += queries[:10]  # repeats within one call
     first = est.estimate_many(queries)
     direct = np.maximum(est.model.predict(np.asarray(queries, dtype=float)), 1e-4)
-    assert np.array_equal(first, direct)
+    np.testing.assert_allclose(first, direct, rtol=1e-9)
     calls = []
-    est.model.predict = lambda x: calls.append(len(x)) or np.ones(len(x))  # any new query would show
+    est._predict = lambda x: calls.append(len(x)) or np.ones(len(x))  # any new query would show
     assert np.array_equal(est.estimate_many(queries[::-1]), first[::-1]) and calls == []
     est.estimate_many([(1000, 1000, 1000)] + queries)
     assert calls == [1]  # only the unseen shape reaches the model
     est.MEMO = 3  # a full memo starts over and still answers every shape
     assert len(est.estimate_many(queries[:5])) == 5
+
+
+def test_the_numpy_query_equals_scikit_learns_and_survives_save_and_load(tmp_path):
+    rng = np.random.default_rng(5)
+    shapes = rng.random((500, 3)) * [64, 2000, 512]
+    times = rng.random(500) + 0.05
+    est = KNNBatchTime().fit([tuple(r) for r in shapes], times)
+    queries = np.vstack([rng.random((200, 3)) * [64, 2000, 512], shapes[:20]])  # 20 exact repeats
+    ours = est._predict(queries)
+    np.testing.assert_allclose(ours, est.model.predict(queries), rtol=1e-9)
+    np.testing.assert_allclose(ours[-20:], times[:20], rtol=1e-12)  # a logged shape: its own time
+    est.save(tmp_path / "knn")
+    again = KNNBatchTime.load(tmp_path / "knn")
+    np.testing.assert_allclose(again._predict(queries), ours, rtol=1e-12)
+    few = KNNBatchTime(n_neighbors=5).fit([(1, 10, 10), (2, 20, 20)], [1.0, 3.0])  # fewer rows than k
+    np.testing.assert_allclose(few._predict(np.array([[1.5, 15, 15], [2, 20, 20]])),
+                               few.model.predict(np.array([[1.5, 15, 15], [2, 20, 20]])), rtol=1e-9)
 
 
 def test_a_refit_forgets_the_remembered_estimates():
