@@ -42,9 +42,12 @@ class CompiledForest:
     value: np.ndarray  # float64
     baseline: float
     depth: int  # the deepest leaf's depth: the most levels any row descends
-    inverse_link: object  # the loss's link inverse (identity for squared error)
+    inverse_link: object  # the loss's link inverse (identity for squared error); a mean: ÷ trees
+    float32_inputs: bool = False  # scikit-learn's decision trees read X as float32
 
     def predict(self, x: np.ndarray) -> np.ndarray:
+        if self.float32_inputs:
+            x = np.asarray(x, dtype=np.float32)
         x = np.ascontiguousarray(x, dtype=np.float64)
         n_rows, n_features = x.shape
         flat_x = x.ravel()
@@ -59,6 +62,41 @@ class CompiledForest:
         leaves = self.value[node]
         raw = np.cumsum(np.hstack([np.full((n_rows, 1), self.baseline), leaves]), axis=1)[:, -1]
         return self.inverse_link(raw)
+
+
+def compile_random_forest(model) -> CompiledForest | None:
+    """The compiled form of a fitted single-output ``RandomForestRegressor`` (Magnus's model), or
+    None where it is not one. Its answer is scikit-learn's: X read as float32 as its trees read
+    it, the same descent, the trees' values added in order from zero and divided by their number
+    (``_accumulate_prediction`` then ``/= len(estimators_)``). Why: scikit-learn predicts a forest
+    tree by tree through joblib, ~0.13 ms of overhead per tree, so 100 trees cost the gateway
+    10–15 ms per request (docs/upstream.md, "The gateway's prediction")."""
+    trees = [e.tree_ for e in getattr(model, "estimators_", [])]
+    if not trees or any(t.n_outputs != 1 or t.value.shape[2] != 1 for t in trees):
+        return None
+    sizes = [t.node_count for t in trees]
+    roots = np.cumsum([0] + sizes[:-1]).astype(np.int64)
+    offset = np.repeat(roots, sizes)
+    own = np.arange(sum(sizes), dtype=np.int64)
+    left = np.concatenate([t.children_left for t in trees]).astype(np.int64)
+    right = np.concatenate([t.children_right for t in trees]).astype(np.int64)
+    leaf = left == -1
+    missing = [getattr(t, "missing_go_to_left", None) for t in trees]
+    return CompiledForest(
+        roots=roots,
+        feature=np.where(leaf, 0, np.concatenate([t.feature for t in trees])).astype(np.int64),
+        threshold=np.concatenate([t.threshold for t in trees]).astype(np.float64),
+        missing_left=np.concatenate([np.zeros(n, bool) if m is None else np.asarray(m, bool)
+                                     for m, n in zip(missing, sizes, strict=True)]),
+        left=np.where(leaf, own, offset + left),
+        right=np.where(leaf, own, offset + right),
+        is_leaf=leaf,
+        value=np.concatenate([t.value[:, 0, 0] for t in trees]).astype(np.float64),
+        baseline=0.0,
+        depth=max(t.max_depth for t in trees) + 1,
+        inverse_link=lambda raw, n=len(trees): raw / n,
+        float32_inputs=True,
+    )
 
 
 def compile_forest(model) -> CompiledForest | None:

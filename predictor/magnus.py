@@ -15,8 +15,12 @@ from predictor import safe_io
 from predictor.base import META_FILE, PredictItem
 from predictor.encoder import configured_backend, configured_dtype, encode
 from predictor.features import magnus_features
+from predictor.forest import CompiledForest, compile_random_forest
 
 MODEL_FILE = "model.skops"
+# Up to this many rows the compiled walk answers (100 trees of depth ~30 on this 2-core host: 0.2 ms
+# for 1 row, 1.5 ms for 64, 5.5 ms for 256, against scikit-learn's 23-30 ms at any of them)
+COMPILED_FOREST_ROWS = 1024
 APP_CACHE = 4096  # distinct application instructions kept (LRU)
 USER_CACHE = 16384  # distinct user texts kept (LRU, ~1.5 kB each)
 
@@ -42,6 +46,7 @@ class MagnusPredictor:
                                            min_samples_leaf=min_samples_leaf, n_jobs=-1, random_state=seed)
         self._app_cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._user_cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._compiled: tuple[object, CompiledForest | None] | None = None  # (the forest it is of, its walk)
 
     def _cached(self, cache: OrderedDict[str, np.ndarray], texts: Sequence[str], limit: int) -> np.ndarray:
         """Sentence vectors of ``texts``, encoding only the distinct texts the LRU ``cache`` lacks.
@@ -79,14 +84,23 @@ class MagnusPredictor:
             features: np.ndarray | None = None) -> MagnusPredictor:
         x = self.features(items, show_progress=len(items) > 2000) if features is None else features
         self.model.fit(x, np.asarray(targets, dtype=float))
+        self._compiled = None  # refitted in place: its walk is built again
         return self
 
     def predict(self, items: Sequence[PredictItem]) -> np.ndarray:
         if not items:
             return np.zeros(0)
-        return np.maximum(self.model.predict(self.features(items)), 1.0)
+        return self.predict_features(self.features(items))
 
     def predict_features(self, x: np.ndarray) -> np.ndarray:
+        """The forest's answer (at least 1 token) by the compiled walk (``predictor.forest``): the
+        gateway's one or two rows at a time, the online learner's completions; a bulk evaluation by
+        scikit-learn."""
+        if len(x) <= COMPILED_FOREST_ROWS:
+            if self._compiled is None or self._compiled[0] is not self.model:
+                self._compiled = (self.model, compile_random_forest(self.model))
+            if self._compiled[1] is not None:
+                return np.maximum(self._compiled[1].predict(x), 1.0)
         return np.maximum(self.model.predict(x), 1.0)
 
     def save(self, directory: Path, meta: dict | None = None) -> None:

@@ -69,7 +69,7 @@ class MagnusFastPredictor(MagnusPredictor):
     def predict(self, items: Sequence[PredictItem]) -> np.ndarray:
         if not items:
             return np.zeros(0)
-        return np.maximum(self.model.predict(self.features(items)), 1.0)
+        return self.predict_features(self.features(items))
 
     @classmethod
     def load(cls, directory: Path) -> MagnusFastPredictor:

@@ -145,7 +145,7 @@ class OnlineResidual:
         return {"forget": self.forget, "ridge": self.ridge, "min_rows": self.min_rows, "clusters": self.clusters,
                 "version": self.version,
                 "a": {k: v.tolist() for k, v in self.a.items()}, "b": {k: v.tolist() for k, v in self.b.items()},
-                "n": self.n}
+                "n": dict(self.n)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OnlineResidual:

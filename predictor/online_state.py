@@ -27,13 +27,23 @@ def state_path(data_dir: str | Path) -> Path:
     return Registry(data_dir, "predictor").root / STATE_FILE
 
 
+def snapshot_state(conformal: OnlineConformal, residual: OnlineResidual | None,
+                   clusters: PromptClusters | None = None) -> dict[str, Any]:
+    """Every part as plain data, copied: taken under the caller's lock, written after it."""
+    return {"conformal": conformal.to_dict(), "residual": None if residual is None else residual.to_dict(),
+            "clusters": None if clusters is None else clusters.to_dict()}
+
+
 def save_state(path: str | Path, conformal: OnlineConformal, residual: OnlineResidual | None,
                clusters: PromptClusters | None = None) -> None:
     """Write every part (the cursor is the conformal part's) via a temporary file + ``os.replace``."""
+    write_state(path, snapshot_state(conformal, residual, clusters))
+
+
+def write_state(path: str | Path, state: dict[str, Any]) -> None:
+    """A ``snapshot_state`` to its file, via a temporary file + ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"conformal": conformal.to_dict(), "residual": None if residual is None else residual.to_dict(),
-             "clusters": None if clusters is None else clusters.to_dict()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, path)

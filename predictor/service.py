@@ -48,7 +48,7 @@ from predictor.hotswap import HotSwap
 from predictor.loading import load_predictor
 from predictor.online_conformal import OnlineConformal
 from predictor.online_residual import OnlineResidual
-from predictor.online_state import load_state, save_state, state_path
+from predictor.online_state import load_state, snapshot_state, state_path, write_state
 from predictor.prompt_clusters import PromptClusters, cluster_slot
 from predictor.registry import Registry
 
@@ -283,9 +283,10 @@ class PredictorService:
                      upper=np.array([np.nan if r.get("predicted_upper") is None else r["predicted_upper"]
                                      for r in used], float),
                      pools=[r.get("model") for r in used])
-        with self._online_lock:
+        with self._online_lock:  # a copy under the lock; the file is written after it (predictions wait on it)
             self.online.cursor = max(float(r["finished"]) for r in rows)
-            save_state(self.online_path, self.online, self.residual, self.clusters)
+            state = snapshot_state(self.online, self.residual, self.clusters)
+        write_state(self.online_path, state)
         return len(used)
 
     def _maybe_sync_background(self) -> None:

@@ -49,6 +49,7 @@ from workers.upstream_api import (
 log = logging.getLogger(__name__)
 PRIORITY_SPAN = 1_000_000_000  # admission ranks within one client priority
 GROUP_SPAN = 1_000             # ranks within one group (its rows, shortest predicted first)
+QUEUE_POLL_S = 0.1             # the watch's period while the server's own queue holds groups back
 
 
 @dataclass
@@ -108,7 +109,8 @@ class UpstreamLoop:
         self._groups: dict[str, _Group] = {}
         self._rows: dict[str, _Row] = {}
         self._admissions = 0
-        self._flush_scheduled = False
+        self._flush_timer: asyncio.TimerHandle | None = None  # the coalescing flush, when one is due
+        self._flush_soon = False  # a flush without delay is queued (a row's first token)
         self._aloop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="upstream-loop", daemon=True)
         self._thread.start()
@@ -261,6 +263,7 @@ class UpstreamLoop:
             return
         now = time.time()
         g = row.group
+        first = row.first_token_at is None
         for i, (tok, piece) in enumerate(zip(ids, pieces, strict=True)):
             if row.ended or len(row.new_ids) >= row.limit:
                 return
@@ -272,7 +275,7 @@ class UpstreamLoop:
             g.out.tokens.append(TokenEvent(row.req, tok, row.req.done_tokens + len(row.new_ids), now,
                                            row.first_token_at, None, scored, piece=piece))
         g.dirty = True
-        self._schedule_flush()
+        self._schedule_flush(now=first)
 
     def _finish(self, row: _Row, finish: str) -> None:
         if row.ended:
@@ -305,7 +308,7 @@ class UpstreamLoop:
     def _row_ended(self, row: _Row) -> None:
         self._rows.pop(row.req.id, None)
         row.group.dirty = True
-        self._schedule_flush()
+        self._schedule_flush(now=True)  # its client's answer (and e2e) waits for this news
         self._admit()
 
     def _cancel(self, ids: list[str]) -> None:
@@ -319,16 +322,26 @@ class UpstreamLoop:
                         r.ended = True
                         g.dirty = True
 
-    def _schedule_flush(self) -> None:
+    def _schedule_flush(self, now: bool = False) -> None:
         """Flush ``flush_s`` after the first news: a row's tokens that arrive meanwhile go out as one
-        delta (each hop to the client — Redis, the gateway's relay — costs per delta, not per token)."""
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._aloop.call_later(self.flush_s, self._flush)
+        delta (each hop to the client — Redis, the gateway's relay — costs per delta, not per token).
+        ``now``: a row's first token or its end, which go out at once (its client's TTFT or answer
+        waits for them), with whatever else is pending."""
+        if now:
+            if self._flush_timer is not None:
+                self._flush_timer.cancel()
+                self._flush_timer = None
+            if not self._flush_soon:
+                self._flush_soon = True
+                self._aloop.call_soon(self._flush)
+        elif self._flush_timer is None and not self._flush_soon:
+            self._flush_timer = self._aloop.call_later(self.flush_s, self._flush)
 
     def _flush(self) -> None:
         """Everything the groups produced since the last flush, as one bundle for the publisher."""
-        self._flush_scheduled = False
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+        self._flush_timer, self._flush_soon = None, False
         bundle: list[Update] = []
         for bid, g in list(self._groups.items()):
             if not g.dirty:
@@ -357,9 +370,11 @@ class UpstreamLoop:
     async def _watch(self) -> None:
         """Every ``poll_s``: the server's /health (a server that dies while no row streams is marked
         down here; a down one comes back when it answers), a vLLM server's KV capacity and queue
-        from its /metrics."""
+        from its /metrics; every ``QUEUE_POLL_S`` while the server reports a queue and groups wait
+        here behind it (they join as soon as its queue is gone, not up to ``poll_s`` later)."""
         while True:
-            await asyncio.sleep(self.poll_s)
+            held = self.server_waiting > 0 and bool(self._waiting)
+            await asyncio.sleep(min(self.poll_s, QUEUE_POLL_S) if held else self.poll_s)
             try:
                 healthy = await self.server.healthy()
                 if self.down:

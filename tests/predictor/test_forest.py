@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sklearn.ensemble import HistGradientBoostingRegressor
+from sklearn.ensemble import HistGradientBoostingRegressor, RandomForestRegressor
 
 from predictor.base import PredictItem
-from predictor.forest import COMPILED_ROWS, compile_forest
+from predictor.forest import COMPILED_ROWS, compile_forest, compile_random_forest
 from predictor.semantic import SemanticPredictor
 
 
@@ -48,3 +48,33 @@ def test_the_semantic_predictor_answers_alike_on_both_paths(tmp_path):
     loaded = SemanticPredictor.load(tmp_path / "m")
     assert loaded._compiled is not None
     assert np.array_equal(loaded.predict(items[:3]), whole[:3])
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_the_compiled_random_forest_equals_scikit_learns(missing):
+    rng = np.random.default_rng(3)
+    x = rng.random((300, 9))  # float64: the trees read it as float32, so must the walk
+    if missing:
+        x[rng.random(x.shape) < 0.05] = np.nan
+    y = np.nansum(x[:, :3], axis=1) * 40 + rng.random(300)
+    model = RandomForestRegressor(n_estimators=25, min_samples_leaf=2, random_state=0).fit(x, y)
+    forest = compile_random_forest(model)
+    assert forest is not None
+    queries = np.vstack([rng.random((60, 9)), x[:10]])  # training rows sit on thresholds
+    if missing:
+        queries[rng.random(queries.shape) < 0.05] = np.nan
+    for n in (1, 2, len(queries)):
+        assert np.array_equal(forest.predict(queries[:n]), model.predict(queries[:n]))
+
+
+def test_magnus_answers_alike_compiled_and_after_a_refit():
+    from predictor.magnus import MagnusPredictor
+
+    rng = np.random.default_rng(4)
+    x, y = rng.random((200, 7)), rng.random(200) * 100
+    model = MagnusPredictor(n_estimators=10)
+    model.model.fit(x, y)
+    # Magnus predicts with n_jobs=-1: threads add the trees in any order, so the last bit may differ
+    np.testing.assert_allclose(model.predict_features(x[:3]), model.model.predict(x[:3]), rtol=1e-12)
+    model.fit([], y[::-1], features=x)  # refitted in place: the walk follows
+    np.testing.assert_allclose(model.predict_features(x[:3]), model.model.predict(x[:3]), rtol=1e-12)

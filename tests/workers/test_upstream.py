@@ -173,3 +173,22 @@ def test_a_cancelled_row_closes_its_stream(tok):
     assert any(u.done for u in ups) and server.closed == ["c1"]
     assert not [res for u in ups for res in u.out.finished]
     loop.stop()
+
+
+def test_a_rows_first_token_and_its_end_go_out_at_once_the_rest_coalesce(tok):
+    server = ScriptedServer(delay_s=0.05)
+    loop = UpstreamLoop(server, tok, capacity_tokens=10_000, poll_s=60, flush_s=5.0)  # coalesce for 5 s
+    t0 = time.time()
+    loop.submit(Batch("bt", [_req("t1", 6)], t0), [[101, 7592, 2045]])
+    first = None
+    ups = []
+    while time.time() < t0 + 20 and not any(u.done for u in ups):
+        for _h, u in loop.updates(0.05):
+            ups.append(u)
+            if first is None and u.out.deltas:
+                first = time.time() - t0
+    done_at = time.time() - t0
+    assert first is not None and first < 2.0  # not held for flush_s: the client's TTFT waits on it
+    assert done_at < 2.0  # the row's end went out at once too, its middle tokens with it
+    assert [len(ids) for u in ups for _r, _t, _n, ids in u.out.deltas][0] == 1  # the first token alone
+    loop.stop()
