@@ -46,7 +46,7 @@ class MagnusPredictor:
                                            min_samples_leaf=min_samples_leaf, n_jobs=-1, random_state=seed)
         self._app_cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._user_cache: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._compiled: tuple[object, CompiledForest | None] | None = None  # (the forest it is of, its walk)
+        self._compiled: CompiledForest | None = None  # the forest, compiled after fit or load
 
     def _cached(self, cache: OrderedDict[str, np.ndarray], texts: Sequence[str], limit: int) -> np.ndarray:
         """Sentence vectors of ``texts``, encoding only the distinct texts the LRU ``cache`` lacks.
@@ -84,7 +84,7 @@ class MagnusPredictor:
             features: np.ndarray | None = None) -> MagnusPredictor:
         x = self.features(items, show_progress=len(items) > 2000) if features is None else features
         self.model.fit(x, np.asarray(targets, dtype=float))
-        self._compiled = None  # refitted in place: its walk is built again
+        self._compiled = compile_random_forest(self.model)
         return self
 
     def predict(self, items: Sequence[PredictItem]) -> np.ndarray:
@@ -96,11 +96,8 @@ class MagnusPredictor:
         """The forest's answer (at least 1 token) by the compiled walk (``predictor.forest``): the
         gateway's one or two rows at a time, the online learner's completions; a bulk evaluation by
         scikit-learn."""
-        if len(x) <= COMPILED_FOREST_ROWS:
-            if self._compiled is None or self._compiled[0] is not self.model:
-                self._compiled = (self.model, compile_random_forest(self.model))
-            if self._compiled[1] is not None:
-                return np.maximum(self._compiled[1].predict(x), 1.0)
+        if self._compiled is not None and len(x) <= COMPILED_FOREST_ROWS:
+            return np.maximum(self._compiled.predict(x), 1.0)
         return np.maximum(self.model.predict(x), 1.0)
 
     def save(self, directory: Path, meta: dict | None = None) -> None:
@@ -118,4 +115,5 @@ class MagnusPredictor:
         meta = json.loads((directory / META_FILE).read_text())
         self = cls(encoder_path=meta.get("encoder_path"), encoder_dtype=meta.get("encoder_dtype", "float32"))
         self.model = safe_io.load(directory / MODEL_FILE)
+        self._compiled = compile_random_forest(self.model)
         return self

@@ -339,8 +339,7 @@ class UpstreamLoop:
 
     def _flush(self) -> None:
         """Everything the groups produced since the last flush, as one bundle for the publisher."""
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
+        # this is the one pending flush: a queued immediate one cancelled the timer, and no timer is set while one is queued
         self._flush_timer, self._flush_soon = None, False
         bundle: list[Update] = []
         for bid, g in list(self._groups.items()):

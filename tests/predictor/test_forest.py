@@ -67,14 +67,18 @@ def test_the_compiled_random_forest_equals_scikit_learns(missing):
         assert np.array_equal(forest.predict(queries[:n]), model.predict(queries[:n]))
 
 
-def test_magnus_answers_alike_compiled_and_after_a_refit():
+def test_magnus_answers_alike_compiled_and_after_a_refit(tmp_path):
     from predictor.magnus import MagnusPredictor
 
     rng = np.random.default_rng(4)
     x, y = rng.random((200, 7)), rng.random(200) * 100
-    model = MagnusPredictor(n_estimators=10)
-    model.model.fit(x, y)
+    model = MagnusPredictor(n_estimators=10).fit([], y, features=x)
+    assert model._compiled is not None
     # Magnus predicts with n_jobs=-1: threads add the trees in any order, so the last bit may differ
     np.testing.assert_allclose(model.predict_features(x[:3]), model.model.predict(x[:3]), rtol=1e-12)
     model.fit([], y[::-1], features=x)  # refitted in place: the walk follows
     np.testing.assert_allclose(model.predict_features(x[:3]), model.model.predict(x[:3]), rtol=1e-12)
+    model.save(tmp_path / "m")
+    loaded = MagnusPredictor.load(tmp_path / "m")
+    assert loaded._compiled is not None
+    np.testing.assert_allclose(loaded.predict_features(x[:3]), model.model.predict(x[:3]), rtol=1e-12)
