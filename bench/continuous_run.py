@@ -130,6 +130,12 @@ def simulate_continuous(requests: Sequence[ProfiledRequest], policy: str, schedu
             now, k = heapq.heappop(heap)
             inst = insts[k]
             end = engine.step(inst, now, book.index)
+            if groups is not None and groups.declined:   # groups left to instances holding their prefix:
+                for j in sorted(idle):                   # a sleeping one among them pulls them now
+                    if id(insts[j]) in groups.declined:
+                        idle.discard(j)
+                        heapq.heappush(heap, (now, j))
+                groups.declined.clear()
             if end is None:
                 idle.add(k)
             else:

@@ -45,6 +45,7 @@ class GroupScheduler:
         self.ahead: list[Batch] = []          # groups popped from the policy, not yet taken
         self._pages: dict[str, list[int]] = {}
         self.queued = 0                      # requests in the policy or ``ahead``, not yet on an instance
+        self.declined: set[int] = set()      # instances a pop left every group to (they hold the prefixes)
 
     def add(self, req: ProfiledRequest, now: float) -> None:
         self.pol.add(req, now)
@@ -60,9 +61,15 @@ class GroupScheduler:
             got = self._pages[req.id] = prompt_pages(req, self.limits.page_tokens)
         return got
 
-    def pop(self, now: float, cached: Callable[[list[int]], int] | None = None) -> Batch | None:
-        """The next group for an instance; with ``affinity``, of the next few groups the one whose
-        first prompt has the longest prefix ``cached`` on the instance (pages), the next one if none."""
+    def pop(self, now: float, cached: Callable[[list[int]], int] | None = None,
+            elsewhere: Callable[[list[int]], tuple[int, int]] | None = None) -> Batch | None:
+        """The next group for an instance. With ``affinity``: of the next few groups, those whose
+        first prompt has no longer prefix cached (pages) on another instance with room
+        (``elsewhere``: (pages, that instance's key)) than on this one (``cached``), the one with the
+        longest here, else the first of them; None when each is better placed elsewhere, and
+        ``declined`` names those instances (each pulls at its next step boundary; a sleeping one
+        must be woken). So a group goes where its prefix is among the instances with room: the live
+        router's rule (``batcher.prefix_routing``), and one hot prompt cannot pin an instance."""
         while len(self.ahead) < max(1, self.affinity) and self.queued > sum(g.size for g in self.ahead):
             group = self.pol.pop(now)
             if group is None:
@@ -72,9 +79,18 @@ class GroupScheduler:
             return None
         pick = 0
         if self.affinity and cached is not None:
-            scores = [cached(self.pages(g.requests[0])) if g.requests else 0 for g in self.ahead]
-            best = max(scores)
-            pick = scores.index(best) if best > 0 else 0
+            best, pick, better = -1, -1, set()
+            for i, g in enumerate(self.ahead):
+                pages = self.pages(g.requests[0]) if g.requests else []
+                here = cached(pages)
+                there, key = elsewhere(pages) if elsewhere is not None else (0, -1)
+                if there > here:
+                    better.add(key)
+                elif here > best:
+                    best, pick = here, i
+            if pick < 0:
+                self.declined |= better
+                return None
         group = self.ahead.pop(pick)
         self.queued -= group.size
         return group
@@ -145,11 +161,27 @@ class GroupEngine:
         hits = sum(rs.pool.hits for rs in self.sets.values())
         return {"prefix_queries": queries, "prefix_hits": hits, "prefix_hit_rate": hits / queries if queries else 0.0}
 
+    def _affinity(self, key: int) -> Callable[[list[int]], int]:
+        """How well a prompt (its page keys) suits instance ``key``: its cached leading pages there."""
+        pool = self.sets[key].pool
+        return lambda h: len(pool.lookup(h))
+
+    def _elsewhere(self, here: int) -> Callable[[list[int]], tuple[int, int]]:
+        """(most pages of a prompt cached on another instance with room, that instance's key): room
+        is no group waiting on it and a row to spare, so it pulls at its next step boundary."""
+        others = [(key, self._affinity(key)) for key, rs in self.sets.items()
+                  if key != here and not rs.waiting and len(rs.rows) < rs.max_rows]
+
+        def best(h: list[int]) -> tuple[int, int]:
+            return max(((score(h), key) for key, score in others), default=(0, -1))
+        return best
+
     # --- a step boundary ------------------------------------------------------------------
     def _admit(self, inst: SimInstance, rs: RunningSet, now: float, index: dict[str, int]) -> None:
         """Resumed rows, then groups from the policy while each fits (one that does not waits here)."""
         while True:
-            if not rs.waiting and (group := self.groups.pop(now, lambda h: len(rs.pool.lookup(h)))) is not None:
+            if not rs.waiting and (group := self.groups.pop(now, self._affinity(id(inst)),
+                                                            self._elsewhere(id(inst)))) is not None:
                 for q in group.requests:
                     self.rows[q.id] = _Sim(index[q.id], q)
                 rs.add_group(group.id, [RunRow(q.id, q.input_tokens, predicted_remaining=q.predicted_tokens,

@@ -45,6 +45,8 @@ def prefix(
                                       "built-in workers with their caches, the trace at --rate req/s."),
     kv_tokens: int = typer.Option(12_000, help="Simulator: KV tokens per instance (0: the preset's Θ)."),
     affinity: int = typer.Option(32, help="Simulator: groups an instance looks through for its cached prefix."),
+    at_capacity: float = typer.Option(0.0, help="Simulator: measure least-loaded routing's capacity at --rate, then "
+                                      "offer every setting this share of it (1: the baseline saturated; 0: --rate)."),
     load: float = typer.Option(0.8, help="Live: offered load as a share of the cache-off capacity."),
     engine: str = typer.Option(None, help="Live: an OpenAI-compatible engine's base URL ending in /v1 (vLLM with "
                                "--enable-prefix-caching), replayed direct at --engine-load of its capacity."),
@@ -69,6 +71,7 @@ def prefix(
         typer.echo(f"capacity (req/s): {json.dumps(out['config']['capacity_rps'])}")
     else:
         out = prefix_sim(cfg, policy=policy, instances=instances, kv_tokens=kv_tokens or None, affinity=affinity,
+                         at_capacity=at_capacity or None,
                          progress=typer.echo)
         base = f"{policy} no cache"
         keys = PLOT_KEYS["sim"]

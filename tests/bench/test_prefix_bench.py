@@ -22,3 +22,18 @@ def test_the_simulated_grid_on_a_small_chat_trace(chat_files):
     assert least["prefix_hit_rate"] > 0.4 and aware["prefix_hit_rate"] >= least["prefix_hit_rate"]
     assert least["mean_ttft_s"] < off["mean_ttft_s"]
     assert out["config"]["trace"]["page_hit_fraction"] >= aware["prefix_hit_rate"] - 1e-9
+
+
+@pytest.mark.slow
+def test_at_capacity_offers_the_measured_least_loaded_capacity(chat_files):
+    cfg = ChatPrefixConfig(files=chat_files, requests=160, rate=60.0, seed=3, max_tokens=128, n_system_prompts=6)
+    out = prefix_sim(cfg, policy="spf", instances=2, kv_tokens=6000, affinity=16, at_capacity=0.5)
+    probe = out["config"]["capacity_probe"]
+    assert probe["setting"] == "spf cache, least-loaded" and probe["offered_rps"] == 60.0
+    assert 0 < probe["capacity_rps"] < 60.0   # the probe overloads it
+    assert out["config"]["workload"]["rate"] == pytest.approx(0.5 * probe["capacity_rps"])
+    least = out["runs"]["spf cache, least-loaded"]
+    assert least["completed"] == 160
+    # at half its capacity it keeps up with the offered rate, which the probe's overload could not
+    assert least["request_throughput"] < probe["capacity_rps"]
+    assert least["mean_ttft_s"] < 5.0
