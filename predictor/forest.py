@@ -64,6 +64,18 @@ class CompiledForest:
         return self.inverse_link(raw)
 
 
+def _links(sizes: list[int], left: np.ndarray, right: np.ndarray,
+           leaf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(each tree's root, left child, right child) in the trees' concatenated node arrays: a
+    tree's own child indices shifted by where it starts; a leaf points at itself, so a row that
+    reached one stays there while the walk runs its fixed number of levels."""
+    roots = np.cumsum([0] + sizes[:-1]).astype(np.int64)
+    offset = np.repeat(roots, sizes)
+    own = np.arange(sum(sizes), dtype=np.int64)
+    return (roots, np.where(leaf, own, offset + left.astype(np.int64)),
+            np.where(leaf, own, offset + right.astype(np.int64)))
+
+
 def compile_random_forest(model) -> CompiledForest | None:
     """The compiled form of a fitted single-output ``RandomForestRegressor`` (Magnus's model), or
     None where it is not one. Its answer is scikit-learn's: X read as float32 as its trees read
@@ -75,12 +87,9 @@ def compile_random_forest(model) -> CompiledForest | None:
     if not trees or any(t.n_outputs != 1 or t.value.shape[2] != 1 for t in trees):
         return None
     sizes = [t.node_count for t in trees]
-    roots = np.cumsum([0] + sizes[:-1]).astype(np.int64)
-    offset = np.repeat(roots, sizes)
-    own = np.arange(sum(sizes), dtype=np.int64)
-    left = np.concatenate([t.children_left for t in trees]).astype(np.int64)
-    right = np.concatenate([t.children_right for t in trees]).astype(np.int64)
+    left = np.concatenate([t.children_left for t in trees])
     leaf = left == -1
+    roots, left, right = _links(sizes, left, np.concatenate([t.children_right for t in trees]), leaf)
     missing = [getattr(t, "missing_go_to_left", None) for t in trees]
     return CompiledForest(
         roots=roots,
@@ -88,8 +97,8 @@ def compile_random_forest(model) -> CompiledForest | None:
         threshold=np.concatenate([t.threshold for t in trees]).astype(np.float64),
         missing_left=np.concatenate([np.zeros(n, bool) if m is None else np.asarray(m, bool)
                                      for m, n in zip(missing, sizes, strict=True)]),
-        left=np.where(leaf, own, offset + left),
-        right=np.where(leaf, own, offset + right),
+        left=left,
+        right=right,
         is_leaf=leaf,
         value=np.concatenate([t.value[:, 0, 0] for t in trees]).astype(np.float64),
         baseline=0.0,
@@ -109,17 +118,15 @@ def compile_forest(model) -> CompiledForest | None:
     if any(bool(nodes["is_categorical"].any()) for nodes in trees):
         return None
     nodes = np.concatenate(trees)
-    roots = np.cumsum([0] + [len(t) for t in trees[:-1]]).astype(np.int64)
-    offset = np.repeat(roots, [len(t) for t in trees])
-    own = np.arange(len(nodes), dtype=np.int64)
     leaf = nodes["is_leaf"].astype(bool)
+    roots, left, right = _links([len(t) for t in trees], nodes["left"], nodes["right"], leaf)
     return CompiledForest(
         roots=roots,
         feature=np.where(leaf, 0, nodes["feature_idx"]).astype(np.int64),
         threshold=nodes["num_threshold"].astype(np.float64),
         missing_left=nodes["missing_go_to_left"].astype(bool),
-        left=np.where(leaf, own, offset + nodes["left"]).astype(np.int64),
-        right=np.where(leaf, own, offset + nodes["right"]).astype(np.int64),
+        left=left,
+        right=right,
         is_leaf=leaf,
         value=nodes["value"].astype(np.float64),
         baseline=float(np.asarray(model._baseline_prediction).ravel()[0]),

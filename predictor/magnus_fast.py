@@ -66,11 +66,6 @@ class MagnusFastPredictor(MagnusPredictor):
         app = np.stack([app_map[it.instruction] for it in items])
         return magnus_features(user, app, np.array([it.input_tokens for it in items]))
 
-    def predict(self, items: Sequence[PredictItem]) -> np.ndarray:
-        if not items:
-            return np.zeros(0)
-        return self.predict_features(self.features(items))
-
     @classmethod
     def load(cls, directory: Path) -> MagnusFastPredictor:
         self = super().load(directory)

@@ -34,12 +34,6 @@ def snapshot_state(conformal: OnlineConformal, residual: OnlineResidual | None,
             "clusters": None if clusters is None else clusters.to_dict()}
 
 
-def save_state(path: str | Path, conformal: OnlineConformal, residual: OnlineResidual | None,
-               clusters: PromptClusters | None = None) -> None:
-    """Write every part (the cursor is the conformal part's) via a temporary file + ``os.replace``."""
-    write_state(path, snapshot_state(conformal, residual, clusters))
-
-
 def write_state(path: str | Path, state: dict[str, Any]) -> None:
     """A ``snapshot_state`` to its file, via a temporary file + ``os.replace``."""
     path = Path(path)

@@ -14,7 +14,7 @@ from predictor.baselines import MeanPredictor
 from predictor.conformal import GLOBAL, ConformalTable
 from predictor.live_coverage import planned_coverage
 from predictor.online_conformal import OnlineConformal
-from predictor.online_state import load_state, save_state
+from predictor.online_state import load_state, snapshot_state, write_state
 from predictor.prompt_clusters import PromptClusters, cluster_text
 from predictor.service import PredictorService
 
@@ -76,7 +76,7 @@ def test_a_cluster_taken_over_by_new_traffic_gets_a_new_name() -> None:
 
 def test_clusters_survive_a_restart_in_the_online_state(tmp_path) -> None:
     pc = _fitted()
-    save_state(tmp_path / "s.json", OnlineConformal(), None, pc)
+    write_state(tmp_path / "s.json", snapshot_state(OnlineConformal(), None, pc))
     _, _, back = load_state(tmp_path / "s.json", {}, None, {"k": 2, "embed": _embed})
     items = _items("chat", 2) + _items("code", 2)
     assert back is not None and back.assign(items) == pc.assign(items) and back.fits == pc.fits
