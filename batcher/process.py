@@ -67,7 +67,7 @@ def run_batcher(settings: Settings, estimator: object, send_task: Callable[[Batc
                     if maybe:
                         maybe()
                 if not svc.step():
-                    time.sleep(s.batcher_tick_s)
+                    bus.wait_for_work(r, s.pool, s.batcher_tick_s)
                 backoff = 0.2
             except redis.RedisError as e:
                 log.warning("Redis unavailable (%s); retrying in %.1f s", e, backoff)

@@ -5,6 +5,7 @@ gateway  --SET cancel:<id> + LPUSH cancels-->  batcher and worker (the client we
 batcher  --Celery queue per pool-->  worker  (a Batch as JSON)
 worker   --LPUSH completions-->  batcher (a CompletionEvent: outcome, measurements, continuations)
 worker|batcher  --XADD stream:<request id>-->  gateway (StreamEvents: deltas, then end or error)
+gateway|worker  --LPUSH wake-->  batcher (with every message above it reads: it blocks on this between rounds)
 
 Message shapes are in cohort.protocol; this module owns the key names and the Redis operations.
 
@@ -63,6 +64,10 @@ class PoolKeys:
     @property
     def cancels(self) -> str:       # list of cancelled request ids (the batcher drops them)
         return self._key("cancels")
+
+    @property
+    def wake(self) -> str:          # list of at most one token: something for the batcher arrived
+        return self._key("wake")
 
     @property
     def worst_priority(self) -> str:  # the least urgent priority waiting (absent: nothing waits)
@@ -150,7 +155,28 @@ async def enqueue(redis: aioredis.Redis, pool: str, request_ids: list[str], payl
     pipe = redis.pipeline(transaction=True)
     pipe.zrem(k.reservations, *request_ids)
     pipe.lpush(k.incoming, *payloads)
+    wake_batcher(pipe, pool)
     await pipe.execute()
+
+
+def wake_batcher(pipe, pool: str) -> None:
+    """Queue, in ``pipe`` (sync or asyncio), the token that ends the pool's batcher's wait between
+    rounds (``wait_for_work``): every producer of a message the batcher reads (an arrival, a cancel,
+    a completion, an admission) sends it beside the message, so a request that reaches an idle
+    batcher is scheduled at once instead of at its next tick. Kept to one token (LTRIM): a batcher
+    that is down does not come back to a long list, and one token is enough to end one wait; the
+    messages themselves stay on their own lists."""
+    k = pool_keys(pool)
+    pipe.lpush(k.wake, 1)
+    pipe.ltrim(k.wake, 0, 0)
+
+
+def wait_for_work(redis: redis.Redis, pool: str, timeout_s: float) -> bool:
+    """The batcher's idle wait: until a producer wakes it (``wake_batcher``) or ``timeout_s`` passes
+    (its tick: heartbeats, lost batches and the gateway's timeouts are still checked by time).
+    True when woken. A token pushed while the batcher was busy ends the next wait at once, so no
+    message waits a tick unseen."""
+    return redis.blpop([pool_keys(pool).wake], timeout=max(timeout_s, 0.001)) is not None
 
 
 async def release(redis: aioredis.Redis, pool: str, request_ids: list[str]) -> None:
@@ -300,6 +326,7 @@ def cancel(pipe, request_id: str, pool: str) -> None:
     the pool's cancels list tells its batcher to drop it from the waiting queue. Both in one round trip."""
     pipe.set(cancel_key(request_id), "1", ex=CANCEL_TTL_S)
     pipe.lpush(pool_keys(pool).cancels, request_id)
+    wake_batcher(pipe, pool)
 
 
 def cancelled_ids(redis, request_ids: Iterable[str]) -> set[str]:

@@ -252,7 +252,8 @@ class Settings(BaseSettings):
     def recompute_cost_file(self) -> Path:
         """Where the worker looks for the fitted recompute-cost model."""
         return self.recompute_cost_path or self.data_dir / "profile" / "recompute-cost.json"
-    batcher_tick_s: float = 0.02
+    batcher_tick_s: float = Field(default=0.02, description="The batcher's longest idle wait between rounds: a new "
+                                  "message wakes it at once (bus.wait_for_work); the tick bounds time-based checks.")
     max_requeues: int = Field(default=3, description="Times a batch may be re-queued after a worker loss.")
     instance_ttl_s: float = Field(default=15.0, description="Worker heartbeat expiry: instance considered dead.")
 

@@ -71,6 +71,7 @@ def completion_fill(rt: Outlet, event: CompletionEvent) -> Fill:
         pipe.set(bus.done_key(event.batch_id), event.outcome.value, ex=bus.marker_ttl_s(rt.settings.visibility_timeout_s))
         pipe.delete(bus.claim_key(event.batch_id), bus.admitted_key(event.batch_id))
         pipe.lpush(bus.pool_keys(rt.settings.pool).completions, event.to_json())
+        bus.wake_batcher(pipe, rt.settings.pool)
     return fill
 
 
@@ -81,7 +82,11 @@ def complete(rt: Outlet, event: CompletionEvent) -> None:
 def admitted_fill(rt: Outlet, batch_id: str) -> Fill:
     """The batch's rows run now: the batcher may send this instance its next one."""
     ttl = bus.marker_ttl_s(rt.settings.visibility_timeout_s)
-    return lambda pipe: pipe.set(bus.admitted_key(batch_id), rt.name, ex=ttl)
+
+    def fill(pipe) -> None:
+        pipe.set(bus.admitted_key(batch_id), rt.name, ex=ttl)
+        bus.wake_batcher(pipe, rt.settings.pool)
+    return fill
 
 
 def mark_admitted(rt: Outlet, batch_id: str) -> None:
