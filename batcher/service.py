@@ -72,7 +72,8 @@ class BatcherService:
     def _make_policy(self, memory: KVMemory) -> Policy:
         s = self.settings
         ctx = PolicyContext(memory=memory, estimator=self.estimator, max_input_tokens=s.max_input_tokens,
-                            max_tokens_limit=s.max_tokens_limit, elastic=s.execution != "static")
+                            max_tokens_limit=s.max_tokens_limit, elastic=s.execution != "static",
+                            prefix_page_tokens=s.continuous.page_tokens * (s.execution == "continuous" and s.prefix_caching))
         return make_policy(s.policy, ctx, **s.policy_params())
 
     def refresh_instances(self, now: float) -> None:
@@ -233,8 +234,7 @@ class BatcherService:
         return bool(msgs)
 
     def _back_to_pending(self, requests: list[ProfiledRequest], replaces: str) -> None:
-        """Requests go back to ``pending`` in the same transaction that retires the in-flight
-        batch they came from, so a crash never loses them."""
+        """Back to ``pending`` in the transaction that retires their in-flight batch: a crash loses none."""
         pipe = self.redis.pipeline()
         pipe.hset(self.keys.pending, mapping={r.id: dumps(r.to_dict()) for r in requests})
         pipe.hdel(self.keys.inflight, replaces)

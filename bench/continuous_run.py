@@ -73,7 +73,8 @@ def make_scheduler(policy: str, memory: KVMemory, time_model: RooflineBatchTime,
         return AdaptiveFairScheduler(limits)
     plan_mem = planning_memory(policy, memory, headroom, group_frac)
     ctx = PolicyContext(memory=plan_mem, estimator=time_model, max_input_tokens=max_input_tokens,
-                        max_tokens_limit=max_tokens_limit, elastic=True)
+                        max_tokens_limit=max_tokens_limit, elastic=True,
+                        prefix_page_tokens=limits.page_tokens if prefix_caching else 0)
     return GroupScheduler(make_policy(policy, ctx, **params), limits, max_preemptions,
                           time_model if step_cost is None else step_cost, marginal_cost, prefix_caching, prefix_affinity)
 

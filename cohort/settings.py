@@ -306,6 +306,11 @@ class Settings(BaseSettings):
     spf_aging: float = Field(default=3.5, ge=0.0, description="spf (shortest predicted first): predicted tokens "
                              "of rank a waiting request gains per second; 0 = pure SPF, large = FCFS: aging bounds "
                              "the tail the long requests pay (tuned in docs/benchmarks.md).")
+    spf_prefix_window: float = Field(
+        default=64.0, ge=0.0, description="spf under continuous execution with a prefix cache: a waiting request "
+        "that starts with the same prompt page as a group's head joins that group if its rank is at most this many "
+        "predicted tokens behind the head's (0: only requests of equal rank), so a shared prompt is prefilled once "
+        "on one instance without letting longer requests jump far ahead.")
 
     online: OnlineSettings = Field(default_factory=OnlineSettings,
                                    description="Online recalibration of the predictor (COHORT_ONLINE__*).")
@@ -347,6 +352,7 @@ class Settings(BaseSettings):
         slo = {"w1": self.slo_w1, "w2": self.slo_w2, "l1": self.slo_l1, "l2": self.slo_l2,
                "slo_threshold": self.slo_threshold}
         return {"threshold": self.wma_threshold, "batch_size": self.fixed_batch_size, "spf_aging": self.spf_aging,
+                "spf_prefix_window": self.spf_prefix_window,
                 **{k: v for k, v in slo.items() if v is not None}}
 
     @property

@@ -13,7 +13,7 @@ from batcher.policies.base import BatchTimeModel, Policy, PolicyContext
 from batcher.policies.priority import PriorityLevels
 from batcher.policies.s3 import S3Policy
 from batcher.policies.slo import ODBSPolicy, SLODBSPolicy, SLOODBSPolicy
-from batcher.policies.spf import DEFAULT_AGING, SPFPolicy
+from batcher.policies.spf import DEFAULT_AGING, DEFAULT_PREFIX_WINDOW, SPFPolicy
 from batcher.policies.vs import VanillaPolicy
 from batcher.policies.wma import ABPPolicy, GLPPolicy, MagnusPolicy, WMAPolicy
 
@@ -37,7 +37,8 @@ POLICIES: dict[str, PolicyFactory] = {
     "slo-dbs": lambda ctx, **kw: SLODBSPolicy(ctx, **_slo_params(kw)),
     "odbs": lambda ctx, **kw: ODBSPolicy(ctx, **_slo_params(kw)),
     "slo-odbs": lambda ctx, **kw: SLOODBSPolicy(ctx, **_slo_params(kw)),
-    "spf": lambda ctx, spf_aging=DEFAULT_AGING, **_: SPFPolicy(ctx, aging=spf_aging),
+    "spf": lambda ctx, spf_aging=DEFAULT_AGING, spf_prefix_window=DEFAULT_PREFIX_WINDOW, **_: SPFPolicy(
+        ctx, aging=spf_aging, prefix_window=spf_prefix_window),
 }
 
 

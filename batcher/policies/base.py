@@ -55,6 +55,10 @@ class PolicyContext:
     # True under elastic execution (finished rows leave their batch): predicted-length policies
     # then size batches by their KV peak instead of β·(L(B)+G(B)) (``KVJudge.plan``).
     elastic: bool = False
+    # Continuous execution over a prefix cache (the built-in engine's pages, or an upstream's own):
+    # its page size, so a policy that groups by prefix counts a member's pages shared with the group
+    # once (``batcher.prefix_groups``); 0: prompts share nothing.
+    prefix_page_tokens: int = 0
 
     def plan(self) -> KVPlan:
         """An empty batch under this pool's Θ and execution mode: the one memory rule."""

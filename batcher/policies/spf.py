@@ -14,6 +14,14 @@ plus the next requests of the same batch key while the memory rule (``PolicyCont
 fits: neighbours in the order have similar predicted lengths, so the group pads little even under
 static execution. Measured choice of ``aging`` (5 tokens/s): docs/benchmarks.md, "Continuous
 execution".
+
+Under continuous execution over a prefix cache (``PolicyContext.prefix_page_tokens``) a group is
+also grouped by prefix: after its head come the waiting requests whose prompt starts with the
+head's first page (the same system prompt, the same conversation), in key order and at most
+``prefix_window`` predicted tokens of rank behind the head, so a shared prompt is prefilled once on
+one instance and no request jumps far ahead of its turn; then the rest in key order as above. Each
+member is planned with its uncached part (``batcher.prefix_groups``): the pages it shares with the
+group count once.
 """
 
 from __future__ import annotations
@@ -23,22 +31,42 @@ from collections.abc import Sequence
 from itertools import count
 
 from batcher.policies.base import NextOpen, Policy, PolicyContext, Rank
+from batcher.prefix_groups import GroupPages, prompt_pages
 from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest, new_id
 
 # predicted tokens of rank gained per second of waiting: COHORT_SPF_AGING's default, one owner
 DEFAULT_AGING: float = Settings.model_fields["spf_aging"].default
+DEFAULT_PREFIX_WINDOW: float = Settings.model_fields["spf_prefix_window"].default
+
+
+class _Entry:
+    """One waiting request: its rank, its prompt's page keys (prefix grouping) and whether it still
+    waits (taken entries leave the heap and the prefix index lazily)."""
+
+    __slots__ = ("key", "seq", "req", "pages", "waiting")
+
+    def __init__(self, key: float, seq: int, req: ProfiledRequest, pages: list[int]) -> None:
+        self.key, self.seq, self.req, self.pages, self.waiting = key, seq, req, pages, True
+
+    def __lt__(self, other: _Entry) -> bool:
+        return (self.key, self.seq) < (other.key, other.seq)
 
 
 class SPFPolicy(Policy):
     """Groups in order of G'(p) + aging·arrival(p), each packed under Θ (module docstring)."""
 
-    def __init__(self, ctx: PolicyContext, aging: float = DEFAULT_AGING) -> None:
+    def __init__(self, ctx: PolicyContext, aging: float = DEFAULT_AGING,
+                 prefix_window: float = DEFAULT_PREFIX_WINDOW) -> None:
         super().__init__(ctx)
         if aging < 0:
             raise ValueError("aging must be >= 0")
+        if prefix_window < 0:
+            raise ValueError("prefix_window must be >= 0")
         self.aging = float(aging)
-        self._heap: list[tuple[float, int, ProfiledRequest]] = []
+        self.prefix_window = float(prefix_window)
+        self._heap: list[_Entry] = []
+        self._by_first_page: dict[int, list[_Entry]] = {}  # waiting requests by their prompt's first page
         self._seq = count()
 
     def key(self, req: ProfiledRequest) -> float:
@@ -46,34 +74,80 @@ class SPFPolicy(Policy):
         return float(req.predicted_tokens) + self.aging * req.arrival
 
     def add(self, req: ProfiledRequest, now: float) -> None:
-        heapq.heappush(self._heap, (self.key(req), next(self._seq), req))
+        entry = _Entry(self.key(req), next(self._seq), req, prompt_pages(req, self.ctx.prefix_page_tokens))
+        heapq.heappush(self._heap, entry)
+        if entry.pages:
+            self._by_first_page.setdefault(entry.pages[0], []).append(entry)
+
+    def _head(self) -> _Entry | None:
+        """The first entry still waiting (taken ones are dropped from the heap's top here)."""
+        heap = self._heap
+        while heap and not heap[0].waiting:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
 
     def _next_open(self, now: float) -> NextOpen | None:
-        if not self._heap:
+        head = self._head()
+        if head is None:
             return None
-        return NextOpen((self._heap[0][0],), lambda: self._take(now))
+        return NextOpen((head.key,), lambda: self._take(now))
 
     def _ranks(self, batches: Sequence[Batch], now: float) -> list[Rank]:
         return [(min(self.key(r) for r in b.requests),) for b in batches]
 
     def _take(self, now: float) -> Batch:
-        """The head request and its successors in key order (same batch key) while they fit Θ."""
+        """The head request, its prefix mates, then its successors in key order (same batch key)
+        while they fit Θ (module docstring)."""
         heap = self._heap
-        head = heapq.heappop(heap)[2]
+        first = self._head()
+        assert first is not None, "_take follows _next_open"
+        heapq.heappop(heap)
+        first.waiting = False
+        head = first.req
         plan = self.ctx.plan()
+        group = GroupPages(self.ctx.prefix_page_tokens)
         plan.add(head.input_tokens, head.planned_tokens)
-        members, other = [head], []
+        group.add(first.pages)
+        members = [head]
+
+        def join(e: _Entry) -> bool:
+            L = group.uncached_input(e.req, e.pages) if e.pages else e.req.input_tokens
+            if not plan.fits_with(L, e.req.planned_tokens):
+                return False
+            plan.add(L, e.req.planned_tokens)
+            group.add(e.pages)
+            e.waiting = False
+            members.append(e.req)
+            return True
+
+        if first.pages:
+            for e in self._mates(first):
+                if not join(e):
+                    break
+        other = []
         while heap:
-            entry = heap[0]
-            r = entry[2]
-            if r.batch_key != head.batch_key:
+            e = heap[0]
+            if not e.waiting:
+                heapq.heappop(heap)
+                continue
+            if e.req.batch_key != head.batch_key:
                 other.append(heapq.heappop(heap))
                 continue
-            if not plan.fits_with(r.input_tokens, r.planned_tokens):
+            if not join(e):
                 break
             heapq.heappop(heap)
-            plan.add(r.input_tokens, r.planned_tokens)
-            members.append(r)
         for e in other:
             heapq.heappush(heap, e)
         return Batch(id=new_id("b"), requests=members, created=now)
+
+    def _mates(self, first: _Entry) -> list[_Entry]:
+        """Waiting requests that start with ``first``'s first page (same batch key), in key order,
+        at most ``prefix_window`` of rank behind it; the index drops the ones no longer waiting."""
+        same = self._by_first_page.get(first.pages[0], [])
+        waiting = [e for e in same if e.waiting]
+        if waiting:
+            self._by_first_page[first.pages[0]] = waiting
+        else:
+            self._by_first_page.pop(first.pages[0], None)
+        limit = first.key + self.prefix_window
+        return sorted(e for e in waiting if e.key <= limit and e.req.batch_key == first.req.batch_key)

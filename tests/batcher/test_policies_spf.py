@@ -45,3 +45,69 @@ def test_aging_comes_from_the_setting(monkeypatch):
     params = Settings().policy_params()
     p = level(make_policy("spf", ctx(theta_tokens=100), **params))
     assert isinstance(p, SPFPolicy) and p.aging == 7.5
+
+
+def _prefixed(L_ids: list[int], G: int, arrival: float = 0.0):
+    r = req(len(L_ids), G, arrival)
+    r.prompt_ids = list(L_ids)
+    return r
+
+
+def _paged_ctx(theta_tokens: int, page: int = 4):
+    c = ctx(theta_tokens=theta_tokens)
+    c.prefix_page_tokens = page
+    return c
+
+
+SYSTEM = list(range(100, 108))  # two pages of 4 tokens
+
+
+def test_a_request_sharing_the_heads_prompt_joins_its_group_ahead_of_its_turn():
+    p = SPFPolicy(_paged_ctx(theta_tokens=60), aging=0.0, prefix_window=10)
+    head = _prefixed(SYSTEM + [1, 2, 3, 4], 5)
+    other = _prefixed(list(range(200, 212)), 6)          # next in key order, another prompt
+    mate = _prefixed(SYSTEM + [9, 9, 9, 9], 9)           # same system prompt, 4 tokens of rank behind the head
+    far = _prefixed(SYSTEM + [7, 7, 7, 7], 40)           # same system prompt, 35 behind: outside the window
+    for r in (head, other, mate, far):
+        p.add(r, 0.0)
+    # static rule β·(L(B)+G'): head+mate = 2·(12+9) = 42 <= 60; a third row (3·(12+9) = 63) does not fit
+    assert [r.id for r in p.pop(0.0).requests] == [head.id, mate.id]
+    assert [r.id for r in p.pop(0.0).requests] == [other.id]
+    assert [r.id for r in p.pop(0.0).requests] == [far.id]
+    assert p.pop(0.0) is None
+
+
+def test_a_member_is_planned_with_the_part_of_its_prompt_the_group_does_not_hold():
+    turn1 = _prefixed(SYSTEM + [1, 2, 3, 4], 4)                     # 12 tokens, 3 pages
+    turn3 = _prefixed(SYSTEM + [1, 2, 3, 4] + list(range(300, 328)), 4)  # 40 tokens: 12 shared, 28 its own
+    # whole prompts: 2·(40+4) = 88 > 70; with the shared pages counted once: 2·(28+4) = 64 <= 70
+    p = SPFPolicy(_paged_ctx(theta_tokens=70), aging=0.0, prefix_window=10)
+    p.add(turn1, 0.0)
+    p.add(turn3, 0.0)
+    assert [r.id for r in p.pop(0.0).requests] == [turn1.id, turn3.id]
+    unpaged = SPFPolicy(ctx(theta_tokens=70), aging=0.0, prefix_window=10)  # no prefix cache: prompts share nothing
+    unpaged.add(turn1, 0.0)
+    unpaged.add(turn3, 0.0)
+    assert unpaged.pop(0.0).size == 1 and unpaged.pop(0.0).size == 1
+
+
+def test_prefix_grouping_takes_every_request_exactly_once():
+    p = SPFPolicy(_paged_ctx(theta_tokens=80), aging=1.0, prefix_window=20)
+    rs = [_prefixed((SYSTEM if i % 2 else list(range(50, 58))) + [i] * 4, 3 + (i * 7) % 30, float(i)) for i in range(40)]
+    for r in rs:
+        p.add(r, r.arrival)
+    seen = []
+    while (b := p.pop(50.0)) is not None:
+        seen += [r.id for r in b.requests]
+    assert sorted(seen) == sorted(r.id for r in rs)
+    assert p.pop(50.0) is None
+
+
+def test_the_prefix_window_comes_from_the_setting(monkeypatch):
+    from cohort.settings import Settings
+
+    monkeypatch.setenv("COHORT_SPF_PREFIX_WINDOW", "12")
+    p = make_policy("spf", ctx(theta_tokens=100), **Settings().policy_params())
+    assert level(p).prefix_window == 12.0
+    with pytest.raises(ValueError):
+        SPFPolicy(ctx(theta_tokens=100), prefix_window=-1.0)

@@ -1,0 +1,54 @@
+"""What a request shares with the admission group it may join: the one rule a policy uses to group
+requests by prefix (issue: prefix-aware batching).
+
+A group's rows run on one instance. With a prefix cache there (the built-in engine's pages, or an
+upstream's own, as vLLM's), a page two rows share is held once and prefilled once, so a member's
+KV need and prefill are its *uncached part*: its prompt less the leading pages the group already
+holds. ``GroupPages`` keeps the page keys a group holds and answers that per candidate; the keys are
+``batcher.prefix_pages.page_hashes`` of the prompt ids (no salt: rows of one group share a model,
+and these keys never leave the policy).
+
+Torch-free and Redis-free, like the policies that use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from batcher.prefix_pages import page_hashes
+from cohort.types import ProfiledRequest
+
+
+def prompt_pages(req: ProfiledRequest, page_tokens: int) -> list[int]:
+    """The keys of the request's full prompt pages (what a continuation must prefill included);
+    none when it carries no token ids (the simulator's traces without prompts) or paging is off."""
+    ids = (req.prompt_ids or []) + list(req.generated_ids)
+    return page_hashes(ids, page_tokens) if page_tokens > 0 and len(ids) >= page_tokens else []
+
+
+class GroupPages:
+    """The page keys one group being assembled holds, and what a candidate would add."""
+
+    __slots__ = ("page_tokens", "held")
+
+    def __init__(self, page_tokens: int) -> None:
+        self.page_tokens = page_tokens
+        self.held: set[int] = set()
+
+    def shared_tokens(self, pages: Sequence[int]) -> int:
+        """Leading prompt tokens of a row with these page keys that the group already holds
+        (chained keys: the first page it lacks ends the shared prefix)."""
+        n = 0
+        for h in pages:
+            if h not in self.held:
+                break
+            n += 1
+        return n * self.page_tokens
+
+    def uncached_input(self, req: ProfiledRequest, pages: Sequence[int]) -> int:
+        """L(p) as the group plans it: its input less what the group holds, at least one token
+        (the last prompt token is always computed, to sample the first new one)."""
+        return max(1, req.input_tokens - self.shared_tokens(pages))
+
+    def add(self, pages: Sequence[int]) -> None:
+        self.held.update(pages)
