@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from batcher.memory import KVMemory
 from bench.chat_prefix import ChatPrefixConfig, ChatPrefixWorkload, make_chat_prefix_workload, prefix_stats
+from bench.continuous_run import DEFAULT_GROUP_FRAC
 from bench.live_stack import spawned_stack
 from bench.roofline import RooflineBatchTime, instance
 from bench.simulator import simulate
@@ -45,7 +46,8 @@ def sim_runs(policy: str, affinity: int) -> list[tuple[str, str, bool, int]]:
 
 def prefix_sim(cfg: ChatPrefixConfig, *, policy: str = "spf", instances: int = 4, gpu: str = "a800-80gb",
                model: str = "llama-13b", kv_tokens: int | None = None, affinity: int = 32,
-               at_capacity: float | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+               at_capacity: float | None = None, progress: Callable[[str], None] | None = None,
+               group_frac: float = DEFAULT_GROUP_FRAC, params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every setting of ``sim_runs`` on one trace; ``kv_tokens``: each instance's KV (default the
     preset's Θ), small enough that caches cannot hold every conversation is where routing matters.
 
@@ -53,7 +55,10 @@ def prefix_sim(cfg: ChatPrefixConfig, *, policy: str = "spf", instances: int = 4
     ``cfg.rate``, which must overload it), then run every setting on the trace offered at this share
     of that capacity. At ``cfg.rate`` far above capacity a run is one long drain, whose mean TTFT is
     half the drain whatever the order; at least-loaded's own capacity (1.0) the baseline is exactly
-    saturated and a faster setting shows its TTFT with a queue that stays bounded."""
+    saturated and a faster setting shows its TTFT with a queue that stays bounded.
+
+    ``group_frac``: the share of Θ a group is planned with (the built-in engine's by default; an
+    upstream pool's is larger); ``params``: the policy's settings (``spf_prefix_window``...)."""
     inst = instance(gpu, model)
     tm = inst.time_model()
     memory = inst.memory if kv_tokens is None else KVMemory(inst.memory.delta_bytes, kv_tokens * inst.memory.delta_bytes)
@@ -61,7 +66,8 @@ def prefix_sim(cfg: ChatPrefixConfig, *, policy: str = "spf", instances: int = 4
     probe: dict[str, Any] | None = None
     if at_capacity:
         label, pol, caching, window = settings[2]   # cache, least-loaded
-        m = _sim_one(make_chat_prefix_workload(cfg, tm), cfg, pol, memory, tm, instances, caching, window)
+        m = _sim_one(make_chat_prefix_workload(cfg, tm), cfg, pol, memory, tm, instances, caching, window,
+                     group_frac, params)
         probe = {"setting": label, "offered_rps": cfg.rate, "capacity_rps": m["request_throughput"],
                  "share": at_capacity}
         if progress:
@@ -70,22 +76,25 @@ def prefix_sim(cfg: ChatPrefixConfig, *, policy: str = "spf", instances: int = 4
     wl = make_chat_prefix_workload(cfg, tm)
     runs: dict[str, dict[str, Any]] = {}
     for label, pol, caching, window in settings:
-        runs[label] = _sim_one(wl, cfg, pol, memory, tm, instances, caching, window)
+        runs[label] = _sim_one(wl, cfg, pol, memory, tm, instances, caching, window, group_frac, params)
         if progress:
             m = runs[label]
             progress(f"{label}: {m['request_throughput']:.2f} req/s, mean TTFT {m['mean_ttft_s']:.3f} s, "
                      f"hit rate {m['prefix_hit_rate']:.3f}")
     return {"config": {"runner": "sim", "workload": cfg.to_dict(), "instances": instances, "gpu": gpu,
                        "model": model, "kv_tokens": memory.theta_tokens, "policy": policy, "affinity": affinity,
+                       "group_frac": group_frac, "params": params or {},
                        "capacity_probe": probe, "trace": prefix_stats(wl)}, "runs": runs}
 
 
 def _sim_one(wl: ChatPrefixWorkload, cfg: ChatPrefixConfig, policy: str, memory: KVMemory, tm: RooflineBatchTime,
-             instances: int, caching: bool, window: int) -> dict[str, Any]:
+             instances: int, caching: bool, window: int, group_frac: float = DEFAULT_GROUP_FRAC,
+             params: dict[str, Any] | None = None) -> dict[str, Any]:
     """One simulated setting on ``wl``: its ``SIM_KEYS``."""
     res = simulate(wl.requests(oracle=True), policy, memory, tm, instances=instances, execution="continuous",
                    oom_recovery="preempt", max_input_tokens=int(wl.input_tokens.max()),
-                   max_tokens_limit=cfg.max_tokens, prefix_caching=caching, prefix_affinity=window)
+                   max_tokens_limit=cfg.max_tokens, prefix_caching=caching, prefix_affinity=window,
+                   group_frac=group_frac, params=params)
     return {k: res.metrics.get(k, 0.0) for k in SIM_KEYS}
 
 

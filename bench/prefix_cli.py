@@ -9,7 +9,9 @@ from typing import Any
 
 import typer
 
+from batcher.policies.spf import DEFAULT_PREFIX_WINDOW
 from bench.chat_prefix import ChatPrefixConfig
+from bench.continuous_run import DEFAULT_GROUP_FRAC
 from bench.live_stack import parse_env
 from bench.prefix_bench import prefix_live, prefix_live_routing, prefix_sim, ratios
 from bench.report import pyplot
@@ -47,6 +49,10 @@ def prefix(
     affinity: int = typer.Option(32, help="Simulator: groups an instance looks through for its cached prefix."),
     at_capacity: float = typer.Option(0.0, help="Simulator: measure least-loaded routing's capacity at --rate, then "
                                       "offer every setting this share of it (1: the baseline saturated; 0: --rate)."),
+    group_frac: float = typer.Option(DEFAULT_GROUP_FRAC, help="Simulator: the share of Θ an admission group is "
+                                     "planned with (the built-in engine's default; an upstream pool plans with 0.2)."),
+    prefix_window: float = typer.Option(DEFAULT_PREFIX_WINDOW, help="Simulator: spf's COHORT_SPF_PREFIX_WINDOW "
+                                        "(0: a group takes only prefix mates of equal rank)."),
     load: float = typer.Option(0.8, help="Live: offered load as a share of the cache-off capacity."),
     engine: str = typer.Option(None, help="Live: an OpenAI-compatible engine's base URL ending in /v1 (vLLM with "
                                "--enable-prefix-caching), replayed direct at --engine-load of its capacity."),
@@ -71,8 +77,8 @@ def prefix(
         typer.echo(f"capacity (req/s): {json.dumps(out['config']['capacity_rps'])}")
     else:
         out = prefix_sim(cfg, policy=policy, instances=instances, kv_tokens=kv_tokens or None, affinity=affinity,
-                         at_capacity=at_capacity or None,
-                         progress=typer.echo)
+                         at_capacity=at_capacity or None, progress=typer.echo, group_frac=group_frac,
+                         params={"spf_prefix_window": prefix_window})
         base = f"{policy} no cache"
         keys = PLOT_KEYS["sim"]
     out["ratios_to"] = base
