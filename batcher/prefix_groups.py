@@ -19,11 +19,12 @@ from batcher.prefix_pages import page_hashes
 from cohort.types import ProfiledRequest
 
 
-def prompt_pages(req: ProfiledRequest, page_tokens: int) -> list[int]:
-    """The keys of the request's full prompt pages (what a continuation must prefill included);
-    none when it carries no token ids (the simulator's traces without prompts) or paging is off."""
+def prompt_pages(req: ProfiledRequest, page_tokens: int, salt: str = "") -> list[int]:
+    """The keys of the request's full prompt pages (what a continuation must prefill included),
+    under ``salt`` (``page_salt``: the router keys them exactly as the worker does); none when it
+    carries no token ids (the simulator's traces without prompts) or paging is off."""
     ids = (req.prompt_ids or []) + list(req.generated_ids)
-    return page_hashes(ids, page_tokens) if page_tokens > 0 and len(ids) >= page_tokens else []
+    return page_hashes(ids, page_tokens, salt) if page_tokens > 0 and len(ids) >= page_tokens else []
 
 
 class GroupPages:

@@ -26,7 +26,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from batcher.prefix_pages import page_hashes, page_salt
+from batcher.prefix_groups import prompt_pages
+from batcher.prefix_pages import page_salt
 from cohort.types import Batch, ProfiledRequest
 
 MAX_REMEMBERED = 100_000  # requests whose page keys are kept between dispatch and claim
@@ -88,8 +89,7 @@ class PrefixRouter:
         continuation already generated), keyed exactly as the worker keys its pages."""
         got = self._hashes.get(req.id)
         if got is None:
-            ids = (req.prompt_ids or []) + list(req.generated_ids)
-            got = page_hashes(ids, self.page_tokens, page_salt(model)) if len(ids) >= self.page_tokens else []
+            got = prompt_pages(req, self.page_tokens, page_salt(model))
             if len(self._hashes) >= MAX_REMEMBERED:  # forgotten requests (cancelled, failed): start over
                 self._hashes.clear()
             self._hashes[req.id] = got
