@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from batcher.policies.base import Policy
 from batcher.preemption import SwapLink, choose_preemption, swap_seconds
-from batcher.prefix_pages import page_hashes
+from batcher.prefix_groups import prompt_pages
 from batcher.row_cost import DecodeStepCost
 from batcher.running_set import Admission, RunningSet, RunRow, StepPlan
 from bench.continuous import EngineLimits, SimInstance, StepStats, account_step
@@ -58,7 +58,7 @@ class GroupScheduler:
         """The request's prompt page hashes, computed once."""
         got = self._pages.get(req.id)
         if got is None:
-            got = self._pages[req.id] = prompt_pages(req, self.limits.page_tokens)
+            got = self._pages[req.id] = prompt_pages(req, self.limits.page_tokens, SALT)
         return got
 
     def pop(self, now: float, cached: Callable[[list[int]], int] | None = None,
@@ -98,15 +98,10 @@ class GroupScheduler:
     def take_pages(self, req: ProfiledRequest) -> list[int]:
         """The request's prompt page hashes for its running-set row, forgotten here."""
         got = self._pages.pop(req.id, None)
-        return got if got is not None else prompt_pages(req, self.limits.page_tokens)
+        return got if got is not None else prompt_pages(req, self.limits.page_tokens, SALT)
 
 
 SALT = "sim"   # one model in a simulation: every prompt's pages are keyed under it
-
-
-def prompt_pages(req: ProfiledRequest, page_tokens: int) -> list[int]:
-    """The request's full prompt page hashes (none when the trace carries no prompt ids)."""
-    return page_hashes(req.prompt_ids, page_tokens, SALT) if req.prompt_ids else []
 
 
 @dataclass
