@@ -197,6 +197,11 @@ class Settings(BaseSettings):
         "instance of the pool is an upstream (COHORT_CONTINUOUS__GROUP_FRAC for built-in ones): the server runs each "
         "row as its own stream in the group's order, so a group is only how rows travel, and each one costs a "
         "Celery task and a round of bookkeeping (measured in docs/upstream.md).")
+    upstream_stream_interval: int = Field(
+        default=4, ge=1, description="Ask an upstream that streams token ids to send a row's tokens in chunks of this "
+        "many (vLLM's per-request `stream_interval`; the first token and the end still come at once): the worker "
+        "coalesces tokens for its flush anyway, and each chunk costs both processes a parse (docs/upstream.md). "
+        "1: a chunk per token.")
     upstream_timeout_s: float = Field(
         default=60.0, gt=0, description="An upstream that sends nothing on a stream this long is down: its "
         "unfinished rows continue elsewhere.")

@@ -55,19 +55,22 @@ def main(n: int, out: Path, env: dict[str, str]) -> dict:
         procs = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"]]
         gw = next(p for p in procs if "gateway" in p.info["cmdline"] and port in p.info["cmdline"])
         workers = [p for p in procs if p.info["cmdline"][-1] == "worker"]
+        batchers = [p for p in procs if p.info["cmdline"][-1] == "batcher" and p.parent() == gw.parent()]
+        me = [psutil.Process()]
         spy = subprocess.Popen([".venv/bin/py-spy", "record", "--pid", str(gw.pid), "--rate", "50", "--format", "raw",
                                 "-o", str(out / "gw.txt"), "--duration", "40"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.5)
-        g0, w0, t = _cpu_s([gw]), _cpu_s(workers), time.perf_counter()
+        g0, w0, b0, c0, t = _cpu_s([gw]), _cpu_s(workers), _cpu_s(batchers), _cpu_s(me), time.perf_counter()
         got = asyncio.run(_burst(url, prompts))
-        wall, g1, w1 = time.perf_counter() - t, _cpu_s([gw]), _cpu_s(workers)
+        wall, g1, w1, b1, c1 = time.perf_counter() - t, _cpu_s([gw]), _cpu_s(workers), _cpu_s(batchers), _cpu_s(me)
         spy.wait()
         with create_engine(f"sqlite:///{workdir / 'spf' / 'cohort.db'}").connect() as conn:
             created = [r[0] for r in conn.execute(text("select created from requests order by created"))]
     e2e = sorted(v[2] for v in got)
     res = {"n": n, "wall_s": wall, "client_send_spread_s": max(v[0] for v in got) - min(v[0] for v in got),
            "created_spread_s": created[-1] - created[0], "gateway_cpu_s": g1 - g0, "worker_cpu_s": w1 - w0,
+           "batcher_cpu_s": b1 - b0, "client_cpu_s": c1 - c0,
            "mean_ttft": sum(v[1] or 0.0 for v in got) / n, "e2e_mean": sum(e2e) / n, "e2e_p50": e2e[n // 2],
            "e2e_p90": e2e[int(n * 0.9)]}
     (out / "res.json").write_text(json.dumps(res, indent=1))

@@ -99,12 +99,15 @@ def configure_celery(settings: Settings) -> None:
 def batch_sender(settings: Settings) -> Callable[[Batch, str | None], None]:
     """How the batcher hands a batch to its pool: the ``cohort.run_batch`` task on the pool's queue, or on one
     instance's own queue when the batcher routed it there, with the batch id as the task id (a redelivery
-    is recognised by it)."""
+    is recognised by it). Its result is never read (the worker answers through Redis streams and a
+    completion event), so the sender does not subscribe to it: Celery's Redis backend otherwise
+    subscribes the sender to every task's result channel, a round trip per batch and one more
+    channel held for each (a fifth of the batcher's samples in a burst, docs/upstream.md)."""
     pool_queue = queue_for_pool(settings.pool)
 
     def send(batch: Batch, instance: str | None = None) -> None:
         queue = pool_queue if instance is None else queue_for_instance(instance)
-        celery_app.send_task(RUN_BATCH, args=[batch.to_dict()], task_id=batch.id, queue=queue)
+        celery_app.send_task(RUN_BATCH, args=[batch.to_dict()], task_id=batch.id, queue=queue, ignore_result=True)
 
     return send
 

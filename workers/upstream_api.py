@@ -11,6 +11,10 @@ What a server can do is found once, at start, by ``probe`` — not guessed from 
 * fields it refuses: a server that answers 422 naming unexpected fields (``transformers serve``)
   gets requests without them; ``ignore_eos`` and ``priority`` are the ones that matter.
 * ``priority``: vLLM refuses a non-zero priority unless it runs ``--scheduling-policy priority``.
+* ``stream_interval``: a token-ids server is asked to send a row's tokens in chunks of that many
+  (vLLM's per-request field; its first token and its end still come at once). The worker coalesces
+  tokens for its flush anyway, and every chunk costs the server and the worker a JSON round. A
+  server without token ids streams one token a chunk, which its text-only path relies on.
 
 Capacity comes from vLLM's ``/metrics`` (``vllm:cache_config_info``: num_gpu_blocks × block_size)
 where it is published (``kv_tokens_from_metrics``).
@@ -32,7 +36,7 @@ from cohort.types import ProfiledRequest
 log = logging.getLogger(__name__)
 
 # the fields a row's request may carry beyond the standard completions fields (vLLM's extras)
-EXTRA_FIELDS = ("ignore_eos", "return_token_ids", "priority", "top_k", "repetition_penalty")
+EXTRA_FIELDS = ("ignore_eos", "return_token_ids", "priority", "top_k", "repetition_penalty", "stream_interval")
 
 
 class UpstreamDown(RuntimeError):
@@ -138,8 +142,9 @@ class UpstreamServer:
     """One upstream server: its model, what it accepts, and the streams of its rows."""
 
     def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
-                 timeout_s: float = 60.0, max_connections: int = 1024) -> None:
+                 timeout_s: float = 60.0, max_connections: int = 1024, stream_interval: int = 1) -> None:
         self.base_url = base_url.rstrip("/")
+        self.stream_interval = stream_interval
         self.root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
         self.model = model
         self.caps = Capabilities()
@@ -180,7 +185,7 @@ class UpstreamServer:
         """Find what the server does with one-token requests (see the module docstring)."""
         caps = self.caps
         body = {"prompt": prompt_ids, "max_tokens": 1, "return_token_ids": True, "ignore_eos": True,
-                "logprobs": 1, "priority": 1}
+                "logprobs": 1, "priority": 1, "stream_interval": max(1, self.stream_interval)}
         for _ in range(len(EXTRA_FIELDS) + 3):
             sent = {k: v for k, v in body.items() if k not in caps.refused}
             try:
@@ -233,6 +238,8 @@ class UpstreamServer:
             b["return_token_ids"] = True
         if priority is not None and self.caps.priority:
             b["priority"] = priority
+        if self.stream_interval > 1 and self.caps.token_ids:
+            b["stream_interval"] = self.stream_interval
         return b  # ``stream`` leaves out what the server refuses
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[Chunk]:

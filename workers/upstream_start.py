@@ -85,12 +85,14 @@ def start_upstream(settings: Settings) -> Runtime:
     s = settings
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per streamed row otherwise
     tok = load_tokenizer(s.model)
-    server = UpstreamServer(s.upstream, s.upstream_api_key, s.upstream_model, s.upstream_timeout_s)
+    server = UpstreamServer(s.upstream, s.upstream_api_key, s.upstream_model, s.upstream_timeout_s,
+                            stream_interval=s.upstream_stream_interval)
     probe_text = "Hello"
     metrics = asyncio.run(_connect(server, prompt_token_ids([probe_text], s.model)[0], probe_text))
     caps = server.caps
     # the probe's event loop is gone: the loop's own thread gets a fresh client on its own loop
-    server = UpstreamServer(s.upstream, s.upstream_api_key, server.model, s.upstream_timeout_s)
+    server = UpstreamServer(s.upstream, s.upstream_api_key, server.model, s.upstream_timeout_s,
+                            stream_interval=s.upstream_stream_interval)
     server.caps = caps
     published = kv_tokens_from_metrics(metrics) if metrics else None
     capacity = published or s.upstream_kv_tokens or s.continuous.max_rows * (s.max_input_tokens // 4 + 256)

@@ -45,3 +45,21 @@ def test_settings_are_read_when_first_needed_or_taken_as_given(monkeypatch):
     given = make_celery(Settings(visibility_timeout_s=900, pool="second", redis_url="redis://h:1/3"))
     assert given.conf.visibility_timeout == 900 and given.conf.broker_url == "redis://h:1/3"
     assert given.conf.task_default_queue == queue_for_pool("second")
+
+
+def test_the_batcher_sends_batches_without_waiting_on_their_results(monkeypatch):
+    """A batch's answer comes back through Redis streams and a completion event: the sender must not
+    subscribe to the task's result channel (Celery's Redis backend does so unless told to ignore it)."""
+    from cohort.settings import Settings
+    from cohort.types import Batch
+    from taskq import celery_app as ca
+
+    sent: list[dict] = []
+    monkeypatch.setattr(ca.celery_app, "send_task", lambda name, **kw: sent.append({"name": name, **kw}))
+    send = ca.batch_sender(Settings(pool="p"))
+    send(Batch(id="b1", requests=[], created=0.0))
+    send(Batch(id="b2", requests=[], created=0.0), "inst-1")
+    assert [s["task_id"] for s in sent] == ["b1", "b2"]
+    assert [s["queue"] for s in sent] == [queue_for_pool("p"), ca.queue_for_instance("inst-1")]
+    assert all(s["ignore_result"] is True for s in sent)
+    assert all(s["name"] == ca.RUN_BATCH for s in sent)

@@ -16,6 +16,7 @@ from workers.upstream_api import (
     Capabilities,
     Chunk,
     UpstreamDown,
+    UpstreamServer,
     block_tokens_from_metrics,
     gauge,
     kv_tokens_from_metrics,
@@ -66,9 +67,9 @@ class ScriptedServer:
 
     base_url = "scripted"
 
-    def __init__(self, fail_after: int | None = None, delay_s: float = 0.002) -> None:
+    def __init__(self, fail_after: int | None = None, delay_s: float = 0.002, per_chunk: int = 1) -> None:
         self.caps = Capabilities(token_ids=True)
-        self.fail_after, self.delay_s = fail_after, delay_s
+        self.fail_after, self.delay_s, self.per_chunk = fail_after, delay_s, per_chunk
         self.bodies: list[dict] = []
         self.closed: list[str] = []
 
@@ -78,12 +79,13 @@ class ScriptedServer:
     async def stream(self, body):
         self.bodies.append(body)
         try:
-            for i in range(body["max_tokens"]):
+            n, k = body["max_tokens"], self.per_chunk
+            for i in range(0, n, k):  # vLLM's stream_interval: k tokens a chunk, the last chunk what is left
                 await asyncio.sleep(self.delay_s)
-                if self.fail_after is not None and i == self.fail_after:
+                if self.fail_after is not None and i >= self.fail_after:
                     raise UpstreamDown("connection reset")
-                last = i == body["max_tokens"] - 1
-                yield Chunk(text=f" w{i}", ids=[2000 + i], finish="length" if last else None)
+                ids = list(range(2000 + i, 2000 + min(n, i + k)))
+                yield Chunk(text="".join(f" w{t - 2000}" for t in ids), ids=ids, finish="length" if i + k >= n else None)
         finally:
             self.closed.append(body["id"])
 
@@ -192,3 +194,24 @@ def test_a_rows_first_token_and_its_end_go_out_at_once_the_rest_coalesce(tok):
     assert done_at < 2.0  # the row's end went out at once too, its middle tokens with it
     assert [len(ids) for u in ups for _r, _t, _n, ids in u.out.deltas][0] == 1  # the first token alone
     loop.stop()
+
+
+def test_a_server_sending_several_tokens_a_chunk_gives_every_token_in_order(tok):
+    server = ScriptedServer(per_chunk=4)
+    loop = UpstreamLoop(server, tok, capacity_tokens=10_000, poll_s=60)
+    got = _run(loop, [Batch("bc", [_req("c1", 10)], time.time())])
+    ids = [t for u in got["bc"] for _r, _t, _n, delta in u.out.deltas for t in delta]
+    assert ids == list(range(2000, 2010))
+    loop.stop()
+
+
+def test_a_token_ids_server_is_asked_for_chunks_of_the_stream_interval():
+    req = _req("s1", 8)
+    chunked = UpstreamServer("http://127.0.0.1:9/v1", stream_interval=4)
+    chunked.caps = Capabilities(token_ids=True)
+    assert chunked.body(req, [1, 2, 3], 8, None)["stream_interval"] == 4
+    chunked.caps = Capabilities(token_ids=False)  # one token a chunk is what its text-only path reads
+    assert "stream_interval" not in chunked.body(req, "hi", 8, None)
+    per_token = UpstreamServer("http://127.0.0.1:9/v1", stream_interval=1)
+    per_token.caps = Capabilities(token_ids=True)
+    assert "stream_interval" not in per_token.body(req, [1, 2, 3], 8, None)
