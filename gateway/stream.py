@@ -31,17 +31,23 @@ async def read_events(hub: StreamHub, request_id: str, deadline: float, slice_s:
                       disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[StreamEvent]:
     """The request's events in order, ending after the first final (end/error) one.
 
-    ``deadline`` is a ``time.monotonic()`` instant; ``disconnected`` is polled between slices of
-    at most ``slice_s`` (``Settings.disconnect_check_s``).
+    ``deadline`` is a ``time.monotonic()`` instant; ``disconnected`` is polled at the start and
+    then at most once per ``slice_s`` (``Settings.disconnect_check_s``), however many events arrive
+    in between: each poll is a round of the ASGI receive channel, and a streaming client that left
+    is noticed anyway when a write to it fails.
     The stream is left in place (it expires with its TTL): the batcher reads a lost batch's
     streams to tell answered rows from unanswered ones (``bus.stream_progress``).
     """
     reader = await hub.subscribe(request_id)
+    checked = float("-inf")  # when ``disconnected`` was last asked: at most once a slice, not once an event
     try:
         while True:
-            if disconnected is not None and await disconnected():
-                raise Withdrawn(FailureCode.CANCELLED)
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if disconnected is not None and now - checked >= slice_s:
+                checked = now
+                if await disconnected():
+                    raise Withdrawn(FailureCode.CANCELLED)
+            left = deadline - now
             if left <= 0:
                 raise Withdrawn(FailureCode.TIMEOUT)
             for _entry_id, fields in await reader.next(min(slice_s, left)):

@@ -113,3 +113,38 @@ async def test_a_reader_whose_wake_fails_is_not_left_behind():
         await hub.subscribe("late")
     assert list(hub.readers) == [bus.stream_key("quiet")]
     hub.unsubscribe(first)
+
+
+@synchronous
+async def test_the_client_is_asked_whether_it_left_once_a_slice_not_once_an_event():
+    from cohort.protocol import StreamEvent, StreamKind
+    from gateway.stream import Withdrawn, read_events
+
+    redis = aioredis.FakeRedis(decode_responses=True)
+    hub = StreamHub(redis, block_s=0.2)
+    asked: list[float] = []
+    gone = False
+
+    async def disconnected() -> bool:
+        asked.append(time.monotonic())
+        return gone
+
+    async def produce() -> None:  # a token stream: 20 deltas 20 ms apart (each its own read), then its end
+        for i in range(1, 21):
+            await asyncio.sleep(0.02)
+            await redis.xadd(bus.stream_key("r"), {bus.STREAM_FIELD: StreamEvent.delta("x", i, [i]).to_json()})
+        await redis.xadd(bus.stream_key("r"), {bus.STREAM_FIELD: StreamEvent(StreamKind.END, text="x" * 20,
+                                                                             tokens=20).to_json()})
+
+    producer = asyncio.create_task(produce())
+    events = [ev async for ev in read_events(hub, "r", time.monotonic() + 30, 5.0, disconnected)]
+    await producer
+    assert len(events) == 21 and events[-1].final
+    assert len(asked) == 1  # at the start only: the 21 events came within one 5 s slice
+
+    gone, asked = True, []  # a waiting request whose client left is still noticed within a slice
+    t0 = time.monotonic()
+    with pytest.raises(Withdrawn):
+        async for _ in read_events(hub, "silent", time.monotonic() + 30, 0.2, disconnected):
+            pass
+    assert len(asked) == 1 and time.monotonic() - t0 < 1.0
