@@ -4,7 +4,8 @@ requests by prefix (issue: prefix-aware batching).
 A group's rows run on one instance. With a prefix cache there (the built-in engine's pages, or an
 upstream's own, as vLLM's), a page two rows share is held once and prefilled once, so a member's
 KV need and prefill are its *uncached part*: its prompt less the leading pages the group already
-holds. ``GroupPages`` keeps the page keys a group holds and answers that per candidate; the keys are
+holds, or that the instance it would go to holds (``PolicyContext.cached_tokens``: routing sends a
+group where the most of its prefix is), whichever is longer. ``GroupPages`` keeps the page keys a group holds and answers that per candidate; the keys are
 ``batcher.prefix_pages.page_hashes`` of the prompt ids (no salt: rows of one group share a model,
 and these keys never leave the policy).
 
@@ -46,10 +47,11 @@ class GroupPages:
             n += 1
         return n * self.page_tokens
 
-    def uncached_input(self, req: ProfiledRequest, pages: Sequence[int]) -> int:
-        """L(p) as the group plans it: its input less what the group holds, at least one token
-        (the last prompt token is always computed, to sample the first new one)."""
-        return max(1, req.input_tokens - self.shared_tokens(pages))
+    def uncached_input(self, req: ProfiledRequest, pages: Sequence[int], cached: int = 0) -> int:
+        """L(p) as the group plans it: its input less what the group holds or the instance holds
+        (``cached`` tokens), at least one token (the last prompt token is always computed, to
+        sample the first new one)."""
+        return max(1, req.input_tokens - max(self.shared_tokens(pages), cached))
 
     def add(self, pages: Sequence[int]) -> None:
         self.held.update(pages)

@@ -106,6 +106,12 @@ class PrefixRouter:
             return 0
         return self.page_tokens * sum(view.cached_pages(self.hashes(r, model)) for r in batch.requests)
 
+    def best_cached_tokens(self, req: ProfiledRequest, model: str) -> int:
+        """Prompt tokens of ``req`` cached on the instance holding the most of them (where ``choose``
+        would send it, room permitting): what a policy leaves out of its KV plan."""
+        hashes = self.hashes(req, model)
+        return self.page_tokens * max((v.cached_pages(hashes) for v in self.views.values()), default=0)
+
     def choose(self, batch: Batch, with_room: Sequence[str], model: str) -> str | None:
         """The instance with room on which the most of the batch's prompt tokens are cached (ties:
         the first of ``with_room``, which the caller orders least loaded first); None when none

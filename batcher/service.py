@@ -74,6 +74,7 @@ class BatcherService:
         ctx = PolicyContext(memory=memory, estimator=self.estimator, max_input_tokens=s.max_input_tokens,
                             max_tokens_limit=s.max_tokens_limit, elastic=s.execution != "static",
                             prefix_page_tokens=s.continuous.page_tokens * (s.execution == "continuous" and s.prefix_caching))
+        ctx.cached_tokens = self.placement and (lambda r: self.placement.router.best_cached_tokens(r, self.placement.model))
         return make_policy(s.policy, ctx, **s.policy_params())
 
     def refresh_instances(self, now: float) -> None:
@@ -273,8 +274,7 @@ class BatcherService:
         self._requeue([a, b], now, replaces=batch.id)
 
     def _queued_ids(self) -> str:
-        """The pool's Celery queue and the routed instances' as raw text (short: batches are sent only
-        to instances with room)."""
+        """The pool's Celery queue and the routed instances' as raw text (short: only to ones with room)."""
         targets = sorted({fl.target for fl in self.inflight.values() if fl.target})
         queues = [bus.queue_for_pool(self.settings.pool), *map(bus.queue_for_instance, targets)]
         return "".join(m for q in queues for m in self.redis.lrange(q, 0, -1))

@@ -134,6 +134,14 @@ class GroupEngine:
         # every admission and eviction in order, (time, instance, "admit" | "evict", id): what a
         # test compares with the worker's engine on the same trace
         self.log: list[tuple[float, int, str, str]] = []
+        if groups.prefix_caching and groups.affinity:  # groups go where their prefix is: the live router's view
+            groups.pol.ctx.cached_tokens = self._best_cached
+
+    def _best_cached(self, req: ProfiledRequest) -> int:
+        """Prompt tokens of ``req`` cached on the instance holding the most of them (the policy's
+        ``PolicyContext.cached_tokens``, as the live batcher's router answers it)."""
+        pages = self.groups.pages(req)
+        return self.limits.page_tokens * max((len(rs.pool.lookup(pages)) for rs in self.sets.values()), default=0)
 
     def running_set(self, inst: SimInstance) -> RunningSet:
         key = id(inst)

@@ -59,6 +59,9 @@ class PolicyContext:
     # its page size, so a policy that groups by prefix counts a member's pages shared with the group
     # once (``batcher.prefix_groups``); 0: prompts share nothing.
     prefix_page_tokens: int = 0
+    # Prompt tokens of a request that the instance it would go to already holds (prefix-aware routing:
+    # the instance holding the most of its prefix); None: unknown. Read when a group is formed.
+    cached_tokens: Callable[[ProfiledRequest], int] | None = None
 
     def plan(self) -> KVPlan:
         """An empty batch under this pool's Θ and execution mode: the one memory rule."""

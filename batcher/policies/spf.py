@@ -21,7 +21,7 @@ head's first page (the same system prompt, the same conversation), in key order 
 ``prefix_window`` predicted tokens of rank behind the head, so a shared prompt is prefilled once on
 one instance and no request jumps far ahead of its turn; then the rest in key order as above. Each
 member is planned with its uncached part (``batcher.prefix_groups``): the pages it shares with the
-group count once.
+group count once, and those the instance it would go to holds are not counted.
 """
 
 from __future__ import annotations
@@ -106,12 +106,13 @@ class SPFPolicy(Policy):
         head = first.req
         plan = self.ctx.plan()
         group = GroupPages(self.ctx.prefix_page_tokens)
-        plan.add(head.input_tokens, head.planned_tokens)
+        held = self.ctx.cached_tokens if first.pages else None  # the instance's cache counts only where pages do
+        plan.add(group.uncached_input(head, first.pages, held(head) if held else 0), head.planned_tokens)
         group.add(first.pages)
         members = [head]
 
         def join(e: _Entry) -> bool:
-            L = group.uncached_input(e.req, e.pages) if e.pages else e.req.input_tokens
+            L = group.uncached_input(e.req, e.pages, held(e.req) if held else 0) if e.pages else e.req.input_tokens
             if not plan.fits_with(L, e.req.planned_tokens):
                 return False
             plan.add(L, e.req.planned_tokens)

@@ -111,3 +111,22 @@ def test_the_prefix_window_comes_from_the_setting(monkeypatch):
     assert level(p).prefix_window == 12.0
     with pytest.raises(ValueError):
         SPFPolicy(ctx(theta_tokens=100), prefix_window=-1.0)
+
+
+def test_a_request_is_planned_without_what_the_instance_it_would_go_to_holds():
+    c = ctx(theta_tokens=40)
+    c.prefix_page_tokens = 4
+    c.cached_tokens = lambda r: 8 if r.prompt_ids[:8] == SYSTEM else 0   # the routed-to instance holds SYSTEM
+    a = _prefixed(SYSTEM + list(range(10, 22)), 4)      # 20 tokens, 8 of them held there
+    twin = _prefixed(SYSTEM + list(range(30, 42)), 5)   # 20 tokens, the same 8 held
+    stranger = _prefixed(list(range(60, 80)), 4)        # 20 tokens, nothing held
+    p = SPFPolicy(c, aging=0.0, prefix_window=0)
+    for r in (a, twin):
+        p.add(r, 0.0)
+    # static rule β·(L(B)+G'): each planned as 12 tokens, 2·(12+5) = 34 <= 40 (whole prompts: 2·(20+5) = 50)
+    assert [r.id for r in p.pop(0.0).requests] == [a.id, twin.id]
+    c.cached_tokens = None  # nothing known of the instances: the head is planned whole, 2·(20+5) = 50 > 40
+    p = SPFPolicy(c, aging=0.0, prefix_window=0)
+    for r in (a, twin, stranger):
+        p.add(r, 0.0)
+    assert [p.pop(0.0).size for _ in range(3)] == [1, 1, 1]

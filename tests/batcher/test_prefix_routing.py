@@ -43,6 +43,9 @@ def test_the_instance_with_the_longest_cached_prefix_is_chosen_among_those_with_
     assert router.choose(batch, ["w1"], "m") is None                 # nothing cached: the pool queue
     other = Batch(id="c", created=0.0, requests=[req("s", SYSTEM_B)])
     assert router.choose(other, ["w1", "w2", "w3"], "m") is None
+    # what a policy leaves out of a request's KV plan: the most any instance holds of its prompt
+    assert router.best_cached_tokens(req("best-a", SYSTEM_A + [9]), "m") == 64
+    assert router.best_cached_tokens(req("best-b", SYSTEM_B), "m") == 0
     again = Batch(id="d", created=0.0, requests=[req("r2", SYSTEM_A)])
     assert router.choose(again, ["w3"], "other-model") is None       # another salt: other keys
 
