@@ -66,7 +66,8 @@ class SPFPolicy(Policy):
         self.aging = float(aging)
         self.prefix_window = float(prefix_window)
         self._heap: list[_Entry] = []
-        self._by_first_page: dict[int, list[_Entry]] = {}  # waiting requests by their prompt's first page
+        # waiting requests by their prompt's first page (seq -> entry): a taken one leaves at once
+        self._by_first_page: dict[int, dict[int, _Entry]] = {}
         self._seq = count()
 
     def key(self, req: ProfiledRequest) -> float:
@@ -77,7 +78,16 @@ class SPFPolicy(Policy):
         entry = _Entry(self.key(req), next(self._seq), req, prompt_pages(req, self.ctx.prefix_page_tokens))
         heapq.heappush(self._heap, entry)
         if entry.pages:
-            self._by_first_page.setdefault(entry.pages[0], []).append(entry)
+            self._by_first_page.setdefault(entry.pages[0], {})[entry.seq] = entry
+
+    def _taken(self, e: _Entry) -> None:
+        """``e`` leaves the waiting set: marked for the heap (dropped lazily), out of the index now."""
+        e.waiting = False
+        if e.pages:
+            same = self._by_first_page[e.pages[0]]
+            del same[e.seq]
+            if not same:
+                del self._by_first_page[e.pages[0]]
 
     def _head(self) -> _Entry | None:
         """The first entry still waiting (taken ones are dropped from the heap's top here)."""
@@ -102,7 +112,7 @@ class SPFPolicy(Policy):
         first = self._head()
         assert first is not None, "_take follows _next_open"
         heapq.heappop(heap)
-        first.waiting = False
+        self._taken(first)
         head = first.req
         plan = self.ctx.plan()
         group = GroupPages(self.ctx.prefix_page_tokens)
@@ -117,7 +127,7 @@ class SPFPolicy(Policy):
                 return False
             plan.add(L, e.req.planned_tokens)
             group.add(e.pages)
-            e.waiting = False
+            self._taken(e)
             members.append(e.req)
             return True
 
@@ -143,12 +153,7 @@ class SPFPolicy(Policy):
 
     def _mates(self, first: _Entry) -> list[_Entry]:
         """Waiting requests that start with ``first``'s first page (same batch key), in key order,
-        at most ``prefix_window`` of rank behind it; the index drops the ones no longer waiting."""
-        same = self._by_first_page.get(first.pages[0], [])
-        waiting = [e for e in same if e.waiting]
-        if waiting:
-            self._by_first_page[first.pages[0]] = waiting
-        else:
-            self._by_first_page.pop(first.pages[0], None)
+        at most ``prefix_window`` of rank behind it."""
         limit = first.key + self.prefix_window
-        return sorted(e for e in waiting if e.key <= limit and e.req.batch_key == first.req.batch_key)
+        same = self._by_first_page.get(first.pages[0], {}).values()
+        return sorted(e for e in same if e.key <= limit and e.req.batch_key == first.req.batch_key)

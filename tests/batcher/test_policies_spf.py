@@ -93,7 +93,9 @@ def test_a_member_is_planned_with_the_part_of_its_prompt_the_group_does_not_hold
 
 def test_prefix_grouping_takes_every_request_exactly_once():
     p = SPFPolicy(_paged_ctx(theta_tokens=80), aging=1.0, prefix_window=20)
-    rs = [_prefixed((SYSTEM if i % 2 else list(range(50, 58))) + [i] * 4, 3 + (i * 7) % 30, float(i)) for i in range(40)]
+    firsts = [SYSTEM, list(range(50, 58)), None]  # two shared prompts, and prompts of their own
+    rs = [_prefixed((firsts[i % 3] or list(range(1000 + 8 * i, 1008 + 8 * i))) + [i] * 4, 3 + (i * 7) % 30, float(i))
+          for i in range(40)]
     for r in rs:
         p.add(r, r.arrival)
     seen = []
@@ -101,6 +103,7 @@ def test_prefix_grouping_takes_every_request_exactly_once():
         seen += [r.id for r in b.requests]
     assert sorted(seen) == sorted(r.id for r in rs)
     assert p.pop(50.0) is None
+    assert p._by_first_page == {}  # nothing kept once taken, however it was taken
 
 
 def test_the_prefix_window_comes_from_the_setting(monkeypatch):
