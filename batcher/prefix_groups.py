@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from batcher.prefix_pages import page_hashes
+from batcher.prefix_pages import held_prefix_pages, page_hashes
 from cohort.types import ProfiledRequest
 
 
@@ -40,12 +40,7 @@ class GroupPages:
     def shared_tokens(self, pages: Sequence[int]) -> int:
         """Leading prompt tokens of a row with these page keys that the group already holds
         (chained keys: the first page it lacks ends the shared prefix)."""
-        n = 0
-        for h in pages:
-            if h not in self.held:
-                break
-            n += 1
-        return n * self.page_tokens
+        return held_prefix_pages(pages, self.held) * self.page_tokens
 
     def uncached_input(self, req: ProfiledRequest, pages: Sequence[int], cached: int = 0) -> int:
         """L(p) as the group plans it: its input less what the group holds or the instance holds

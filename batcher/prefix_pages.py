@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import base64
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from hashlib import blake2b
 
 DEFAULT_PAGE_TOKENS = 16
@@ -57,6 +57,17 @@ def shared_prefix_pages(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):  # different lengths: the shorter one ends the count
         if x != y:
+            break
+        n += 1
+    return n
+
+
+def held_prefix_pages(hashes: Iterable[int], *held: Container[int]) -> int:
+    """How many leading page keys of ``hashes`` are in any of ``held`` (an instance's reported and
+    sent keys, a group's): chaining makes the first missing page end the prefix a cache can reuse."""
+    n = 0
+    for h in hashes:
+        if not any(h in c for c in held):
             break
         n += 1
     return n

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from batcher.prefix_groups import prompt_pages
-from batcher.prefix_pages import page_salt
+from batcher.prefix_pages import held_prefix_pages, page_salt
 from cohort.types import Batch, ProfiledRequest
 
 MAX_REMEMBERED = 100_000  # requests whose page keys are kept between dispatch and claim
@@ -50,12 +50,7 @@ class InstancePrefixes:
 
     def cached_pages(self, hashes: Sequence[int]) -> int:
         """Leading pages of ``hashes`` held here (chained keys: the first miss ends the prefix)."""
-        n = 0
-        for h in hashes:
-            if h not in self.reported and h not in self.sent:
-                break
-            n += 1
-        return n
+        return held_prefix_pages(hashes, self.reported, self.sent)
 
 
 @dataclass

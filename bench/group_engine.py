@@ -141,7 +141,7 @@ class GroupEngine:
         """Prompt tokens of ``req`` cached on the instance holding the most of them (the policy's
         ``PolicyContext.cached_tokens``, as the live batcher's router answers it)."""
         pages = self.groups.pages(req)
-        return self.limits.page_tokens * max((len(rs.pool.lookup(pages)) for rs in self.sets.values()), default=0)
+        return self.limits.page_tokens * max((self._affinity(key)(pages) for key in self.sets), default=0)
 
     def running_set(self, inst: SimInstance) -> RunningSet:
         key = id(inst)

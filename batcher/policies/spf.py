@@ -117,12 +117,16 @@ class SPFPolicy(Policy):
         plan = self.ctx.plan()
         group = GroupPages(self.ctx.prefix_page_tokens)
         held = self.ctx.cached_tokens if first.pages else None  # the instance's cache counts only where pages do
-        plan.add(group.uncached_input(head, first.pages, held(head) if held else 0), head.planned_tokens)
+
+        def planned_input(e: _Entry) -> int:
+            return group.uncached_input(e.req, e.pages, held(e.req) if held else 0) if e.pages else e.req.input_tokens
+
+        plan.add(planned_input(first), head.planned_tokens)
         group.add(first.pages)
         members = [head]
 
         def join(e: _Entry) -> bool:
-            L = group.uncached_input(e.req, e.pages, held(e.req) if held else 0) if e.pages else e.req.input_tokens
+            L = planned_input(e)
             if not plan.fits_with(L, e.req.planned_tokens):
                 return False
             plan.add(L, e.req.planned_tokens)
