@@ -24,14 +24,18 @@ from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.placement import Placement
 from batcher.policies import Policy, PolicyContext, group_share, make_policy, planning_memory
+from batcher.resume import resume_points
 from cohort import bus
-from cohort.logdb import fail_stale_queued, finish_request, get_db_engine, settled_ids
+from cohort.logdb import fail_stale_queued, finish_request, get_db_engine
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, dumps
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest, new_id
 
 log = logging.getLogger("cohort.batcher")
 SWEEP_EVERY_S = 60.0
+# Lost batches are found by heartbeats that expire in seconds; checking them every round (two
+# pipelines over every in-flight batch) was a quarter of the batcher's CPU in a burst.
+LOST_CHECK_EVERY_S = 0.25
 
 
 @dataclass
@@ -58,6 +62,7 @@ class BatcherService:
     instances: dict[str, InstanceInfo] = field(default_factory=dict)
     _last_refresh: float = 0.0
     _last_sweep: float = 0.0
+    _last_lost_check: float = 0.0
     _waiting: dict[str, ProfiledRequest] = field(default_factory=dict)  # in the policy, not dispatched
 
     def __post_init__(self) -> None:
@@ -129,7 +134,9 @@ class BatcherService:
         busy = self._take_arrivals(now)
         busy |= self._take_cancels()
         busy |= self._take_completions(now)
-        busy |= self._check_lost(now)
+        if now - self._last_lost_check >= LOST_CHECK_EVERY_S:
+            self._last_lost_check = now
+            busy |= self._check_lost(now)
         busy |= self._dispatch(now)
         if now - self._last_sweep > SWEEP_EVERY_S:
             self._sweep(now)
@@ -309,7 +316,7 @@ class BatcherService:
                            f"{b.attempt + 1} times; giving up")
                 self.redis.hdel(self.keys.inflight, bid)
                 continue
-            rest = self._resume_points(b.requests)
+            rest = resume_points(self.redis, get_db_engine(self.settings.database_url), b.requests)
             log.warning("instance %s died running batch %s; %d of %d request(s) re-queued (attempt %d)", owner,
                         bid, len(rest), b.size, b.attempt + 1)
             if not rest:
@@ -318,22 +325,6 @@ class BatcherService:
             self._requeue([Batch(id=new_id("b"), requests=rest, created=b.created,
                                  attempt=b.attempt + 1, splits=b.splits)], now, replaces=bid)
         return bool(lost)
-
-    def _resume_points(self, requests: list[ProfiledRequest]) -> list[ProfiledRequest]:
-        """A lost batch's rows as they stand on their streams: answered rows are left out (never
-        answered twice: a final event on the stream, or a settled log-DB record once the stream
-        has expired) and rows that streamed tokens resume after them (the client already has that
-        text) instead of starting again."""
-        progress = bus.stream_progress(self.redis, [r.id for r in requests])
-        settled = settled_ids(get_db_engine(self.settings.database_url), [r.id for r in requests])
-        rest = []
-        for r in requests:
-            final, ids = progress[r.id]
-            if final or r.id in settled:
-                continue
-            sent = ids[len(r.generated_ids):] if ids[:len(r.generated_ids)] == r.generated_ids else []
-            rest.append(r.continuation(sent, None) if sent else r)
-        return rest
 
     def _has_room(self) -> bool:
         """Whether a batch may go out now. Static and elastic: an instance is idle. Continuous: fewer

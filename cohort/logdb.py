@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    bindparam,
     create_engine,
     event,
     func,
@@ -166,19 +167,36 @@ def finish_request(engine: Engine, request_id: str, *, overrule: bool = False, *
 def finish_requests(engine: Engine, settlements: list[tuple[str, Mapping[str, Any]]], *,
                     overrule: bool = False) -> int:
     """Settle several records (``finish_request``'s rule) in one transaction: a worker step that
-    answers rows of many batches pays for one commit, not one per row. Returns how many changed."""
+    answers rows of many batches pays for one commit, not one per row. Consecutive settlements
+    that set the same columns go as one prepared statement with many parameter sets: building and
+    compiling an UPDATE per row was a tenth of an upstream worker's CPU. Returns how many changed."""
     if not settlements:
         return 0
+    now = time.time()
+    runs: list[tuple[tuple[str, ...], list[dict[str, Any]]]] = []
+    for request_id, values in settlements:
+        vals = {"finished": now, **values}
+        columns = tuple(sorted(vals))
+        params = {"_id": request_id, **{f"_v_{k}": v for k, v in vals.items()}}
+        if runs and runs[-1][0] == columns:
+            runs[-1][1].append(params)
+        else:
+            runs.append((columns, [params]))
     changed = 0
     with engine.begin() as conn:
-        for request_id, values in settlements:
-            q = update(requests).where(requests.c.id == request_id)
-            if not overrule:
-                q = q.where(requests.c.status == OPEN)
-            vals = dict(values)
-            res = conn.execute(q.values(finished=vals.pop("finished", time.time()), **vals))
-            changed += int(res.rowcount or 0)
+        for columns, params in runs:
+            res = conn.execute(_settle_statement(columns, overrule), params if len(params) > 1 else params[0])
+            changed += max(0, int(res.rowcount or 0))
     return changed
+
+
+@lru_cache(maxsize=64)
+def _settle_statement(columns: tuple[str, ...], overrule: bool):
+    """The UPDATE that settles a record's ``columns`` (built once per column set)."""
+    q = update(requests).where(requests.c.id == bindparam("_id"))
+    if not overrule:
+        q = q.where(requests.c.status == OPEN)
+    return q.values({c: bindparam(f"_v_{c}") for c in columns})
 
 
 def settled_ids(engine: Engine, request_ids: list[str]) -> set[str]:

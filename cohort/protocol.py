@@ -12,11 +12,11 @@ torch or redis.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from cohort.types import ProfiledRequest
+from cohort.types import ProfiledRequest, field_values
 
 
 def dumps(obj: Any) -> str:
@@ -135,7 +135,7 @@ class StreamEvent:
         return self.kind is not StreamKind.DELTA
 
     def to_json(self) -> str:
-        d = {k: v for k, v in asdict(self).items() if v not in (None, "", {}, []) or k in ("kind", "tokens")}
+        d = {k: v for k, v in field_values(self).items() if v not in (None, "", {}, []) or k in ("kind", "tokens")}
         d["kind"] = self.kind.value
         return dumps(d)
 
@@ -170,7 +170,7 @@ class CompletionEvent:
     cancelled: int = 0
 
     def to_json(self) -> str:
-        d = asdict(self)
+        d = field_values(self)
         d["outcome"] = self.outcome.value
         d["continuations"] = [r.to_dict() for r in self.continuations]
         return dumps(d)

@@ -127,6 +127,9 @@ class Settings(BaseSettings):
         "concurrency you serve (COHORT_MAX_PENDING bounds the queue, this bounds the sockets).")
     http_keep_alive_s: int = Field(
         default=5, ge=1, description="An idle keep-alive connection is closed after this many seconds.")
+    http_access_log: bool = Field(
+        default=True, description="uvicorn's access line per HTTP request in the gateway's log. Every request "
+        "is also in the log DB with its timings; off saves the gateway a locked, flushed log write per request.")
     admin_token: str | None = Field(
         default=None, description="Bearer token for /admin/*. Unset: admin routes are not mounted."
     )

@@ -7,8 +7,22 @@ Nothing here imports torch or redis, so the batcher and the simulator can use th
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from functools import cache
 from typing import Any
+
+
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def field_values(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, each value as it is. ``dataclasses.asdict`` deep-copies every
+    list on the way; the messages built per token and per batch are JSON-dumped at once, so that
+    copy was a measurable share of the worker's and the batcher's CPU (docs/upstream.md).
+    Callers convert nested dataclasses themselves."""
+    return {name: getattr(obj, name) for name in _field_names(type(obj))}
 
 
 def new_id(prefix: str) -> str:
@@ -49,7 +63,7 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = field_values(self)
         d["logit_bias"] = {str(k): v for k, v in self.logit_bias}
         d["stop"] = list(self.stop)
         return d
@@ -144,7 +158,7 @@ class ProfiledRequest:
         return self.arrival + self.slo_s if self.slo_s is not None else float("inf")
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = field_values(self)
         d["sampling"] = self.sampling.to_dict()
         return d
 
@@ -231,7 +245,7 @@ class InstanceInfo:
         return self.device.startswith("upstream:")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return field_values(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> InstanceInfo:

@@ -82,7 +82,7 @@ def gateway_server_options(s: Settings) -> dict[str, Any]:
     uvicorn has no timeout for a request's headers or body arriving slowly: the concurrency limit
     is what bounds how many such clients can hold the gateway."""
     return {"http": "h11", "h11_max_incomplete_event_size": s.http_max_header_bytes,
-            "limit_concurrency": s.http_limit_concurrency, "timeout_keep_alive": s.http_keep_alive_s}
+            "limit_concurrency": s.http_limit_concurrency, "timeout_keep_alive": s.http_keep_alive_s, "access_log": s.http_access_log}
 
 
 @app.command()

@@ -10,6 +10,7 @@ from sqlalchemy import select
 from cohort.logdb import (
     fail_stale_queued,
     finish_request,
+    finish_requests,
     finished_batches,
     finished_requests,
     get_db_engine,
@@ -36,6 +37,28 @@ def test_request_lifecycle_and_learning_queries(db):
     done = finished_requests(db)
     assert [r["id"] for r in done] == ["r1"] and done[0]["actual_tokens"] == 33
     assert finished_requests(db, since=110.0) == []
+
+
+def test_settling_many_records_at_once_keeps_each_ones_values_and_the_first_owner_rule(db):
+    for i in range(5):
+        record_request(db, {"id": f"r{i}", "created": 100.0 + i, "input_tokens": 4, "max_tokens": 64,
+                            "predicted_tokens": 8, "status": "queued"})
+    finish_request(db, "r4", status="cancelled", finished=105.0)  # settled first: stays as it is
+    changed = finish_requests(db, [
+        ("r0", {"status": "done", "actual_tokens": 10, "batch_id": "b1"}),
+        ("r1", {"status": "done", "actual_tokens": 11, "batch_id": "b1"}),   # same columns: one statement
+        ("r2", {"status": "failed", "error": "boom"}),                       # other columns
+        ("r3", {"status": "done", "actual_tokens": 13, "batch_id": "b2"}),
+        ("r4", {"status": "done", "actual_tokens": 14, "batch_id": "b2"}),
+    ])
+    assert changed == 4
+    with db.connect() as c:
+        rows = {r.id: r for r in c.execute(select(requests))}
+    assert [(rows[f"r{i}"].status, rows[f"r{i}"].actual_tokens) for i in range(5)] == [
+        ("done", 10), ("done", 11), ("failed", None), ("done", 13), ("cancelled", None)]
+    assert rows["r2"].error == "boom" and rows["r1"].batch_id == "b1" and rows["r4"].finished == 105.0
+    assert all(rows[f"r{i}"].finished is not None for i in range(4))
+    assert finish_requests(db, [("r4", {"status": "timeout"})], overrule=True) == 1
 
 
 def test_batch_records_are_idempotent_upserts(db):

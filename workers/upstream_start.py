@@ -15,8 +15,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
-
 from batcher.memory import kv_bytes_per_token
 from cohort import bus
 from cohort.logdb import get_db_engine
@@ -71,7 +69,7 @@ async def _connect(server: UpstreamServer, probe_ids: list[int], probe_text: str
                 caps = await server.probe(probe_ids, probe_text)
                 log.info("upstream %s serves %s: %s", server.base_url, server.model, caps.describe())
                 return await server.metrics()
-            except (UpstreamDown, httpx.HTTPError, ValueError, KeyError) as e:  # still starting
+            except (UpstreamDown, ValueError, KeyError) as e:  # still starting
                 if time.monotonic() > deadline:
                     raise UpstreamDown(f"{server.base_url} did not answer in {START_WAIT_S:.0f} s: {e}") from e
                 log.info("waiting for upstream %s (%s)", server.base_url, e)
@@ -83,17 +81,12 @@ async def _connect(server: UpstreamServer, probe_ids: list[int], probe_text: str
 def start_upstream(settings: Settings) -> Runtime:
     """Connect to the server, register the instance, start its heartbeat."""
     s = settings
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per streamed row otherwise
     tok = load_tokenizer(s.model)
     server = UpstreamServer(s.upstream, s.upstream_api_key, s.upstream_model, s.upstream_timeout_s,
                             stream_interval=s.upstream_stream_interval)
     probe_text = "Hello"
+    # the probe runs on its own event loop and closes its connections; the loop's thread opens its own
     metrics = asyncio.run(_connect(server, prompt_token_ids([probe_text], s.model)[0], probe_text))
-    caps = server.caps
-    # the probe's event loop is gone: the loop's own thread gets a fresh client on its own loop
-    server = UpstreamServer(s.upstream, s.upstream_api_key, server.model, s.upstream_timeout_s,
-                            stream_interval=s.upstream_stream_interval)
-    server.caps = caps
     published = kv_tokens_from_metrics(metrics) if metrics else None
     capacity = published or s.upstream_kv_tokens or s.continuous.max_rows * (s.max_input_tokens // 4 + 256)
     if not (published or s.upstream_kv_tokens):
@@ -101,7 +94,7 @@ def start_upstream(settings: Settings) -> Runtime:
                     "%d tokens", s.upstream, capacity)
     block = block_tokens_from_metrics(metrics) if metrics else None
     loop = UpstreamLoop(server, tok, capacity, page_tokens=block or s.continuous.page_tokens, max_rows=s.continuous.max_rows,
-                        use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and caps.priority))
+                        use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and server.caps.priority))
     delta = delta_bytes(s.model)
     name = s.instance_name or f"{socket.gethostname()}-{os.getpid()}-upstream"
     info = InstanceInfo(name=name, pool=s.pool, model=s.model, theta_bytes=capacity * delta, delta_bytes=delta,

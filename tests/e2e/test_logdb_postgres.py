@@ -13,6 +13,7 @@ from cohort.logdb import get_db_engine
 from tests.test_logdb import (  # noqa: F401 - collected here again, with this module's ``db``
     test_batch_records_are_idempotent_upserts,
     test_request_lifecycle_and_learning_queries,
+    test_settling_many_records_at_once_keeps_each_ones_values_and_the_first_owner_rule,
     test_stale_queued_rows_are_failed_and_nothing_else,
 )
 
