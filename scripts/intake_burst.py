@@ -57,7 +57,7 @@ def main(n: int, out: Path, env: dict[str, str]) -> dict:
         workers = [p for p in procs if p.info["cmdline"][-1] == "worker"]
         batchers = [p for p in procs if p.info["cmdline"][-1] == "batcher" and p.parent() == gw.parent()]
         me = [psutil.Process()]
-        spy = subprocess.Popen([".venv/bin/py-spy", "record", "--pid", str(gw.pid), "--rate", "50", "--format", "raw", "--gil",
+        spy = subprocess.Popen([".venv/bin/py-spy", "record", "--pid", str(gw.pid), "--rate", "50", "--format", "raw",
                                 "-o", str(out / "gw.txt"), "--duration", "40"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.5)

@@ -124,6 +124,15 @@ def test_service_learns_from_log_db_and_restarts_from_saved_state(settings) -> N
     again._swap.current = (model, "v1")
     assert again.online is not None and again.online.cursor == 1059.0
     assert asyncio.run(again.predict_bounds(item, 2000)).upper == after.upper
+    for i in range(60, 70):  # read within SAVE_EVERY_S of the last save: learnt now, saved at close
+        record_request(engine, {"id": f"r{i}", "model": "m", "instruction": f"Write code {i}.", "user_input": "x",
+                                "input_tokens": 3, "max_tokens": 2000, "predicted_tokens": 40,
+                                "predictor_version": "v1"})
+        finish_request(engine, f"r{i}", status="done", actual_tokens=120 + i, finished=1000.0 + i)
+    assert svc.sync_completions() == 10 and svc.online.cursor == 1069.0
+    assert PredictorService(settings).online.cursor == 1059.0
+    svc.close()
+    assert PredictorService(settings).online.cursor == 1069.0
     off = PredictorService(settings.model_copy(update={"online": settings.online.model_copy(update={"conformal": False})}))
     off._swap.current = (model, "v1")
     assert asyncio.run(off.predict_bounds(item, 2000)).upper == 44  # static table only
