@@ -14,6 +14,7 @@ from predictor.base import PredictItem
 from predictor.baselines import MeanPredictor
 from predictor.conformal import GLOBAL, ConformalTable
 from predictor.online_conformal import OnlineConformal
+from predictor.online_residual import _WORDS, OnlineResidual, hashed_words
 from predictor.service import PredictorService
 
 
@@ -142,7 +143,6 @@ def test_residual_correction_learns_a_source_shift_and_stays_put_without_one() -
     """A source whose answers are 3× the model's prediction (code under an Alpaca model): after a
     few hundred completions the corrected point is close; on traffic the model already predicts
     well, the correction stays near zero (the ridge pulls it there)."""
-    from predictor.online_residual import OnlineResidual
 
     rng = np.random.default_rng(1)
     items = [PredictItem("Write a Python function.", "x" * int(rng.integers(1, 50)), 5) for _ in range(600)]
@@ -171,7 +171,6 @@ def test_residual_correction_learns_a_source_shift_and_stays_put_without_one() -
 def test_residual_weights_are_solved_once_per_update_and_follow_it(monkeypatch) -> None:
     """The weights are cached between completions (the solve on every prediction was 17 % of the
     gateway's CPU) and a new batch of completions replaces them: the cache never serves a stale w."""
-    from predictor.online_residual import OnlineResidual
 
     rng = np.random.default_rng(2)
     items = [PredictItem("Explain.", "y" * int(rng.integers(1, 40)), 5) for _ in range(300)]
@@ -212,3 +211,13 @@ def test_a_burst_of_misses_plans_at_the_capped_level_not_the_window_maximum() ->
     q = oc.group_quantile(_items(1)[0], None, None)
     assert oc.max_level == pytest.approx(0.95)
     assert q < 1.5 and q < max(g.scores)  # the 0.95 quantile of the window, far below the outlier
+
+
+def test_hashed_words_are_the_hashing_vectorizers_and_a_cold_correction_is_zero() -> None:
+    """The gateway's fast word hashing equals sklearn's validated transform (the learnt state was
+    built with it); before any completion the correction is zero and no feature is computed."""
+    texts = ["Write a haiku about the sea.", "", "   ", "Déjà vu: explain it in 3 sentences. Déjà!", "x " * 500]
+    np.testing.assert_array_equal(hashed_words(texts), _WORDS.transform(texts).toarray())
+    cold = OnlineResidual()
+    cold.features = None  # would raise if called
+    assert cold.shift([PredictItem("a", "b", 3)], np.array([10.0])).tolist() == [0.0]
