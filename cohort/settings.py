@@ -120,7 +120,8 @@ class Settings(BaseSettings):
     port: int = 8000
     http_max_header_bytes: int = Field(
         default=16_384, ge=1024, description="Most bytes of an unfinished request line + headers the gateway "
-        "buffers (uvicorn's h11 parser; 400 beyond it), so a client cannot make it read headers without end.")
+        "reads while the head is unfinished (launch.bounded_http; 400 beyond it), so a client cannot make it read "
+        "headers without end.")
     http_limit_concurrency: int = Field(
         default=4096, ge=1, description="Connections and in-flight requests the gateway holds at once; beyond "
         "it a new one is answered 503 at once. Each waiting or streaming request holds one, so keep it above the "

@@ -12,6 +12,7 @@ import typer
 import uvicorn
 
 from cohort.settings import Settings, get_settings
+from launch.bounded_http import BoundedHttpTools
 from launch.cli import checked_settings, gateway_server_options
 from procstack.stack import free_port
 
@@ -30,12 +31,14 @@ def test_an_unknown_policy_is_refused_at_start(monkeypatch):
 
 
 def test_gateway_server_options_carry_the_settings():
-    s = Settings(_env_file=None, http_max_header_bytes=4096, http_limit_concurrency=7, http_keep_alive_s=3)
+    s = Settings(_env_file=None, http_max_header_bytes=4096, http_limit_concurrency=7, http_keep_alive_s=3,
+                 http_access_log=False)
     opts = gateway_server_options(s)
-    assert opts == {"http": "h11", "h11_max_incomplete_event_size": 4096, "limit_concurrency": 7,
-                    "timeout_keep_alive": 3}
+    assert opts["http"].max_head_bytes == 4096 and issubclass(opts["http"], BoundedHttpTools)
+    assert {k: v for k, v in opts.items() if k != "http"} == {"limit_concurrency": 7, "timeout_keep_alive": 3,
+                                                              "access_log": False}
     config = uvicorn.Config("gateway.app:create_app", factory=True, **opts)  # names the installed uvicorn knows
-    assert (config.h11_max_incomplete_event_size, config.limit_concurrency, config.timeout_keep_alive) == (4096, 7, 3)
+    assert (config.limit_concurrency, config.timeout_keep_alive, config.access_log) == (7, 3, False)
 
 
 async def _hello(scope, receive, send):
@@ -80,8 +83,16 @@ def test_a_real_uvicorn_with_those_options_refuses_a_huge_unfinished_head_and_to
         other.close()
         held.close()
         time.sleep(0.05)  # the server notices the closed connection
-        # h11 bounds what it buffers of an unfinished head (2 KiB here, 16 KiB by h11's default):
-        # 1 KiB read, then the rest, passes; 5 KiB read with the head still open is refused.
+        # the bound is on what is read of an unfinished head (2 KiB here), as h11's: 1 KiB read,
+        # then the rest, passes; 5 KiB read with the head still open is refused. A body beyond it is
+        # no head: a 5 KiB POST passes, twice on one connection.
+        post = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 6000\r\n\r\n" + b"b" * 6000
+        status, sock = _raw(port, post[:1000], post[1000:])
+        assert status == 200
+        sock.sendall(post)
+        assert sock.recv(65536).split(b"\r\n", 1)[0].split()[1] == b"200"
+        sock.close()
+        time.sleep(0.05)
         for first, expected in ((1024, 200), (5000, 400)):
             head = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n"
             status, sock = _raw(port, head[:first], head[first:])
