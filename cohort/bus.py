@@ -28,6 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from cohort.protocol import StreamEvent, StreamKind
+from cohort.redis_packing import connection_class
 from cohort.settings import get_settings
 
 PREFIX = "cohort"
@@ -104,7 +105,8 @@ def connect(url: str) -> redis.Redis:
 def connect_async(url: str, max_connections: int = 4096) -> aioredis.Redis:
     """An asyncio client for the gateway."""
     return aioredis.Redis.from_url(url, retry=AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 6),
-                                   max_connections=max_connections, **_client_options())
+                                   max_connections=max_connections, connection_class=connection_class(url),
+                                   **_client_options())
 
 
 RESERVATION_TTL_S = 30.0  # a reservation the gateway never enqueued (it died) frees its slot after this

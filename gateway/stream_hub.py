@@ -106,8 +106,8 @@ class StreamHub:
         try:
             while self.readers and not (me and me.cancelling()):  # a client may swallow a cancel
                 streams = {self._wake_key: self._wake_last}
-                for key, readers in self.readers.items():
-                    streams[key] = min((r.last for r in readers), key=_stream_id)
+                for key, readers in self.readers.items():  # nearly always one reader a stream
+                    streams[key] = readers[0].last if len(readers) == 1 else min((r.last for r in readers), key=_stream_id)
                 self._blocked, self._woken = True, False
                 started = time.monotonic()
                 try:
