@@ -68,6 +68,9 @@ class StreamHub:
 
     def __init__(self, redis: Any, block_s: float) -> None:
         self.redis = redis
+        # the blocking reads hold one connection of their own: taking it from the pool and giving
+        # it back around every read cost as much CPU as the read's reply
+        self._reads = redis.client()
         self.loop = asyncio.get_running_loop()
         self.block_ms = max(1, int(block_s * 1000))
         self.readers: dict[str, list[Reader]] = {}
@@ -111,7 +114,7 @@ class StreamHub:
                 self._blocked, self._woken = True, False
                 started = time.monotonic()
                 try:
-                    got = await self.redis.xread(streams, block=self.block_ms)
+                    got = await self._reads.xread(streams, block=self.block_ms)
                 finally:
                     self._blocked = False
                 if not got and time.monotonic() - started < self.block_ms / 2000:

@@ -90,8 +90,8 @@ async def test_a_failed_read_reaches_every_reader():
     async def gone(*_a, **_k):
         raise RedisConnectionError("redis went away")
 
-    redis.xread = gone
     hub = StreamHub(redis, block_s=0.5)
+    hub._reads.xread = gone  # the hub's blocking reads go through a connection of their own
     readers = [await hub.subscribe("a"), await hub.subscribe("b")]
     for reader in readers:
         with pytest.raises(RedisConnectionError):
