@@ -306,13 +306,24 @@ def stream_ttl_s(final: bool) -> int:
     return end if final else int(s.request_timeout_s) + end
 
 
-def publish(pipe, request_id: str, event: StreamEvent) -> None:
+def publish(pipe, request_id: str, event: StreamEvent, renew: bool = True) -> None:
     """Queue one event on a request's stream in ``pipe`` (a pipeline: the worker sends every
     row's events of a decode step in one round trip). Expiring (``stream_ttl_s``), so answered
-    and abandoned streams go away."""
+    and abandoned streams go away. ``renew`` False: an open stream's expiry is left as it is (a
+    writer that renewed it recently: ``STREAM_RENEW_S``); a final event always sets the short one."""
     key = stream_key(request_id)
     pipe.xadd(key, {STREAM_FIELD: event.to_json()})
-    pipe.expire(key, stream_ttl_s(event.final))
+    if renew or event.final:
+        pipe.expire(key, stream_ttl_s(event.final))
+
+
+STREAM_RENEW_S = 30.0  # a writer renews an open stream's (far longer) expiry this often, not with every delta
+
+
+def cancelled_flags(pipe, request_ids: list[str]) -> None:
+    """Queue whether each of these requests was cancelled: one MGET (None: not), not an EXISTS a row."""
+    if request_ids:
+        pipe.mget([cancel_key(rid) for rid in request_ids])
 
 
 def publish_now(redis, request_id: str, event: StreamEvent) -> None:

@@ -130,20 +130,20 @@ def send(rt: Outlet, staged: Sequence[Staged], extra: Sequence[Fill] = (), what:
     then one Redis pipeline (the steps' events, ``extra`` commands, every cancel check), then each
     batch learns which of its rows the client withdrew (``Reporter.settle``)."""
     finish_requests(rt.db, [rec for s in staged for rec in s.records])
+    alive = [rid for s in staged for rid in s.alive]
 
     def fill(pipe) -> None:
         for s in staged:
             s.fill(pipe)
         for f in extra:
             f(pipe)
-        for s in staged:
-            for rid in s.alive:
-                pipe.exists(bus.cancel_key(rid))
+        bus.cancelled_flags(pipe, alive)
 
     replies = execute(rt.redis, fill, what)
-    at = len(replies) - sum(len(s.alive) for s in staged)
+    flags = [v is not None for v in replies[-1]] if alive else []
+    at = 0
     for s in staged:
-        s.reporter.settle(s, [bool(hit) for hit in replies[at:at + len(s.alive)]])
+        s.reporter.settle(s, flags[at:at + len(s.alive)])
         at += len(s.alive)
 
 
@@ -158,6 +158,7 @@ class Reporter:
         self.tokens: dict[str, int] = {}
         self.cancelled = 0
         self.counted = 0  # of the run's generated tokens, those already added to the metric
+        self.renewed: dict[str, float] = {}  # when each row's stream expiry was last set (monotonic)
 
     def stage(self, out: StepOutput, alive: list[str], generated: int) -> Staged:
         """A step's output as records and commands (``send`` sends them). ``generated``: the run's
@@ -171,10 +172,13 @@ class Reporter:
         events += [(res.request.id, _end_event(res, self.batch, self.started)) for res in out.finished]
         events += [(req.id, StreamEvent.error(code, message)) for req, code, message in out.failed]
         count, self.counted = generated - self.counted, generated
+        now = time.monotonic()
+        renew = {rid for rid, _ev in events if now - self.renewed.get(rid, -bus.STREAM_RENEW_S) >= bus.STREAM_RENEW_S}
+        self.renewed.update(dict.fromkeys(renew, now))
 
         def fill(pipe) -> None:
             for rid, ev in events:
-                bus.publish(pipe, rid, ev)
+                bus.publish(pipe, rid, ev, renew=rid in renew)
             bus.count_generated(pipe, count)
             if out.preempted:  # continuous: evicted rows resume on this instance, not via the batcher
                 pipe.hincrby(bus.STATS, "preemptions", len(out.preempted))
