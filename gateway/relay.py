@@ -143,6 +143,7 @@ class Relay:
         self.prompt: tuple[list[int], list] | None = None  # the prompt's logprobs, when asked for
         self._settled = False       # the request ended: answered, failed or withdrawn
         self._last_at: float | None = None
+        self._itl = None  # the ITL histogram's child for this endpoint
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """New text in order; ``self.answer`` is set when it ends. Raises APIError when the
@@ -231,7 +232,9 @@ class Relay:
                 self.group.first_token = True
                 m.ttft.labels(t.endpoint).observe(now - t.received)
         else:
-            m.itl.labels(t.endpoint).observe((now - self._last_at) / max(1, tokens - self.sent_tokens))
+            if self._itl is None:  # the labelled child, looked up once (this runs for every event)
+                self._itl = m.itl.labels(t.endpoint)
+            self._itl.observe((now - self._last_at) / max(1, tokens - self.sent_tokens))
         self._last_at = now
 
     def _finish(self, answer: Answer) -> None:

@@ -101,6 +101,18 @@ async def merged(relays: Sequence[Relay]) -> AsyncIterator[tuple[int, Piece | An
     """The pieces of several answers as they arrive, each with its relay's index, and each
     relay's ``Answer`` when it ends. The first failure is raised; closing the iterator, or a
     failure, withdraws every relay not yet answered."""
+    if len(relays) == 1:  # one choice (nearly every request): no pump task and queue between it and its reader
+        relay = relays[0]
+        try:
+            async with aclosing(relay.pieces()) as pieces:
+                async for piece in pieces:
+                    yield 0, piece
+            assert relay.answer is not None
+            yield 0, relay.answer
+        finally:
+            with anyio.CancelScope(shield=True):  # a cancelled stream must still withdraw its request
+                await relay.abandon()
+        return
     queue: asyncio.Queue[tuple[int, Piece | Answer | BaseException]] = asyncio.Queue()
     # anyio scopes, not Task.cancel(): their cancellation is re-delivered at every await until the
     # task ends (the Redis client may absorb a single CancelledError in a blocking read).
