@@ -206,6 +206,10 @@ class Settings(BaseSettings):
         "many (vLLM's per-request `stream_interval`; the first token and the end still come at once): the worker "
         "coalesces tokens for its flush anyway, and each chunk costs both processes a parse (docs/upstream.md). "
         "1: a chunk per token.")
+    upstream_flush_s: float = Field(
+        default=0.02, gt=0, le=1.0, description="An upstream worker sends what its rows streamed this long after "
+        "the first news, as one Redis round (a row's first token and its end go at once): longer means fewer, "
+        "larger chunks for the gateway and the clients to relay and parse (docs/upstream.md).")
     upstream_timeout_s: float = Field(
         default=60.0, gt=0, description="An upstream that sends nothing on a stream this long is down: its "
         "unfinished rows continue elsewhere.")

@@ -12,6 +12,7 @@ model means the default pool; anything else is 404 ``model_not_found``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -55,10 +56,18 @@ class PoolView:
         self._registered: list[InstanceInfo] = []
         self._alive: set[str] = set()
         self._started = int(time.time())
+        self._reading: asyncio.Future | None = None  # the read under way: requests that find the view stale share it
 
     async def _refresh(self, force: bool = False) -> None:
+        """Re-read the view when it is stale (``force``: now). One read at a time: in a burst every
+        waiting request found it stale at once, and each read it again (8x the reads needed)."""
         if not force and time.monotonic() - self._at <= CACHE_S:
             return
+        if force or self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._read())
+        await asyncio.shield(self._reading)  # a caller that leaves does not cancel the others' read
+
+    async def _read(self) -> None:
         infos = [InstanceInfo.from_dict(json.loads(js)) for js in (await self.redis.hgetall(bus.INSTANCES)).values()]
         pipe = self.redis.pipeline()
         for info in infos:

@@ -93,7 +93,8 @@ def start_upstream(settings: Settings) -> Runtime:
         log.warning("upstream %s publishes no KV capacity and COHORT_UPSTREAM_KV_TOKENS is unset: planning with "
                     "%d tokens", s.upstream, capacity)
     block = block_tokens_from_metrics(metrics) if metrics else None
-    loop = UpstreamLoop(server, tok, capacity, page_tokens=block or s.continuous.page_tokens, max_rows=s.continuous.max_rows,
+    loop = UpstreamLoop(server, tok, capacity, page_tokens=block or s.continuous.page_tokens,
+                        max_rows=s.continuous.max_rows, flush_s=s.upstream_flush_s,
                         use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and server.caps.priority))
     delta = delta_bytes(s.model)
     name = s.instance_name or f"{socket.gethostname()}-{os.getpid()}-upstream"
