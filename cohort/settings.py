@@ -202,14 +202,15 @@ class Settings(BaseSettings):
         "row as its own stream in the group's order, so a group is only how rows travel, and each one costs a "
         "Celery task and a round of bookkeeping (measured in docs/upstream.md).")
     upstream_stream_interval: int = Field(
-        default=4, ge=1, description="Ask an upstream that streams token ids to send a row's tokens in chunks of this "
+        default=8, ge=1, description="Ask an upstream that streams token ids to send a row's tokens in chunks of this "
         "many (vLLM's per-request `stream_interval`; the first token and the end still come at once): the worker "
         "coalesces tokens for its flush anyway, and each chunk costs both processes a parse (docs/upstream.md). "
         "1: a chunk per token.")
     upstream_flush_s: float = Field(
-        default=0.02, gt=0, le=1.0, description="An upstream worker sends what its rows streamed this long after "
+        default=0.05, gt=0, le=1.0, description="An upstream worker sends what its rows streamed this long after "
         "the first news, as one Redis round (a row's first token and its end go at once): longer means fewer, "
-        "larger chunks for the gateway and the clients to relay and parse (docs/upstream.md).")
+        "larger chunks for the gateway and the clients to relay and parse. With 8-token upstream chunks, 0.05 "
+        "cut cohort's CPU per streamed request by a fifth against 0.02 and 4 (docs/upstream.md).")
     upstream_timeout_s: float = Field(
         default=60.0, gt=0, description="An upstream that sends nothing on a stream this long is down: its "
         "unfinished rows continue elsewhere.")
