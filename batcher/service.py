@@ -131,9 +131,10 @@ class BatcherService:
             self.refresh_instances(now)
         if self.policy is None:
             return False  # no instance has registered yet: requests wait in Redis
-        busy = self._take_arrivals(now)
-        busy |= self._take_cancels()
-        busy |= self._take_completions(now)
+        arrivals, cancels, completions = self._peek(self.keys.incoming, self.keys.cancels, self.keys.completions)
+        busy = self._take_arrivals(now, arrivals)
+        busy |= self._take_cancels(cancels)
+        busy |= self._take_completions(now, completions)
         if now - self._last_lost_check >= LOST_CHECK_EVERY_S:
             self._last_lost_check = now
             busy |= self._check_lost(now)
@@ -151,17 +152,20 @@ class BatcherService:
         if n:
             log.warning("marked %d request record(s) failed that stayed queued past the timeout", n)
 
-    def _peek(self, key: str, limit: int) -> list[str]:
-        """Oldest messages of a list (LPUSH'd), left in place until ``_trim``: a crash in between
-        re-reads them instead of losing them (only the one active batcher reads these lists)."""
-        return list(reversed(self.redis.lrange(key, -limit, -1)))
+    def _peek(self, *keys: str, limit: int = 1000) -> list[list[str]]:
+        """The oldest messages of each list (LPUSH'd), in one round trip, left in place until
+        ``_trim``: a crash in between re-reads them instead of losing them (only the one active
+        batcher reads these lists)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.lrange(key, -limit, -1)
+        return [list(reversed(msgs)) for msgs in pipe.execute()]
 
     def _trim(self, key: str, n: int) -> None:
         if n:
             self.redis.ltrim(key, 0, -n - 1)
 
-    def _take_arrivals(self, now: float, limit: int = 1000) -> bool:
-        msgs = self._peek(self.keys.incoming, limit)
+    def _take_arrivals(self, now: float, msgs: list[str]) -> bool:
         for js in msgs:
             req = ProfiledRequest.from_dict(json.loads(js))
             # hsetnx 0: already taken, before a crash (then ``_recover`` put it in ``_waiting``) or by
@@ -203,10 +207,9 @@ class BatcherService:
         else:
             self.redis.set(self.keys.worst_priority, worst)
 
-    def _take_cancels(self, limit: int = 1000) -> bool:
+    def _take_cancels(self, msgs: list[str]) -> bool:
         """Requests whose client went away: out of the waiting set now, out of their batch at
         dispatch (``_dispatch`` filters on the cancel keys), out of a running batch by the worker."""
-        msgs = self._peek(self.keys.cancels, limit)
         if msgs:
             for rid in msgs:
                 self._waiting.pop(rid, None)
@@ -217,8 +220,7 @@ class BatcherService:
         self._trim(self.keys.cancels, len(msgs))
         return bool(msgs)
 
-    def _take_completions(self, now: float, limit: int = 1000) -> bool:
-        msgs = self._peek(self.keys.completions, limit)
+    def _take_completions(self, now: float, msgs: list[str]) -> bool:
         for js in msgs:
             ev = CompletionEvent.from_json(js)
             fl = self.inflight.pop(ev.batch_id, None)
