@@ -227,6 +227,8 @@ class BatcherService:
             if fl is None:
                 self.redis.hdel(self.keys.inflight, ev.batch_id)
                 continue  # a superseded copy finished after we re-queued it; its results are harmless
+            if self.placement is not None and ev.instance:  # who ran it, if no lost-batch check saw the claim
+                self.placement.claimed(fl, ev.instance)
             answered = set(ev.answered)
             rest = [r for r in fl.batch.requests if r.id not in answered]
             if ev.outcome is BatchOutcome.OOM:
