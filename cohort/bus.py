@@ -343,14 +343,14 @@ def cancel(pipe, request_id: str, pool: str) -> None:
 
 
 def cancelled_ids(redis, request_ids: Iterable[str]) -> set[str]:
-    """Which of these requests were cancelled (one round trip)."""
+    """Which of these requests were cancelled (one round trip: ``cancelled_flags``)."""
     ids = list(request_ids)
     if not ids:
         return set()
     pipe = redis.pipeline()
-    for rid in ids:
-        pipe.exists(cancel_key(rid))
-    return {rid for rid, hit in zip(ids, pipe.execute(), strict=True) if hit}
+    cancelled_flags(pipe, ids)
+    (values,) = pipe.execute()
+    return {rid for rid, value in zip(ids, values, strict=True) if value is not None}
 
 
 def stream_progress(redis, request_ids: Iterable[str]) -> dict[str, tuple[bool, list[int]]]:

@@ -36,6 +36,6 @@ def test_what_redis_py_refuses_is_refused(bad):
 
 
 def test_the_url_scheme_picks_the_connection():
-    assert connection_class("redis://127.0.0.1:6379/0") is HiredisConnection
+    assert connection_class("redis://redis.example/0") is HiredisConnection
     assert connection_class("rediss://host:6380") is HiredisSSLConnection
     assert connection_class("unix:///tmp/redis.sock") is HiredisUnixConnection
