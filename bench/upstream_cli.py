@@ -17,7 +17,14 @@ from tqdm import tqdm
 
 from bench.live_stack import parse_env, spawned_stack
 from bench.report import pyplot
-from bench.upstream_bench import cohort_body, direct_body, replay_streams, served_model, summarize
+from bench.upstream_bench import (
+    cohort_body,
+    direct_body,
+    per_request,
+    replay_streams,
+    served_model,
+    summarize,
+)
 from bench.workload import WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
 from predictor.estimator import AnalyticBatchTime
@@ -59,7 +66,8 @@ def upstream(
                                 "itself), a policy (cohort in front of the engine), builtin:<policy> (cohort's "
                                 "own engine)."),
     loads: str = typer.Option("0.5,0.9,1.5", help="Offered loads as fractions of the engine's capacity."),
-    capacity: float = typer.Option(0.0, help="Requests/s the engine completes; 0: measure it with a burst first."),
+    capacity: float = typer.Option(0.0, help="Requests/s the engine sustains; 0: measure it with a burst first "
+                                   "(its completion rate while requests still waited, not done/span)."),
     burst: bool = typer.Option(False, help="Every request within 1.5 s (the KV-bound burst) instead of Poisson."),
     requests: int = typer.Option(300), seed: int = typer.Option(0),
     max_tokens: int = typer.Option(256, help="The client's bound; true lengths are capped here."),
@@ -67,31 +75,36 @@ def upstream(
     server_env: list[str] = typer.Option(None, help="KEY=VALUE for the spawned cohort stacks (repeat)."),
     workdir: Path = typer.Option(Path("var/bench/upstream")),
     json_out: Path = typer.Option(None, "--json"), plot: Path = typer.Option(None),
+    rows: bool = typer.Option(False, "--per-request", help="Also write each request's sent/first/done times "
+                              "and tokens per target and load (paired comparisons) into the JSON."),
 ) -> None:
     """Replay one workload against the engine direct and cohort in front of it; ratios to the first
     direct run."""
     files = [str(p) for p in (data or data_files())]
-    rows = build_rows(files, None)
+    data_rows = build_rows(files, None)
     model = served_model(engine)
     env = parse_env(server_env)
 
     def workload(rate: float):
         return make_workload(WorkloadConfig(files=files, requests=requests, rate=rate, seed=seed,
-                                            max_tokens=max_tokens), AnalyticBatchTime(), rows)
+                                            max_tokens=max_tokens), AnalyticBatchTime(), data_rows)
 
+    measured = None
     if capacity <= 0:
         wl = workload(requests / 1.5)
         with tqdm(total=requests, desc="capacity (direct burst)", unit="req") as bar:
-            capacity = summarize(wl, _run(replay_streams(wl, engine, direct_body(wl, model), progress=bar.update)))[
-                "throughput_rps"]
-        typer.echo(f"engine capacity: {capacity:.2f} req/s")
+            measured = summarize(wl, _run(replay_streams(wl, engine, direct_body(wl, model), progress=bar.update)))
+        capacity = measured["saturated_rps"]
+        typer.echo(f"engine capacity: {capacity:.2f} req/s while requests waited "
+                   f"({measured['throughput_rps']:.2f} done/span, which counts the drain)")
     fracs = [float(x) for x in loads.split(",") if x.strip()]
     names = [t.strip() for t in targets.split(",") if t.strip()]
     by_load: dict[str, dict[str, Any]] = {f"{f:g}": {} for f in fracs}
+    detail: dict[str, dict[str, Any]] | None = {f"{f:g}": {} for f in fracs} if rows else None
     for label, target in zip(_labels(names), names, strict=True):
         if target == "direct":
             _all_loads(label, fracs, capacity, burst, requests, workload, engine, lambda wl: direct_body(wl, model),
-                       by_load)
+                       by_load, detail)
             continue
         builtin = target.startswith("builtin:")
         policy = target.removeprefix("builtin:")
@@ -99,13 +112,16 @@ def upstream(
         with spawned_stack(policy, stack_env, workdir / label.replace(":", "_").replace("#", "_")) as url:
             served = served_model(f"{url}/v1")
             _all_loads(label, fracs, capacity, burst, requests, workload, f"{url}/v1",
-                       lambda wl, served=served: cohort_body(wl, served), by_load)
+                       lambda wl, served=served: cohort_body(wl, served), by_load, detail)
     base = next(lb for lb, t in zip(_labels(names), names, strict=True) if t == "direct") if "direct" in names else None
     ratios = {lo: {t: {k: (m[k] / runs[base][k] if base and runs[base][k] else None) for k in RATIO_KEYS}
                    for t, m in runs.items()} for lo, runs in by_load.items()} if base else {}
     out = {"config": {"engine": engine, "model": model, "targets": names, "loads": fracs, "capacity_rps": capacity,
                       "burst": burst, "requests": requests, "seed": seed, "max_tokens": max_tokens, "files": files,
-                      "server_env": env}, "by_load": by_load, "ratios_to": base, "ratios": ratios}
+                      "server_env": env, "capacity_burst": measured}, "by_load": by_load, "ratios_to": base,
+           "ratios": ratios}
+    if detail is not None:
+        out["per_request"] = detail
     for lo, runs in by_load.items():
         typer.echo(f"\nload {lo}x ({float(lo) * capacity:.1f} req/s)")
         for t, m in runs.items():
@@ -125,8 +141,11 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-def _all_loads(label, fracs, capacity, burst, requests, workload, base_url, body_of, by_load) -> None:
+def _all_loads(label, fracs, capacity, burst, requests, workload, base_url, body_of, by_load, detail) -> None:
     for f in fracs:
         wl = workload(requests / 1.5 if burst else max(0.01, f * capacity))
         with tqdm(total=requests, desc=f"{label} @ {f:g}x", unit="req") as bar:
-            by_load[f"{f:g}"][label] = summarize(wl, _run(replay_streams(wl, base_url, body_of(wl), progress=bar.update)))
+            res = _run(replay_streams(wl, base_url, body_of(wl), progress=bar.update))
+        by_load[f"{f:g}"][label] = summarize(wl, res)
+        if detail is not None:
+            detail[f"{f:g}"][label] = per_request(res)
