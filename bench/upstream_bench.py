@@ -2,8 +2,10 @@
 straight to an engine (vLLM, any OpenAI-compatible server) or to cohort in front of it, measured
 the same way at the client for both — TTFT, inter-token latency, e2e latency, goodput.
 
-The prompts are the ones cohort builds (``cohort.tokenizer.build_prompt``), so both paths run the
-same tokens. The engine direct gets ``max_tokens`` = the true length with ``ignore_eos``; cohort
+The prompts are the ones cohort builds (``cohort.tokenizer.build_prompt``), sent as text both ways;
+the engine tokenizes direct's, cohort tokenizes its own (``cohort.tokenizer.prompt_token_ids``), so
+the tokens match except where cohort leaves out special tokens (its built-in tiny model only: the
+engine then runs [CLS]…[SEP] around the same prompt, two tokens more). The engine direct gets ``max_tokens`` = the true length with ``ignore_eos``; cohort
 gets the workload's ``max_tokens`` as the client's bound and the true length as
 ``emulated_tokens`` — its predictor must find the length from the prompt, as in production.
 """
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -42,22 +45,23 @@ class StreamResult:
     errors: dict[str, int]
 
 
-async def _one(client: httpx.AsyncClient, body: dict[str, Any], i: int, res: StreamResult, t0: float,
-               timeout_s: float) -> None:
+async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], i: int, res: StreamResult,
+               t0: float, timeout: aiohttp.ClientTimeout) -> None:
     res.sent[i] = time.perf_counter() - t0
     last = None
     try:
-        async with client.stream("POST", "/completions", json=body, timeout=timeout_s) as r:
-            if r.status_code != 200:
-                await r.aread()
-                res.errors[f"http_{r.status_code}"] = res.errors.get(f"http_{r.status_code}", 0) + 1
+        async with session.post(url, json=body, timeout=timeout) as r:
+            if r.status != 200:
+                await r.read()
+                res.errors[f"http_{r.status}"] = res.errors.get(f"http_{r.status}", 0) + 1
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+            async for line in r.content:
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                     continue
                 d = json.loads(line[5:])
-                ch = (d.get("choices") or [{}])[0]
-                if ch.get("text") or ch.get("token_ids"):
+                if d.get("choices"):  # a token's chunk even where its text is "" (a special token,
+                    # or bytes of a character not yet whole): counting only chunks with text put a
+                    # row's first token as late as its end where the model emits such tokens
                     now = time.perf_counter() - t0
                     if last is None:
                         res.first[i] = now
@@ -67,12 +71,12 @@ async def _one(client: httpx.AsyncClient, body: dict[str, Any], i: int, res: Str
                 usage = d.get("usage")
                 if usage:
                     res.tokens[i] = usage.get("completion_tokens", 0)
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
         res.errors[type(e).__name__] = res.errors.get(type(e).__name__, 0) + 1
         return
     res.done[i] = time.perf_counter() - t0
     res.ok[i] = True
-    if math.isnan(res.first[i]):  # no chunk carried text (a short answer of tokens that decode to ""):
+    if math.isnan(res.first[i]):  # a stream without a single choice chunk:
         res.first[i] = res.done[i]  # its first token reached the client with the end
 
 
@@ -86,24 +90,29 @@ async def replay_streams(workload: Workload, base_url: str, body_of: Callable[[i
     res = StreamResult(nan.copy(), nan.copy(), nan.copy(), np.zeros(n, dtype=np.int64), np.zeros(n),
                        np.zeros(n, dtype=bool), 0.0, {})
     recs = workload.rows.records
-    # idle connections expire before the servers' own 5 s keep-alive (uvicorn's, vLLM's): a request
-    # sent on a connection the server is closing that instant dies with a ReadError, never received
-    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight, keepalive_expiry=2.0)
+    # aiohttp, not httpx: the client shares a core with cohort's processes in the recipe, and httpx
+    # spent ~3x the CPU per stream (measured in docs/upstream.md), which a cohort run paid and a
+    # direct one did not. Idle connections expire before the servers' own 5 s keep-alive
+    # (uvicorn's, vLLM's): a request sent on a connection the server is closing that instant dies
+    # with a disconnect, never received.
+    connector = aiohttp.TCPConnector(limit=max_in_flight, keepalive_timeout=2.0)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    url = f"{base_url.rstrip('/')}/completions"
     t0 = time.perf_counter()
     sem = asyncio.Semaphore(max_in_flight)
 
-    async def send(client: httpx.AsyncClient, i: int) -> None:
+    async def send(session: aiohttp.ClientSession, i: int) -> None:
         delay = float(workload.arrival[i]) - (time.perf_counter() - t0)
         if delay > 0:
             await asyncio.sleep(delay)
         r = recs[int(workload.row[i])]
         async with sem:
-            await _one(client, body_of(i, build_prompt(r.instruction, r.input)), i, res, t0, timeout_s)
+            await _one(session, url, body_of(i, build_prompt(r.instruction, r.input)), i, res, t0, timeout)
         if progress:
             progress(1)
 
-    async with httpx.AsyncClient(base_url=base_url, limits=limits) as client:
-        await asyncio.gather(*(send(client, i) for i in range(n)))
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(*(send(session, i) for i in range(n)))
     res.wall_s = time.perf_counter() - t0
     return res
 

@@ -3,11 +3,16 @@ record that paired comparisons read."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 
 import numpy as np
+from aiohttp import web
 
-from bench.upstream_bench import StreamResult, per_request, saturated_rps
+from bench.upstream_bench import StreamResult, per_request, replay_streams, saturated_rps, summarize
+from bench.workload import RowTable, Workload, WorkloadConfig
+from cohort.datasets import Record
 
 
 def _result(sent, first, done) -> StreamResult:
@@ -39,3 +44,51 @@ def test_lost_requests_are_left_out_and_too_few_give_zero():
     assert saturated_rps(res) == 0.0
     rows = per_request(res)
     assert rows["first"] == [0.1, None] and rows["done"] == [1.0, None] and rows["tokens"] == [10, 10]
+
+
+def _workload(n: int, rate: float = 200.0):
+    rows = RowTable(records=[Record("t", "Say", f"row {i}", "") for i in range(n)], file_index=np.zeros(n, int),
+                    input_tokens=np.full(n, 3), output_tokens=np.full(n, 4))
+    return Workload(config=WorkloadConfig(files=[], requests=n, max_tokens=16), rows=rows, row=np.arange(n),
+                    arrival=np.arange(n) / rate, input_tokens=np.full(n, 3), true_tokens=np.full(n, 4),
+                    predicted_tokens=np.full(n, 4), slo_s=np.full(n, 5.0))
+
+
+def test_the_client_times_streams_from_a_real_server_and_counts_empty_text_chunks_as_tokens():
+    """A real HTTP server on loopback: four tokens of which the first two decode to "" (as a random
+    model's special tokens do), 0.3 s apart, then usage; a prompt naming row 2 gets a 503."""
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["prompt"].endswith("row 2"):
+            return web.json_response({"error": {"message": "busy"}}, status=503)
+        r = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await r.prepare(request)
+        for text, finish, gap in (("", None, 0.0), ("", None, 0.3), ("a", None, 0.3), ("b", "length", 0.0)):
+            await asyncio.sleep(gap)
+            chunk = {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+            await r.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await r.write(b'data: {"choices": [], "usage": {"completion_tokens": 4}}\n\ndata: [DONE]\n\n')
+        return r
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            wl = _workload(4)
+            return wl, await replay_streams(wl, f"http://127.0.0.1:{port}/v1", lambda i, p: {"prompt": p})
+        finally:
+            await runner.cleanup()
+
+    wl, res = asyncio.run(run())
+    assert list(res.ok) == [True, True, False, True] and res.errors == {"http_503": 1}
+    assert list(res.tokens) == [4, 4, 0, 4]
+    # the first token is the first (empty) chunk, 0.6 s before the end, not the first with text
+    assert ((res.done - res.first)[res.ok] > 0.5).all()
+    assert (res.itl_sum[res.ok] > 0.5).all()
+    m = summarize(wl, res)
+    assert m["done"] == 3 and m["lost"] == 1 and 0.5 / 3 < m["mean_itl_s"] < 1.0 / 3
