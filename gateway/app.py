@@ -20,6 +20,7 @@ from gateway.auth import ApiKeys, KeyBook, KeyMetrics
 from gateway.batch_metrics import BatchJobs
 from gateway.errors import RequestIds, install_error_handlers
 from gateway.metrics import CountRequests, GatewayMetrics
+from gateway.stream_hub import close_hub
 from gateway.submit import PoolView
 from gateway.validation import BodyLimit
 from gateway.views import batches, files, generate, health, models, openai
@@ -50,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         with contextlib.suppress(asyncio.CancelledError):
             await reloader
         st.predictor.close()
+        await close_hub(st)
         await st.redis.aclose()
 
     app = FastAPI(title="cohort", version="0.1.0", lifespan=lifespan,

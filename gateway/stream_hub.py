@@ -17,6 +17,7 @@ every reader, as its own read would have; the next reader starts a new call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -97,6 +98,15 @@ class StreamHub:
                 raise
         return reader
 
+    async def aclose(self) -> None:
+        """Stop reading and give the reading connection back to the pool (the pool stays open:
+        it is the app's)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        await self._reads.aclose(close_connection_pool=False)
+
     def unsubscribe(self, reader: Reader) -> None:
         readers = self.readers.get(reader.key, [])
         if reader in readers:
@@ -131,9 +141,26 @@ class StreamHub:
                     reader.fail(exc)
 
 
+_CLOSING: set[asyncio.Task] = set()
+
+
 def hub_for(app_state: Any) -> StreamHub:
-    """The app's hub on the running event loop and its Redis client (made on first use)."""
+    """The app's hub on the running event loop and its Redis client (made on first use). A hub
+    replaced on this loop (the app's client changed) gives its reading connection back; one left
+    on another loop cannot be awaited from here, and goes when that loop does."""
     hub = getattr(app_state, "stream_hub", None)
-    if hub is None or hub.redis is not app_state.redis or hub.loop is not asyncio.get_running_loop():
+    loop = asyncio.get_running_loop()
+    if hub is None or hub.redis is not app_state.redis or hub.loop is not loop:
+        if hub is not None and hub.loop is loop:
+            closing = loop.create_task(hub.aclose())
+            _CLOSING.add(closing)  # held until done: the loop keeps only a weak reference
+            closing.add_done_callback(_CLOSING.discard)
         hub = app_state.stream_hub = StreamHub(app_state.redis, app_state.settings.disconnect_check_s)
     return hub
+
+
+async def close_hub(app_state: Any) -> None:
+    """At shutdown: stop the app's hub and give back its connection before the pool closes."""
+    hub = getattr(app_state, "stream_hub", None)
+    if hub is not None and hub.loop is asyncio.get_running_loop():
+        await hub.aclose()

@@ -148,3 +148,26 @@ async def test_the_client_is_asked_whether_it_left_once_a_slice_not_once_an_even
         async for _ in read_events(hub, "silent", time.monotonic() + 30, 0.2, disconnected):
             pass
     assert len(asked) == 1 and time.monotonic() - t0 < 1.0
+
+
+@synchronous
+async def test_a_replaced_hub_and_the_last_one_at_shutdown_give_their_reading_connection_back():
+    from types import SimpleNamespace
+
+    from gateway.stream_hub import close_hub, hub_for
+
+    first, second = aioredis.FakeRedis(decode_responses=True), aioredis.FakeRedis(decode_responses=True)
+    state = SimpleNamespace(redis=first, settings=SimpleNamespace(disconnect_check_s=5.0))
+    hub = hub_for(state)
+    await hub.subscribe("a")
+    await asyncio.sleep(0.1)  # blocked in its read, on its own connection
+    assert len(first.connection_pool._in_use_connections) == 1
+    state.redis = second  # the app's client changed: a new hub, and the old one lets go
+    newer = hub_for(state)
+    assert newer is not hub and hub_for(state) is newer
+    await newer.subscribe("b")
+    await asyncio.sleep(0.1)
+    assert hub._task.done() and len(first.connection_pool._in_use_connections) == 0
+    assert len(second.connection_pool._in_use_connections) == 1
+    await close_hub(state)
+    assert newer._task.done() and len(second.connection_pool._in_use_connections) == 0
