@@ -141,8 +141,7 @@ def summarize(workload: Workload, res: StreamResult) -> dict[str, Any]:
             "mean_latency_s": mean(e2e), "p50_latency_s": q(e2e, 50),
             "p99_latency_s": q(e2e, 99), "mean_ttft_s": mean(ttft),
             "p50_ttft_s": q(ttft, 50), "mean_itl_s": mean(itl),
-            "goodput_rps": float(good.sum() / span) if span > 0 else 0.0, "wall_s": res.wall_s,
-            "saturated_rps": saturated_rps(res)}
+            "goodput_rps": float(good.sum() / span) if span > 0 else 0.0, "wall_s": res.wall_s}
 
 
 def per_request(res: StreamResult) -> dict[str, list[float | None]]:
@@ -152,26 +151,6 @@ def per_request(res: StreamResult) -> dict[str, list[float | None]]:
         return [None if math.isnan(v) else round(float(v), 5) for v in x]
     return {"sent": col(res.sent), "first": col(res.first), "done": col(res.done),
             "tokens": [int(t) for t in res.tokens]}
-
-
-def saturated_rps(res: StreamResult) -> float:
-    """The engine's service rate while it had a queue: completions between the first completion and
-    the last first token (after which no request waits and the run only drains), per second.
-
-    A burst's done/span counts that drain, when a few long rows run on an engine that could hold
-    many more, so it understates what the engine sustains; an offered load named as a fraction of
-    it then queues far less than the fraction says. Where nothing queued (the last request started
-    before anything finished) there is no such window and done/span is the answer.
-    """
-    ok = res.ok & ~np.isnan(res.first)
-    if ok.sum() < 2:
-        return 0.0
-    done, first = res.done[ok], res.first[ok]
-    start, end = float(done.min()), float(first.max())
-    inside = int(((done > start) & (done <= end)).sum())
-    if end <= start or inside < max(10, ok.sum() // 10):
-        return float(ok.sum() / float(done.max()))
-    return inside / (end - start)
 
 
 def served_model(base_url: str) -> str:

@@ -66,8 +66,8 @@ def upstream(
                                 "itself), a policy (cohort in front of the engine), builtin:<policy> (cohort's "
                                 "own engine)."),
     loads: str = typer.Option("0.5,0.9,1.5", help="Offered loads as fractions of the engine's capacity."),
-    capacity: float = typer.Option(0.0, help="Requests/s the engine sustains; 0: measure it with a burst first "
-                                   "(its completion rate while requests still waited, not done/span)."),
+    capacity: float = typer.Option(0.0, help="Requests/s the engine completes; 0: measure it with a burst first "
+                                   "(done/span: what it sustained under a Poisson overload too)."),
     burst: bool = typer.Option(False, help="Every request within 1.5 s (the KV-bound burst) instead of Poisson."),
     requests: int = typer.Option(300), seed: int = typer.Option(0),
     max_tokens: int = typer.Option(256, help="The client's bound; true lengths are capped here."),
@@ -94,9 +94,8 @@ def upstream(
         wl = workload(requests / 1.5)
         with tqdm(total=requests, desc="capacity (direct burst)", unit="req") as bar:
             measured = summarize(wl, _run(replay_streams(wl, engine, direct_body(wl, model), progress=bar.update)))
-        capacity = measured["saturated_rps"]
-        typer.echo(f"engine capacity: {capacity:.2f} req/s while requests waited "
-                   f"({measured['throughput_rps']:.2f} done/span, which counts the drain)")
+        capacity = measured["throughput_rps"]
+        typer.echo(f"engine capacity: {capacity:.2f} req/s")
     fracs = [float(x) for x in loads.split(",") if x.strip()]
     names = [t.strip() for t in targets.split(",") if t.strip()]
     by_load: dict[str, dict[str, Any]] = {f"{f:g}": {} for f in fracs}
