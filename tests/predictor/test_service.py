@@ -51,6 +51,30 @@ def test_micro_batching_and_clamp(settings):
     assert max(model.calls) == 32
 
 
+def test_without_a_wait_requests_that_arrive_together_still_share_a_batch_and_one_alone_waits_for_none(settings):
+    reg = Registry(settings.data_dir, "predictor")
+    reg.register_dir(_saved(settings, MeanPredictor(5)))
+    svc = PredictorService(settings)  # the default: no collection wait
+    assert svc.max_wait_s == 0
+    svc.warmup()
+    model = CountingModel()
+    svc._swap.current = (model, "vX")
+
+    async def together():
+        return await asyncio.gather(*[svc.predict(_item(i + 1), 500) for i in range(40)])
+
+    assert [o[0] for o in asyncio.run(together())] == [2 * (i + 1) for i in range(40)]
+    assert model.calls == [40]  # one turn of the loop brought all forty: one call
+
+    async def alone():
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        await svc.predict(_item(3), 500)
+        return loop.time() - t
+
+    assert asyncio.run(alone()) < 0.5 and model.calls == [40, 1]
+
+
 def _saved(settings, model, name="m"):
     d = settings.data_dir / "src" / name
     model.save(d)
