@@ -78,6 +78,7 @@ class StreamHub:
         self._wake_key, self._wake_last = bus.hub_wake_key(uuid.uuid4().hex), "0"
         self._task: asyncio.Task | None = None
         self._blocked = self._woken = False
+        self._retired = False
 
     async def subscribe(self, request_id: str) -> Reader:
         """Follow ``request_id``'s stream from its first entry; ``unsubscribe`` when done."""
@@ -99,13 +100,23 @@ class StreamHub:
         return reader
 
     async def aclose(self) -> None:
-        """Stop reading and give the reading connection back to the pool (the pool stays open:
-        it is the app's)."""
+        """At shutdown: stop reading, fail the readers still waiting (as a lost Redis would), and
+        give the reading connection back to the pool (the pool stays open: it is the app's)."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
             with contextlib.suppress(BaseException):
                 await self._task
+        for readers in self.readers.values():
+            for reader in readers:
+                reader.fail(ConnectionError("the gateway is shutting down"))
         await self._reads.aclose(close_connection_pool=False)
+
+    def retire(self) -> None:
+        """Replaced by another hub: keep serving the readers this one has, then give the reading
+        connection back (at once where nothing is being read)."""
+        self._retired = True
+        if self._task is None or self._task.done():
+            _close_later(self.loop, self._reads)
 
     def unsubscribe(self, reader: Reader) -> None:
         readers = self.readers.get(reader.key, [])
@@ -139,22 +150,31 @@ class StreamHub:
             for readers in self.readers.values():
                 for reader in readers:
                     reader.fail(exc)
+        finally:
+            if self._retired and not self.readers:
+                _close_later(self.loop, self._reads)
 
 
 _CLOSING: set[asyncio.Task] = set()
 
 
+def _close_later(loop: asyncio.AbstractEventLoop, client: Any) -> None:
+    """Give a hub's reading connection back without waiting for it (the task is held until done:
+    the loop keeps only a weak reference)."""
+    task = loop.create_task(client.aclose(close_connection_pool=False))
+    _CLOSING.add(task)
+    task.add_done_callback(_CLOSING.discard)
+
+
 def hub_for(app_state: Any) -> StreamHub:
     """The app's hub on the running event loop and its Redis client (made on first use). A hub
-    replaced on this loop (the app's client changed) gives its reading connection back; one left
-    on another loop cannot be awaited from here, and goes when that loop does."""
+    replaced on this loop (the app's client changed) retires: it gives its reading connection back
+    once its readers are done; one left on another loop goes when that loop does."""
     hub = getattr(app_state, "stream_hub", None)
     loop = asyncio.get_running_loop()
     if hub is None or hub.redis is not app_state.redis or hub.loop is not loop:
         if hub is not None and hub.loop is loop:
-            closing = loop.create_task(hub.aclose())
-            _CLOSING.add(closing)  # held until done: the loop keeps only a weak reference
-            closing.add_done_callback(_CLOSING.discard)
+            hub.retire()
         hub = app_state.stream_hub = StreamHub(app_state.redis, app_state.settings.disconnect_check_s)
     return hub
 

@@ -151,23 +151,40 @@ async def test_the_client_is_asked_whether_it_left_once_a_slice_not_once_an_even
 
 
 @synchronous
-async def test_a_replaced_hub_and_the_last_one_at_shutdown_give_their_reading_connection_back():
+async def test_a_replaced_hub_serves_its_readers_then_gives_its_connection_back():
+    from types import SimpleNamespace
+
+    from gateway.stream_hub import hub_for
+
+    first, second = aioredis.FakeRedis(decode_responses=True), aioredis.FakeRedis(decode_responses=True)
+    state = SimpleNamespace(redis=first, settings=SimpleNamespace(disconnect_check_s=0.2))
+    hub = hub_for(state)
+    reader = await hub.subscribe("a")
+    await asyncio.sleep(0.1)  # blocked in its read, on its own connection
+    assert len(first.connection_pool._in_use_connections) == 1
+    state.redis = second  # the app's client changed: a new hub; the old one retires
+    newer = hub_for(state)
+    assert newer is not hub and hub_for(state) is newer
+    await _add(first, "a", "still mine")
+    assert await _texts(reader, 1) == ["still mine"]  # its reader is still served
+    hub.unsubscribe(reader)
+    await asyncio.sleep(0.5)  # its read ends (0.2 s block), and with no reader left it lets go
+    assert hub._task.done() and len(first.connection_pool._in_use_connections) == 0
+
+
+@synchronous
+async def test_at_shutdown_the_hub_fails_its_waiting_readers_and_gives_its_connection_back():
     from types import SimpleNamespace
 
     from gateway.stream_hub import close_hub, hub_for
 
-    first, second = aioredis.FakeRedis(decode_responses=True), aioredis.FakeRedis(decode_responses=True)
-    state = SimpleNamespace(redis=first, settings=SimpleNamespace(disconnect_check_s=5.0))
+    redis = aioredis.FakeRedis(decode_responses=True)
+    state = SimpleNamespace(redis=redis, settings=SimpleNamespace(disconnect_check_s=5.0))
     hub = hub_for(state)
-    await hub.subscribe("a")
-    await asyncio.sleep(0.1)  # blocked in its read, on its own connection
-    assert len(first.connection_pool._in_use_connections) == 1
-    state.redis = second  # the app's client changed: a new hub, and the old one lets go
-    newer = hub_for(state)
-    assert newer is not hub and hub_for(state) is newer
-    await newer.subscribe("b")
+    reader = await hub.subscribe("a")
     await asyncio.sleep(0.1)
-    assert hub._task.done() and len(first.connection_pool._in_use_connections) == 0
-    assert len(second.connection_pool._in_use_connections) == 1
+    assert len(redis.connection_pool._in_use_connections) == 1
     await close_hub(state)
-    assert newer._task.done() and len(second.connection_pool._in_use_connections) == 0
+    assert hub._task.done() and len(redis.connection_pool._in_use_connections) == 0
+    with pytest.raises(ConnectionError, match="shutting down"):
+        await reader.next(1.0)
