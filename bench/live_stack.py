@@ -1,12 +1,16 @@
 """A fresh local stack per policy for live benchmarks: same workload, one server run each.
 
-Each stack gets its own embedded Redis, SQLite log DB and data folder under ``workdir``, runs
-with length emulation on, and is stopped (every process) when the run is over.
+Each stack gets its own embedded Redis, SQLite log DB and data folder under ``workdir``, emptied
+first, runs with length emulation on, and is stopped (every process) when the run is over. Emptied
+because the folder holds what the stack learnt: the predictor's online correction, trained on an
+earlier run's completions, made a later run's predictions better (log-length correlation 0.69 in
+a stack's first run, 0.78–0.83 after), so a result depended on what had run there before.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,6 +58,7 @@ def spawned_stack(policy: str, extra_env: Mapping[str, str], workdir: Path,
     """Start worker, batcher and gateway for the run ``policy`` names (``run_env``); yield the URL.
     ``workers`` > 1: more built-in worker processes in the pool, each its own instance."""
     folder = workdir / policy.replace("/", "_")
+    shutil.rmtree(folder, ignore_errors=True)
     redis = EmbeddedRedis(folder / "redis")
     port = free_port()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **extra_env,

@@ -75,6 +75,9 @@ def upstream(
     server_env: list[str] = typer.Option(None, help="KEY=VALUE for the spawned cohort stacks (repeat)."),
     workdir: Path = typer.Option(Path("var/bench/upstream")),
     json_out: Path = typer.Option(None, "--json"), plot: Path = typer.Option(None),
+    warmup: int = typer.Option(0, help="Requests (another seed's prompts, at the first load's rate) each target "
+                               "serves before it is measured: cohort's predictor then starts from what it "
+                               "learnt online, as a stack that has seen traffic does."),
     rows: bool = typer.Option(False, "--per-request", help="Also write each request's sent/first/done times "
                               "and tokens per target and load (paired comparisons) into the JSON."),
 ) -> None:
@@ -85,8 +88,8 @@ def upstream(
     model = served_model(engine)
     env = parse_env(server_env)
 
-    def workload(rate: float):
-        return make_workload(WorkloadConfig(files=files, requests=requests, rate=rate, seed=seed,
+    def workload(rate: float, n: int = requests, seed: int = seed):
+        return make_workload(WorkloadConfig(files=files, requests=n, rate=rate, seed=seed,
                                             max_tokens=max_tokens), AnalyticBatchTime(), data_rows)
 
     measured = None
@@ -100,10 +103,11 @@ def upstream(
     names = [t.strip() for t in targets.split(",") if t.strip()]
     by_load: dict[str, dict[str, Any]] = {f"{f:g}": {} for f in fracs}
     detail: dict[str, dict[str, Any]] | None = {f"{f:g}": {} for f in fracs} if rows else None
+    warm = workload(requests / 1.5 if burst else max(0.01, fracs[0] * capacity), warmup, seed + 1) if warmup else None
     for label, target in zip(_labels(names), names, strict=True):
         if target == "direct":
             _all_loads(label, fracs, capacity, burst, requests, workload, engine, lambda wl: direct_body(wl, model),
-                       by_load, detail)
+                       by_load, detail, warm)
             continue
         builtin = target.startswith("builtin:")
         policy = target.removeprefix("builtin:")
@@ -111,13 +115,14 @@ def upstream(
         with spawned_stack(policy, stack_env, workdir / label.replace(":", "_").replace("#", "_")) as url:
             served = served_model(f"{url}/v1")
             _all_loads(label, fracs, capacity, burst, requests, workload, f"{url}/v1",
-                       lambda wl, served=served: cohort_body(wl, served), by_load, detail)
+                       lambda wl, served=served: cohort_body(wl, served), by_load, detail, warm)
     base = next(lb for lb, t in zip(_labels(names), names, strict=True) if t == "direct") if "direct" in names else None
     ratios = {lo: {t: {k: (m[k] / runs[base][k] if base and runs[base][k] else None) for k in RATIO_KEYS}
                    for t, m in runs.items()} for lo, runs in by_load.items()} if base else {}
     out = {"config": {"engine": engine, "model": model, "targets": names, "loads": fracs, "capacity_rps": capacity,
                       "burst": burst, "requests": requests, "seed": seed, "max_tokens": max_tokens, "files": files,
-                      "server_env": env, "capacity_burst": measured}, "by_load": by_load, "ratios_to": base,
+                      "server_env": env, "capacity_burst": measured,
+                      "warmup": {"requests": warmup, "seed": seed + 1} if warmup else None}, "by_load": by_load, "ratios_to": base,
            "ratios": ratios}
     if detail is not None:
         out["per_request"] = detail
@@ -140,7 +145,10 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-def _all_loads(label, fracs, capacity, burst, requests, workload, base_url, body_of, by_load, detail) -> None:
+def _all_loads(label, fracs, capacity, burst, requests, workload, base_url, body_of, by_load, detail, warm) -> None:
+    if warm is not None:
+        with tqdm(total=len(warm), desc=f"{label} warm-up", unit="req") as bar:
+            _run(replay_streams(warm, base_url, body_of(warm), progress=bar.update))
     for f in fracs:
         wl = workload(requests / 1.5 if burst else max(0.01, f * capacity))
         with tqdm(total=requests, desc=f"{label} @ {f:g}x", unit="req") as bar:

@@ -73,3 +73,41 @@ def test_the_client_times_streams_from_a_real_server_and_counts_empty_text_chunk
     assert (res.itl_sum[res.ok] > 0.5).all()
     m = summarize(wl, res)
     assert m["done"] == 3 and m["lost"] == 1 and 0.5 / 3 < m["mean_itl_s"] < 1.0 / 3
+
+
+def test_a_spawned_stack_starts_from_an_empty_folder(tmp_path, monkeypatch):
+    """What an earlier run left (its log DB, Redis data, the predictor's online state) is gone before
+    the next stack starts: a benchmark result must not depend on what ran in that folder before."""
+    import bench.live_stack as live_stack
+
+    seen: dict[str, bool] = {}
+
+    class FakeRedis:
+        url = "redis://:pw@127.0.0.1:1/0"
+
+        def __init__(self, folder):
+            seen["state_left"] = (tmp_path / "spf" / "var" / "online_state.json").exists()
+
+        def close(self):
+            pass
+
+    class FakeStack:
+        def __init__(self, env, url, log_dir):
+            self.url = url
+
+        def start_core(self, host, port):
+            pass
+
+        def wait_healthy(self, timeout_s):
+            pass
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(live_stack, "EmbeddedRedis", FakeRedis)
+    monkeypatch.setattr(live_stack, "Stack", FakeStack)
+    (tmp_path / "spf" / "var").mkdir(parents=True)
+    (tmp_path / "spf" / "var" / "online_state.json").write_text("{}")
+    with live_stack.spawned_stack("spf", {}, tmp_path):
+        pass
+    assert seen == {"state_left": False}
