@@ -10,6 +10,7 @@ import math
 import numpy as np
 from aiohttp import web
 
+import bench.live_stack as live_stack
 from bench.upstream_bench import StreamResult, per_request, replay_streams, summarize
 from bench.workload import RowTable, Workload, WorkloadConfig
 from cohort.datasets import Record
@@ -78,8 +79,6 @@ def test_the_client_times_streams_from_a_real_server_and_counts_empty_text_chunk
 def test_a_spawned_stack_starts_from_an_empty_folder(tmp_path, monkeypatch):
     """What an earlier run left (its log DB, Redis data, the predictor's online state) is gone before
     the next stack starts: a benchmark result must not depend on what ran in that folder before."""
-    import bench.live_stack as live_stack
-
     seen: dict[str, bool] = {}
 
     class FakeRedis:

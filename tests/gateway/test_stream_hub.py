@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from types import SimpleNamespace
 
 import pytest
 from fakeredis import aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from cohort import bus
-from gateway.stream_hub import StreamHub
+from gateway.stream_hub import StreamHub, close_hub, hub_for
 
 
 def synchronous(scenario):
@@ -152,10 +153,6 @@ async def test_the_client_is_asked_whether_it_left_once_a_slice_not_once_an_even
 
 @synchronous
 async def test_a_replaced_hub_serves_its_readers_then_gives_its_connection_back():
-    from types import SimpleNamespace
-
-    from gateway.stream_hub import hub_for
-
     first, second = aioredis.FakeRedis(decode_responses=True), aioredis.FakeRedis(decode_responses=True)
     state = SimpleNamespace(redis=first, settings=SimpleNamespace(disconnect_check_s=0.2))
     hub = hub_for(state)
@@ -174,10 +171,6 @@ async def test_a_replaced_hub_serves_its_readers_then_gives_its_connection_back(
 
 @synchronous
 async def test_at_shutdown_the_hub_fails_its_waiting_readers_and_gives_its_connection_back():
-    from types import SimpleNamespace
-
-    from gateway.stream_hub import close_hub, hub_for
-
     redis = aioredis.FakeRedis(decode_responses=True)
     state = SimpleNamespace(redis=redis, settings=SimpleNamespace(disconnect_check_s=5.0))
     hub = hub_for(state)
