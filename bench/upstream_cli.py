@@ -92,6 +92,10 @@ def upstream(
         return make_workload(WorkloadConfig(files=files, requests=n, rate=rate, seed=seed,
                                             max_tokens=max_tokens), AnalyticBatchTime(), data_rows)
 
+    def rate_of(load: float) -> float:
+        """Offered req/s: a burst sends every request within 1.5 s, whatever the load."""
+        return requests / 1.5 if burst else max(0.01, load * capacity)
+
     measured = None
     if capacity <= 0:
         wl = workload(requests / 1.5)
@@ -103,19 +107,19 @@ def upstream(
     names = [t.strip() for t in targets.split(",") if t.strip()]
     by_load: dict[str, dict[str, Any]] = {f"{f:g}": {} for f in fracs}
     detail: dict[str, dict[str, Any]] | None = {f"{f:g}": {} for f in fracs} if rows else None
-    warm = workload(requests / 1.5 if burst else max(0.01, fracs[0] * capacity), warmup, seed + 1) if warmup else None
+    warm = workload(rate_of(fracs[0]), warmup, seed + 1) if warmup else None
     for label, target in zip(_labels(names), names, strict=True):
         if target == "direct":
-            _all_loads(label, fracs, capacity, burst, requests, workload, engine, lambda wl: direct_body(wl, model),
-                       by_load, detail, warm)
+            _all_loads(label, fracs, rate_of, workload, engine, lambda wl: direct_body(wl, model), by_load, detail,
+                       warm)
             continue
         builtin = target.startswith("builtin:")
         policy = target.removeprefix("builtin:")
         stack_env = {**env} if builtin else {**env, "COHORT_UPSTREAMS": engine}
         with spawned_stack(policy, stack_env, workdir / label.replace(":", "_").replace("#", "_")) as url:
             served = served_model(f"{url}/v1")
-            _all_loads(label, fracs, capacity, burst, requests, workload, f"{url}/v1",
-                       lambda wl, served=served: cohort_body(wl, served), by_load, detail, warm)
+            _all_loads(label, fracs, rate_of, workload, f"{url}/v1", lambda wl, served=served: cohort_body(wl, served),
+                       by_load, detail, warm)
     base = next(lb for lb, t in zip(_labels(names), names, strict=True) if t == "direct") if "direct" in names else None
     ratios = {lo: {t: {k: (m[k] / runs[base][k] if base and runs[base][k] else None) for k in RATIO_KEYS}
                    for t, m in runs.items()} for lo, runs in by_load.items()} if base else {}
@@ -145,13 +149,13 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-def _all_loads(label, fracs, capacity, burst, requests, workload, base_url, body_of, by_load, detail, warm) -> None:
+def _all_loads(label, fracs, rate_of, workload, base_url, body_of, by_load, detail, warm) -> None:
     if warm is not None:
         with tqdm(total=len(warm), desc=f"{label} warm-up", unit="req") as bar:
             _run(replay_streams(warm, base_url, body_of(warm), progress=bar.update))
     for f in fracs:
-        wl = workload(requests / 1.5 if burst else max(0.01, f * capacity))
-        with tqdm(total=requests, desc=f"{label} @ {f:g}x", unit="req") as bar:
+        wl = workload(rate_of(f))
+        with tqdm(total=len(wl), desc=f"{label} @ {f:g}x", unit="req") as bar:
             res = _run(replay_streams(wl, base_url, body_of(wl), progress=bar.update))
         by_load[f"{f:g}"][label] = summarize(wl, res)
         if detail is not None:

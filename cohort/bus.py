@@ -88,6 +88,7 @@ def pool_keys(pool: str) -> PoolKeys:
 
 CANCEL_TTL_S = 3600
 STREAM_FIELD = "e"                     # each stream entry carries one StreamEvent JSON in this field
+STREAM_RENEW_S = 30.0  # a writer renews an open stream's (far longer) expiry this often, not with every delta
 
 
 def _client_options() -> dict:
@@ -307,23 +308,23 @@ def stream_ttl_s(final: bool) -> int:
 
 
 def publish(pipe, request_id: str, event: StreamEvent, renew: bool = True) -> None:
-    """Queue one event on a request's stream in ``pipe`` (a pipeline: the worker sends every
-    row's events of a decode step in one round trip). Expiring (``stream_ttl_s``), so answered
-    and abandoned streams go away. ``renew`` False: an open stream's expiry is left as it is (a
-    writer that renewed it recently: ``STREAM_RENEW_S``); a final event always sets the short one."""
+    """Queue one event on a request's stream in ``pipe`` (the worker sends a decode step's events in
+    one round trip). Expiring (``stream_ttl_s``), so answered and abandoned streams go away; with
+    ``renew`` False (renewed within ``STREAM_RENEW_S``) only a final event sets the expiry."""
     key = stream_key(request_id)
     pipe.xadd(key, {STREAM_FIELD: event.to_json()})
     if renew or event.final:
         pipe.expire(key, stream_ttl_s(event.final))
 
 
-STREAM_RENEW_S = 30.0  # a writer renews an open stream's (far longer) expiry this often, not with every delta
-
-
 def cancelled_flags(pipe, request_ids: list[str]) -> None:
-    """Queue whether each of these requests was cancelled: one MGET (None: not), not an EXISTS a row."""
+    """Queue one MGET of these requests' cancel keys, not an EXISTS a row (``read_cancelled``)."""
     if request_ids:
         pipe.mget([cancel_key(rid) for rid in request_ids])
+
+
+def read_cancelled(reply: list) -> list[bool]:
+    return [value is not None for value in reply]  # ``cancelled_flags``'s reply: a value, a cancel
 
 
 def publish_now(redis, request_id: str, event: StreamEvent) -> None:
@@ -349,8 +350,7 @@ def cancelled_ids(redis, request_ids: Iterable[str]) -> set[str]:
         return set()
     pipe = redis.pipeline()
     cancelled_flags(pipe, ids)
-    (values,) = pipe.execute()
-    return {rid for rid, value in zip(ids, values, strict=True) if value is not None}
+    return {rid for rid, hit in zip(ids, read_cancelled(pipe.execute()[0]), strict=True) if hit}
 
 
 def stream_progress(redis, request_ids: Iterable[str]) -> dict[str, tuple[bool, list[int]]]:

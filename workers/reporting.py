@@ -140,7 +140,7 @@ def send(rt: Outlet, staged: Sequence[Staged], extra: Sequence[Fill] = (), what:
         bus.cancelled_flags(pipe, alive)
 
     replies = execute(rt.redis, fill, what)
-    flags = [v is not None for v in replies[-1]] if alive else []
+    flags = bus.read_cancelled(replies[-1]) if alive else []
     at = 0
     for s in staged:
         s.reporter.settle(s, flags[at:at + len(s.alive)])
