@@ -124,6 +124,8 @@ class StreamHub:
             readers.remove(reader)
         if not readers:
             self.readers.pop(reader.key, None)
+        if self._retired and not self.readers and (self._task is None or self._task.done()):
+            _close_later(self.loop, self._reads)  # its read failed with readers left: they are gone now
 
     async def _run(self) -> None:
         me = asyncio.current_task()

@@ -181,3 +181,30 @@ async def test_at_shutdown_the_hub_fails_its_waiting_readers_and_gives_its_conne
     assert hub._task.done() and len(redis.connection_pool._in_use_connections) == 0
     with pytest.raises(ConnectionError, match="shutting down"):
         await reader.next(1.0)
+
+
+@synchronous
+async def test_a_retired_hub_whose_read_failed_gives_its_connection_back_with_its_last_reader():
+    redis = aioredis.FakeRedis(decode_responses=True)
+    closed: list[bool] = []
+
+    async def gone(*_a, **_k):
+        raise RedisConnectionError("redis went away")
+
+    async def aclose(close_connection_pool=None):
+        closed.append(close_connection_pool)
+
+    hub = StreamHub(redis, block_s=0.5)
+    hub._reads.xread, hub._reads.aclose = gone, aclose
+    readers = [await hub.subscribe("a"), await hub.subscribe("b")]
+    hub.retire()  # replaced while its read is under way
+    for reader in readers:
+        with pytest.raises(RedisConnectionError):
+            await reader.next(2.0)
+    assert hub._task.done() and closed == []  # failed, but its readers still hold it
+    hub.unsubscribe(readers[0])
+    await asyncio.sleep(0)
+    assert closed == []
+    hub.unsubscribe(readers[1])
+    await asyncio.sleep(0.05)
+    assert closed == [False]  # given back, the app's pool left open
