@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import sys
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,14 +68,37 @@ def spawned_stack(policy: str, extra_env: Mapping[str, str], workdir: Path,
            **run_env(policy), "COHORT_EMULATE_LENGTHS": "true", "COHORT_REDIS_URL": redis.url,
            "COHORT_DATA_DIR": str(folder / "var"), "COHORT_DATABASE_URL": f"sqlite:///{folder / 'cohort.db'}"}
     stack = Stack(env, f"http://127.0.0.1:{port}", log_dir=folder / "logs")
+    with sigterm_exits():
+        try:
+            stack.start_core("127.0.0.1", port)
+            for i in range(1, workers):
+                stack.spawn(f"worker-{i + 1}", "worker")
+            stack.wait_healthy(timeout_s)
+            if workers > 1:
+                stack.wait_instances(workers, timeout_s)
+            yield stack.url
+        finally:
+            stack.stop()
+            redis.close()
+
+
+def _exit(signum: int, _frame: object) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # a second one must not cut the cleanup short
+    sys.exit(128 + signum)
+
+
+@contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """While a benchmark holds spawned stacks, SIGTERM (``kill``, a CI timeout) exits the way Ctrl-C
+    does, through every ``finally``: without it the benchmark died and left its stack's gateway,
+    batcher and Redis running, on the core the next run measures. Only the main thread can take a
+    signal; elsewhere, and where a handler of the caller's own is set, nothing changes."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, _exit):
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit)
     try:
-        stack.start_core("127.0.0.1", port)
-        for i in range(1, workers):
-            stack.spawn(f"worker-{i + 1}", "worker")
-        stack.wait_healthy(timeout_s)
-        if workers > 1:
-            stack.wait_instances(workers, timeout_s)
-        yield stack.url
+        yield
     finally:
-        stack.stop()
-        redis.close()
+        signal.signal(signal.SIGTERM, previous)

@@ -6,6 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 from aiohttp import web
@@ -110,3 +115,40 @@ def test_a_spawned_stack_starts_from_an_empty_folder(tmp_path, monkeypatch):
     with live_stack.spawned_stack("spf", {}, tmp_path):
         pass
     assert seen == {"state_left": False}
+
+
+_HOLDS_A_STACK = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import bench.live_stack as live_stack
+
+    class FakeRedis:
+        url = "redis://:pw@127.0.0.1:1/0"
+        def __init__(self, folder): pass
+        def close(self): Path(sys.argv[1], "redis-closed").touch()
+
+    class FakeStack:
+        def __init__(self, env, url, log_dir): self.url = url
+        def start_core(self, host, port): pass
+        def wait_healthy(self, timeout_s): pass
+        def stop(self): Path(sys.argv[1], "stack-stopped").touch()
+
+    live_stack.EmbeddedRedis, live_stack.Stack = FakeRedis, FakeStack
+    with live_stack.spawned_stack("spf", {}, Path(sys.argv[1])):
+        print("ready", flush=True)
+        time.sleep(60)
+""")
+
+
+def test_a_benchmark_killed_with_sigterm_stops_the_stack_it_spawned(tmp_path):
+    """SIGTERM (``kill``, a CI timeout) goes through the stack's cleanup as Ctrl-C does: before, the
+    benchmark died and its gateway, batcher and Redis ran on, on the core the next run measured."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDS_A_STACK, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert (tmp_path / "stack-stopped").exists() and (tmp_path / "redis-closed").exists()
