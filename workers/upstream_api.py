@@ -18,8 +18,15 @@ What a server can do is found once, at start, by ``probe`` — not guessed from 
   tokens for its flush anyway, and every chunk costs the server and the worker a JSON round. A
   server without token ids streams one token a chunk, which its text-only path relies on.
 
-Capacity comes from vLLM's ``/metrics`` (``vllm:cache_config_info``: num_gpu_blocks × block_size)
-where it is published (``kv_tokens_from_metrics``).
+* SGLang's own settings (``/server_info``, the older ``/get_server_info``): whether it runs priority
+  scheduling at all (it ignores a ``priority`` it does not use instead of refusing it), which way its
+  priority goes (larger values first unless ``--schedule-low-priority-values-first``; cohort's are
+  vLLM's, smaller first, so they go negated there), its KV pool and its page size.
+
+Capacity comes from vLLM's ``/metrics`` (``vllm:cache_config_info``: num_gpu_blocks × block_size) or
+SGLang's (``sglang:max_total_num_tokens``, with ``--enable-metrics``) where it is published
+(``kv_tokens_from_metrics``), else from SGLang's settings; the server's queue from the same page
+(``queue_from_metrics``).
 """
 
 from __future__ import annotations
@@ -58,9 +65,14 @@ class Capabilities:
     refused: set[str] = field(default_factory=set)  # fields it answers 422 to: never sent
     priority: bool = True
     logprobs: bool = False
+    priority_sign: int = 1             # -1: the server runs larger priority values first (SGLang's default)
+    kv_tokens: int | None = None       # its KV pool in tokens, where its settings say (SGLang)
+    page_tokens: int | None = None     # its KV page in tokens, where its settings say (SGLang)
 
     def describe(self) -> str:
-        return (f"prompt as {'token ids' if self.token_ids else 'text'}, priority {'on' if self.priority else 'off'}, "
+        order = "" if self.priority_sign > 0 else " (negated: larger values run first there)"
+        return (f"prompt as {'token ids' if self.token_ids else 'text'}, "
+                f"priority {'on' if self.priority else 'off'}{order}, "
                 f"logprobs {'yes' if self.logprobs else 'no'}, refuses {sorted(self.refused) or 'nothing'}")
 
 
@@ -87,11 +99,13 @@ def block_tokens_from_metrics(text: str) -> int | None:
 
 
 def kv_tokens_from_metrics(text: str) -> int | None:
-    """KV tokens a vLLM server holds: num_gpu_blocks × block_size from ``vllm:cache_config_info``
-    (the override, ``--num-gpu-blocks-override``, when set). None when the metric is absent."""
+    """KV tokens the server holds: vLLM's num_gpu_blocks × block_size from ``vllm:cache_config_info``
+    (the override, ``--num-gpu-blocks-override``, when set), SGLang's ``max_total_num_tokens``. None
+    when neither is published."""
     m = _INFO.search(text)
     if not m:
-        return None
+        sglang = gauge(text, "sglang:max_total_num_tokens")  # summed over its data-parallel ranks
+        return int(sglang) if sglang else None
     labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
     try:
         blocks = labels.get("num_gpu_blocks_override")
@@ -99,6 +113,27 @@ def kv_tokens_from_metrics(text: str) -> int | None:
         return blocks * int(labels["block_size"])
     except (KeyError, ValueError):
         return None
+
+
+def queue_from_metrics(text: str) -> float | None:
+    """Requests waiting in the server's own queue: vLLM's ``num_requests_waiting``, SGLang's
+    ``num_queue_reqs``; None when it publishes neither."""
+    vllm = gauge(text, "vllm:num_requests_waiting")
+    return vllm if vllm is not None else gauge(text, "sglang:num_queue_reqs")
+
+
+def read_server_settings(caps: Capabilities, info: dict[str, Any]) -> None:
+    """What SGLang's ``/server_info`` says of its priority, its KV pool and its page (see the module
+    docstring); a server whose settings do not name ``enable_priority_scheduling`` is left as probed."""
+    if "enable_priority_scheduling" in info:
+        caps.priority = caps.priority and bool(info["enable_priority_scheduling"])
+        caps.priority_sign = 1 if info.get("schedule_low_priority_values_first") else -1
+    pool = info.get("max_total_num_tokens")
+    if isinstance(pool, int) and pool > 0:
+        caps.kv_tokens = pool
+    page = info.get("page_size")
+    if isinstance(page, int) and page > 0:
+        caps.page_tokens = page
 
 
 def gauge(text: str, name: str) -> float | None:
@@ -188,6 +223,19 @@ class UpstreamServer:
             return None
         return text if status == 200 else None
 
+    async def settings(self) -> dict[str, Any]:
+        """SGLang's server settings (``/server_info``, or ``/get_server_info`` before it was renamed);
+        empty for a server that has neither (vLLM, ``transformers serve``)."""
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                status, text = await self._get(f"{self.root}{path}", 10.0)
+                info = json.loads(text) if status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                continue
+            if isinstance(info, dict):
+                return info
+        return {}
+
     async def discover_model(self) -> str:
         """The model id to send: the configured one, else the first the server lists."""
         if self.model:
@@ -231,6 +279,7 @@ class UpstreamServer:
             caps.token_ids = isinstance(sent["prompt"], list) and any(c.ids is not None for c in chunks)
             caps.logprobs = "logprobs" not in caps.refused and any(c.logprobs for c in chunks)
             caps.priority = caps.priority and "priority" not in caps.refused
+            read_server_settings(caps, await self.settings())
             return caps
         raise UpstreamDown(f"{self.base_url} refused every form of a one-token completion")
 
@@ -260,7 +309,7 @@ class UpstreamServer:
         if self.caps.token_ids:
             b["return_token_ids"] = True
         if priority is not None and self.caps.priority:
-            b["priority"] = priority
+            b["priority"] = priority * self.caps.priority_sign
         if self.stream_interval > 1 and self.caps.token_ids:
             b["stream_interval"] = self.stream_interval
         return b  # ``stream`` leaves out what the server refuses

@@ -9,9 +9,10 @@ rows, metrics and completions as the built-in engine. What differs is who decode
   while the running rows plus the group fit the server's KV capacity by the one running-set rule
   (``batcher.kv_judge.KVJudge.running_set_fits``: contexts and planned remaining tokens) — so the engine
   runs just under its KV capacity and is never held below it — and while the server reports no
-  queue of its own (vLLM's ``num_requests_waiting``). An empty instance takes any group.
+  queue of its own (vLLM's ``num_requests_waiting``, SGLang's ``num_queue_reqs``). An empty
+  instance takes any group.
 * **Order.** Each row carries ``priority`` = its client priority, then its group's admission
-  number, where the server takes one (vLLM/SGLang ``--scheduling-policy priority``).
+  number, where the server takes one (vLLM, SGLang: ``workers.upstream_api``).
 * **Failure.** A stream that breaks, times out or answers 5xx goes back to the batcher as a
   continuation from the tokens it streamed (another instance of the pool resumes it). When the
   server's /health does not answer either, the server is down: every unfinished row goes back,
@@ -42,8 +43,8 @@ from workers.upstream_api import (
     UpstreamRefused,
     UpstreamServer,
     block_tokens_from_metrics,
-    gauge,
     kv_tokens_from_metrics,
+    queue_from_metrics,
 )
 
 log = logging.getLogger(__name__)
@@ -391,7 +392,7 @@ class UpstreamLoop:
                         self.capacity_tokens = cap
                     if block:
                         self.page_tokens = block
-                    self.server_waiting = gauge(text, "vllm:num_requests_waiting") or 0.0
+                    self.server_waiting = queue_from_metrics(text) or 0.0
                     self._admit()
             except Exception:  # the watch never dies
                 log.exception("watching upstream %s failed", self.server.base_url)

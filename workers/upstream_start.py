@@ -87,12 +87,12 @@ def start_upstream(settings: Settings) -> Runtime:
     probe_text = "Hello"
     # the probe runs on its own event loop and closes its connections; the loop's thread opens its own
     metrics = asyncio.run(_connect(server, prompt_token_ids([probe_text], s.model)[0], probe_text))
-    published = kv_tokens_from_metrics(metrics) if metrics else None
+    published = (kv_tokens_from_metrics(metrics) if metrics else None) or server.caps.kv_tokens
     capacity = published or s.upstream_kv_tokens or s.continuous.max_rows * (s.max_input_tokens // 4 + 256)
     if not (published or s.upstream_kv_tokens):
         log.warning("upstream %s publishes no KV capacity and COHORT_UPSTREAM_KV_TOKENS is unset: planning with "
                     "%d tokens", s.upstream, capacity)
-    block = block_tokens_from_metrics(metrics) if metrics else None
+    block = (block_tokens_from_metrics(metrics) if metrics else None) or server.caps.page_tokens
     loop = UpstreamLoop(server, tok, capacity, page_tokens=block or s.continuous.page_tokens,
                         max_rows=s.continuous.max_rows, flush_s=s.upstream_flush_s,
                         use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and server.caps.priority))
