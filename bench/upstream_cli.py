@@ -2,7 +2,9 @@
 one run. The engine (vLLM, `transformers serve`, …) is started by the caller (recipe:
 docs/upstream.md); cohort stacks are spawned per target with COHORT_UPSTREAMS pointing at it, or
 on the built-in engine (``builtin:<policy>``). Targets run in the order given, each over every
-load, so ``direct,…,direct`` is the A-B-A order that shows the machine's drift.
+load, so ``direct,…,direct`` is the A-B-A order that shows the machine's drift. ``direct-fcfs`` is
+the same engine started without priority scheduling (``--fcfs-upstream``; vLLM's default, FCFS),
+beside ``direct``, the engine cohort feeds, with priority scheduling on and unused by the client.
 """
 
 from __future__ import annotations
@@ -63,8 +65,11 @@ def _plot(by_load: dict[str, dict[str, Any]], path: Path) -> None:
 def upstream(
     engine: str = typer.Option(..., "--upstream", help="The engine's base URL ending in /v1 (loopback)."),
     targets: str = typer.Option("direct,magnus,spf,slo-odbs,direct", help="Comma-separated: direct (the engine "
-                                "itself), a policy (cohort in front of the engine), builtin:<policy> (cohort's "
-                                "own engine)."),
+                                "itself), direct-fcfs (the --fcfs-upstream engine), a policy (cohort in front of "
+                                "the engine), builtin:<policy> (cohort's own engine). Ratios are to the first "
+                                "direct or direct-fcfs run."),
+    fcfs_engine: str = typer.Option(None, "--fcfs-upstream", help="The same engine and model started without "
+                                    "priority scheduling (vLLM's default FCFS), for the direct-fcfs target."),
     loads: str = typer.Option("0.5,0.9,1.5", help="Offered loads as fractions of the engine's capacity."),
     capacity: float = typer.Option(0.0, help="Requests/s the engine completes; 0: measure it with a burst first "
                                    "(done/span: what it sustained under a Poisson overload too)."),
@@ -96,6 +101,12 @@ def upstream(
         """Offered req/s: a burst sends every request within 1.5 s, whatever the load."""
         return requests / 1.5 if burst else max(0.01, load * capacity)
 
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    directs = {"direct": (engine, model)}
+    if "direct-fcfs" in names:
+        if not fcfs_engine:
+            raise typer.BadParameter("the direct-fcfs target needs --fcfs-upstream URL")
+        directs["direct-fcfs"] = (fcfs_engine, served_model(fcfs_engine))
     measured = None
     if capacity <= 0:
         wl = workload(requests / 1.5)
@@ -104,14 +115,14 @@ def upstream(
         capacity = measured["throughput_rps"]
         typer.echo(f"engine capacity: {capacity:.2f} req/s")
     fracs = [float(x) for x in loads.split(",") if x.strip()]
-    names = [t.strip() for t in targets.split(",") if t.strip()]
     by_load: dict[str, dict[str, Any]] = {f"{f:g}": {} for f in fracs}
     detail: dict[str, dict[str, Any]] | None = {f"{f:g}": {} for f in fracs} if rows else None
     warm = workload(rate_of(fracs[0]), warmup, seed + 1) if warmup else None
     for label, target in zip(_labels(names), names, strict=True):
-        if target == "direct":
-            _all_loads(label, fracs, rate_of, workload, engine, lambda wl: direct_body(wl, model), by_load, detail,
-                       warm)
+        if target in directs:
+            url, name = directs[target]
+            _all_loads(label, fracs, rate_of, workload, url, lambda wl, name=name: direct_body(wl, name), by_load,
+                       detail, warm)
             continue
         builtin = target.startswith("builtin:")
         policy = target.removeprefix("builtin:")
@@ -120,10 +131,10 @@ def upstream(
             served = served_model(f"{url}/v1")
             _all_loads(label, fracs, rate_of, workload, f"{url}/v1", lambda wl, served=served: cohort_body(wl, served),
                        by_load, detail, warm)
-    base = next(lb for lb, t in zip(_labels(names), names, strict=True) if t == "direct") if "direct" in names else None
+    base = next((lb for lb, t in zip(_labels(names), names, strict=True) if t in directs), None)
     ratios = {lo: {t: {k: (m[k] / runs[base][k] if base and runs[base][k] else None) for k in RATIO_KEYS}
                    for t, m in runs.items()} for lo, runs in by_load.items()} if base else {}
-    out = {"config": {"engine": engine, "model": model, "targets": names, "loads": fracs, "capacity_rps": capacity,
+    out = {"config": {"engine": engine, "fcfs_engine": fcfs_engine, "model": model, "targets": names, "loads": fracs, "capacity_rps": capacity,
                       "burst": burst, "requests": requests, "seed": seed, "max_tokens": max_tokens, "files": files,
                       "server_env": env, "capacity_burst": measured,
                       "warmup": {"requests": warmup, "seed": seed + 1} if warmup else None}, "by_load": by_load, "ratios_to": base,
