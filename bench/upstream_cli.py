@@ -134,8 +134,8 @@ def upstream(
     base = next((lb for lb, t in zip(_labels(names), names, strict=True) if t in directs), None)
     ratios = {lo: {t: {k: (m[k] / runs[base][k] if base and runs[base][k] else None) for k in RATIO_KEYS}
                    for t, m in runs.items()} for lo, runs in by_load.items()} if base else {}
-    out = {"config": {"engine": engine, "fcfs_engine": fcfs_engine, "model": model, "targets": names, "loads": fracs, "capacity_rps": capacity,
-                      "burst": burst, "requests": requests, "seed": seed, "max_tokens": max_tokens, "files": files,
+    out = {"config": {"engine": engine, "fcfs_engine": fcfs_engine, "model": model, "targets": names,
+                      "loads": fracs, "capacity_rps": capacity, "burst": burst, "requests": requests, "seed": seed, "max_tokens": max_tokens, "files": files,
                       "server_env": env, "capacity_burst": measured,
                       "warmup": {"requests": warmup, "seed": seed + 1} if warmup else None}, "by_load": by_load, "ratios_to": base,
            "ratios": ratios}
