@@ -16,6 +16,13 @@ from typer.testing import CliRunner
 from bench.cli import app
 
 
+def _answer(make):
+    """A GET handler answering ``make()``, a fresh response each time (aiohttp wants coroutines)."""
+    async def handler(_request: web.Request) -> web.Response:
+        return make()
+    return handler
+
+
 def _engine(model: str, seen: list[str]) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -30,7 +37,7 @@ def _engine(model: str, seen: list[str]) -> web.Application:
 
     app_ = web.Application()
     app_.router.add_post("/v1/completions", completions)
-    app_.router.add_get("/v1/models", lambda _r: web.json_response({"data": [{"id": model}]}))
+    app_.router.add_get("/v1/models", _answer(lambda: web.json_response({"data": [{"id": model}]})))
     return app_
 
 

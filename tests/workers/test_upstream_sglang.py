@@ -28,6 +28,13 @@ sglang:num_queue_reqs{model_name="sg"} 2.0
 sglang:num_running_reqs{model_name="sg"} 9.0
 """
 
+def _answer(make):
+    """A GET handler answering ``make()``, a fresh response each time (aiohttp wants coroutines)."""
+    async def handler(_request: web.Request) -> web.Response:
+        return make()
+    return handler
+
+
 
 def _settings(priority_scheduling: bool, low_values_first: bool) -> dict:
     return {"enable_priority_scheduling": priority_scheduling, "schedule_low_priority_values_first": low_values_first,
@@ -47,9 +54,9 @@ async def _probe(settings: dict) -> tuple[UpstreamServer, list[dict], str | None
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", lambda _r: web.json_response({"data": [{"id": "sg"}]}))
-    app.router.add_get("/get_server_info", lambda _r: web.json_response(settings))
-    app.router.add_get("/metrics", lambda _r: web.Response(text=SGLANG_METRICS))
+    app.router.add_get("/v1/models", _answer(lambda: web.json_response({"data": [{"id": "sg"}]})))
+    app.router.add_get("/get_server_info", _answer(lambda: web.json_response(settings)))
+    app.router.add_get("/metrics", _answer(lambda: web.Response(text=SGLANG_METRICS)))
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
