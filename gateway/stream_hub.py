@@ -78,7 +78,7 @@ class StreamHub:
         self._wake_key, self._wake_last = bus.hub_wake_key(uuid.uuid4().hex), "0"
         self._task: asyncio.Task | None = None
         self._blocked = self._woken = False
-        self._retired = False
+        self._retired = self._released = False
 
     async def subscribe(self, request_id: str) -> Reader:
         """Follow ``request_id``'s stream from its first entry; ``unsubscribe`` when done."""
@@ -116,6 +116,12 @@ class StreamHub:
         connection back (at once where nothing is being read)."""
         self._retired = True
         if self._task is None or self._task.done():
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """A retired hub gives its reading connection back, once."""
+        if self._retired and not self._released:
+            self._released = True
             _close_later(self.loop, self._reads)
 
     def unsubscribe(self, reader: Reader) -> None:
@@ -124,8 +130,8 @@ class StreamHub:
             readers.remove(reader)
         if not readers:
             self.readers.pop(reader.key, None)
-        if self._retired and not self.readers and (self._task is None or self._task.done()):
-            _close_later(self.loop, self._reads)  # its read failed with readers left: they are gone now
+        if not self.readers and (self._task is None or self._task.done()):
+            self._let_go()  # its read failed with readers left: they are gone now
 
     async def _run(self) -> None:
         me = asyncio.current_task()
@@ -153,8 +159,8 @@ class StreamHub:
                 for reader in readers:
                     reader.fail(exc)
         finally:
-            if self._retired and not self.readers:
-                _close_later(self.loop, self._reads)
+            if not self.readers:
+                self._let_go()
 
 
 _CLOSING: set[asyncio.Task] = set()
