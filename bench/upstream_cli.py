@@ -110,8 +110,7 @@ def upstream(
     measured = None
     if capacity <= 0:
         wl = workload(requests / 1.5)
-        with tqdm(total=requests, desc="capacity (direct burst)", unit="req") as bar:
-            measured = summarize(wl, _run(replay_streams(wl, engine, direct_body(wl, model), progress=bar.update)))
+        measured = summarize(wl, _replay("capacity (direct burst)", wl, engine, direct_body(wl, model)))
         capacity = measured["throughput_rps"]
         typer.echo(f"engine capacity: {capacity:.2f} req/s")
     fracs = [float(x) for x in loads.split(",") if x.strip()]
@@ -134,11 +133,11 @@ def upstream(
     base = next((lb for lb, t in zip(_labels(names), names, strict=True) if t in directs), None)
     ratios = {lo: {t: {k: (m[k] / runs[base][k] if base and runs[base][k] else None) for k in RATIO_KEYS}
                    for t, m in runs.items()} for lo, runs in by_load.items()} if base else {}
-    out = {"config": {"engine": engine, "fcfs_engine": fcfs_engine, "model": model, "targets": names,
-                      "loads": fracs, "capacity_rps": capacity, "burst": burst, "requests": requests, "seed": seed, "max_tokens": max_tokens, "files": files,
-                      "server_env": env, "capacity_burst": measured,
-                      "warmup": {"requests": warmup, "seed": seed + 1} if warmup else None}, "by_load": by_load, "ratios_to": base,
-           "ratios": ratios}
+    config = {"engine": engine, "fcfs_engine": fcfs_engine, "model": model, "targets": names, "loads": fracs,
+              "capacity_rps": capacity, "burst": burst, "requests": requests, "seed": seed,
+              "max_tokens": max_tokens, "files": files, "server_env": env, "capacity_burst": measured,
+              "warmup": {"requests": warmup, "seed": seed + 1} if warmup else None}
+    out = {"config": config, "by_load": by_load, "ratios_to": base, "ratios": ratios}
     if detail is not None:
         out["per_request"] = detail
     for lo, runs in by_load.items():
@@ -156,18 +155,18 @@ def upstream(
         _plot(by_load, plot)
 
 
-def _run(coro):
-    return asyncio.run(coro)
+def _replay(desc: str, wl, base_url: str, body):
+    """Replay ``wl`` against ``base_url`` with a progress bar; its ``StreamResult``."""
+    with tqdm(total=len(wl), desc=desc, unit="req") as bar:
+        return asyncio.run(replay_streams(wl, base_url, body, progress=bar.update))
 
 
 def _all_loads(label, fracs, rate_of, workload, base_url, body_of, by_load, detail, warm) -> None:
     if warm is not None:
-        with tqdm(total=len(warm), desc=f"{label} warm-up", unit="req") as bar:
-            _run(replay_streams(warm, base_url, body_of(warm), progress=bar.update))
+        _replay(f"{label} warm-up", warm, base_url, body_of(warm))
     for f in fracs:
         wl = workload(rate_of(f))
-        with tqdm(total=len(wl), desc=f"{label} @ {f:g}x", unit="req") as bar:
-            res = _run(replay_streams(wl, base_url, body_of(wl), progress=bar.update))
+        res = _replay(f"{label} @ {f:g}x", wl, base_url, body_of(wl))
         by_load[f"{f:g}"][label] = summarize(wl, res)
         if detail is not None:
             detail[f"{f:g}"][label] = per_request(res)
