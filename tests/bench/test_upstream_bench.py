@@ -19,6 +19,7 @@ import bench.live_stack as live_stack
 from bench.upstream_bench import StreamResult, per_request, replay_streams, summarize
 from bench.workload import RowTable, Workload, WorkloadConfig
 from cohort.datasets import Record
+from tests.loopback import serving
 
 
 def _result(sent, first, done) -> StreamResult:
@@ -60,16 +61,9 @@ def test_the_client_times_streams_from_a_real_server_and_counts_empty_text_chunk
     async def run():
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
+        async with serving(app) as url:
             wl = _workload(4)
-            return wl, await replay_streams(wl, f"http://127.0.0.1:{port}/v1", lambda i, p: {"prompt": p})
-        finally:
-            await runner.cleanup()
+            return wl, await replay_streams(wl, url, lambda i, p: {"prompt": p})
 
     wl, res = asyncio.run(run())
     assert list(res.ok) == [True, True, False, True] and res.errors == {"http_503": 1}

@@ -8,19 +8,14 @@ import asyncio
 import json
 import threading
 from collections.abc import Iterator
+from contextlib import AsyncExitStack
 
 import pytest
 from aiohttp import web
 from typer.testing import CliRunner
 
 from bench.cli import app
-
-
-def _answer(make):
-    """A GET handler answering ``make()``, a fresh response each time (aiohttp wants coroutines)."""
-    async def handler(_request: web.Request) -> web.Response:
-        return make()
-    return handler
+from tests.loopback import answer, serving
 
 
 def _engine(model: str, seen: list[str]) -> web.Application:
@@ -37,7 +32,7 @@ def _engine(model: str, seen: list[str]) -> web.Application:
 
     app_ = web.Application()
     app_.router.add_post("/v1/completions", completions)
-    app_.router.add_get("/v1/models", _answer(lambda: web.json_response({"data": [{"id": model}]})))
+    app_.router.add_get("/v1/models", answer(lambda: web.json_response({"data": [{"id": model}]})))
     return app_
 
 
@@ -46,23 +41,16 @@ def engines() -> Iterator[tuple[list[str], dict[str, list[str]]]]:
     """Two engines on their own event loop thread: their base URLs and the model ids each was sent."""
     loop = asyncio.new_event_loop()
     seen: dict[str, list[str]] = {"prio": [], "fcfs": []}
-    runners, urls = [], []
+    servers = AsyncExitStack()
 
-    async def start() -> None:
-        for name in ("prio", "fcfs"):
-            runner = web.AppRunner(_engine(f"{name}-model", seen[name]))
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            runners.append(runner)
-            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1")
+    async def start() -> list[str]:
+        return [await servers.enter_async_context(serving(_engine(f"{name}-model", seen[name])))
+                for name in ("prio", "fcfs")]
 
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    yield urls, seen
-    for runner in runners:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    yield asyncio.run_coroutine_threadsafe(start(), loop).result(10), seen
+    asyncio.run_coroutine_threadsafe(servers.aclose(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
 

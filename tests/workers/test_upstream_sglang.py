@@ -13,6 +13,7 @@ import time
 from aiohttp import web
 
 from cohort.types import ProfiledRequest
+from tests.loopback import answer, serving
 from workers.upstream_api import (
     Capabilities,
     UpstreamServer,
@@ -27,13 +28,6 @@ sglang:max_total_num_tokens{model_name="sg"} 5000.0
 sglang:num_queue_reqs{model_name="sg"} 2.0
 sglang:num_running_reqs{model_name="sg"} 9.0
 """
-
-def _answer(make):
-    """A GET handler answering ``make()``, a fresh response each time (aiohttp wants coroutines)."""
-    async def handler(_request: web.Request) -> web.Response:
-        return make()
-    return handler
-
 
 
 def _settings(priority_scheduling: bool, low_values_first: bool) -> dict:
@@ -54,21 +48,17 @@ async def _probe(settings: dict) -> tuple[UpstreamServer, list[dict], str | None
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", _answer(lambda: web.json_response({"data": [{"id": "sg"}]})))
-    app.router.add_get("/get_server_info", _answer(lambda: web.json_response(settings)))
-    app.router.add_get("/metrics", _answer(lambda: web.Response(text=SGLANG_METRICS)))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server = UpstreamServer(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1")
-    try:
-        await server.discover_model()
-        await server.probe([1, 2, 3], "Hello")
-        return server, bodies, await server.metrics()
-    finally:
-        await server.close()
-        await runner.cleanup()
+    app.router.add_get("/v1/models", answer(lambda: web.json_response({"data": [{"id": "sg"}]})))
+    app.router.add_get("/get_server_info", answer(lambda: web.json_response(settings)))
+    app.router.add_get("/metrics", answer(lambda: web.Response(text=SGLANG_METRICS)))
+    async with serving(app) as url:
+        server = UpstreamServer(url)
+        try:
+            await server.discover_model()
+            await server.probe([1, 2, 3], "Hello")
+            return server, bodies, await server.metrics()
+        finally:
+            await server.close()
 
 
 def _req() -> ProfiledRequest:
