@@ -10,11 +10,20 @@ gateway, from the HTTP request's arrival, as the client sees them; queue time is
 
 from __future__ import annotations
 
+import json
+import logging
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from sqlalchemy import and_, case, func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cohort import bus
+from cohort.logdb import requests as request_rows
+from cohort.types import InstanceInfo
+
+log = logging.getLogger("cohort.gateway")
 
 # The generation routes and their ``endpoint`` label.
 ENDPOINTS = {"/v1/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -81,6 +90,8 @@ class GatewayMetrics:
         self.instances = Gauge("cohort_instances_alive", "LLM instances of this pool heart-beating", registry=r)
         self.counters = Gauge("cohort_batcher_events", "Batcher counters (batches, OOM splits, requeues, failures)",
                               ["event"], registry=r)
+        self.pools = PoolGauges(r)
+        self.recent = RecentOutcomes(r)
 
     async def render(self, redis, alive_instances: int, pool: str) -> bytes:
         keys = bus.pool_keys(pool)
@@ -94,7 +105,179 @@ class GatewayMetrics:
                 self.generated_tokens.value = float(v)
             else:
                 self.counters.labels(event=k).set(float(v))
+        await self.pools.fill(redis, pool)
         return generate_latest(self.registry)
+
+
+# Σ of a JSON field over a hash's values and a list's items, inside Redis (the waiting requests are
+# not copied to the gateway at every scrape). KEYS: hash, list; ARGV: field, fallback field.
+_SUM_FIELD_LUA = """
+local total = 0
+local function add(js)
+  local ok, r = pcall(cjson.decode, js)
+  if ok and type(r) == 'table' then
+    local v = r[ARGV[1]]
+    if type(v) ~= 'number' then v = r[ARGV[2]] end
+    if type(v) == 'number' then total = total + v end
+  end
+end
+for _, js in ipairs(redis.call('HVALS', KEYS[1])) do add(js) end
+for _, js in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do add(js) end
+return tostring(total)
+"""
+
+# Σ over the in-flight batches of their rows' planned KV: prompt + upper predicted length (else the
+# point prediction). KEYS: the pool's inflight hash.
+_INFLIGHT_KV_LUA = """
+local total = 0
+for _, js in ipairs(redis.call('HVALS', KEYS[1])) do
+  local ok, d = pcall(cjson.decode, js)
+  if ok and type(d) == 'table' and type(d.batch) == 'table' and type(d.batch.requests) == 'table' then
+    for _, r in ipairs(d.batch.requests) do
+      local gen = r.predicted_upper
+      if type(gen) ~= 'number' then gen = r.predicted_tokens end
+      total = total + (tonumber(r.input_tokens) or 0) + (tonumber(gen) or 0)
+    end
+  end
+end
+return tostring(total)
+"""
+
+
+class PoolGauges:
+    """Per pool, for autoscalers and alerts (every pool with a registered instance, plus the
+    gateway's own and every pool seen since the gateway started, so a pool whose last instance
+    went away reads 0 instead of vanishing): the requests waiting and the tokens they are predicted
+    to generate, the live instances by kind, and the KV the in-flight batches planned against the
+    pool's KV capacity; per instance, whether it heart-beats and its engine's running rows."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.queue = Gauge("cohort_pool_queue_requests", "Requests waiting in the pool's queue (arrived, reserved or "
+                           "waiting in the batcher, not yet dispatched)", ["pool"], registry=r)
+        self.queue_tokens = Gauge("cohort_pool_queue_predicted_tokens", "Σ predicted generation length of the "
+                                  "pool's waiting requests: the work waiting, in tokens", ["pool"], registry=r)
+        self.queue_prompt_tokens = Gauge("cohort_pool_queue_prompt_tokens", "Σ prompt tokens of the pool's waiting "
+                                         "requests (what their prefill costs)", ["pool"], registry=r)
+        self.live = Gauge("cohort_pool_instances_live", "Heart-beating instances of the pool by kind "
+                          "(builtin: a cohort engine, upstream: an OpenAI-compatible server cohort feeds)",
+                          ["pool", "kind"], registry=r)
+        self.kv_planned = Gauge("cohort_pool_kv_planned_tokens", "KV tokens the pool's in-flight batches planned: "
+                                "Σ prompt + upper predicted length of their rows", ["pool"], registry=r)
+        self.kv_capacity = Gauge("cohort_pool_kv_capacity_tokens", "KV tokens the pool's live instances hold "
+                                 "(Σ Θ/Δ)", ["pool"], registry=r)
+        self.kv_usage = Gauge("cohort_pool_kv_usage_ratio", "cohort_pool_kv_planned_tokens / "
+                              "cohort_pool_kv_capacity_tokens (0 without a live instance)", ["pool"], registry=r)
+        self.instance_up = Gauge("cohort_instance_up", "1 while a registered instance heart-beats, 0 once its "
+                                 "heartbeat expired (until the batcher drops its registration)",
+                                 ["instance", "pool", "kind"], registry=r)
+        self.engine_rows = Gauge("cohort_engine_running_rows", "Rows resident in a built-in instance's engine",
+                                 ["instance"], registry=r)
+        self.engine_waiting = Gauge("cohort_engine_waiting_groups", "Admission groups a built-in instance holds "
+                                    "that have not joined its running rows yet", ["instance"], registry=r)
+        self.seen_pools: set[str] = set()
+
+    async def fill(self, redis, own_pool: str) -> None:
+        infos = [InstanceInfo.from_dict(json.loads(js)) for js in (await redis.hgetall(bus.INSTANCES)).values()]
+        pipe = redis.pipeline(transaction=False)
+        for info in infos:
+            pipe.exists(bus.alive_key(info.name))
+        beating = await pipe.execute() if infos else []
+        self.seen_pools |= {own_pool, *(i.pool for i in infos)}
+        sum_field = redis.register_script(_SUM_FIELD_LUA)
+        inflight_kv = redis.register_script(_INFLIGHT_KV_LUA)
+        for g in (self.instance_up, self.engine_rows, self.engine_waiting):
+            g.clear()  # instances come and go: only the registered ones are series
+        for info, hit in zip(infos, beating, strict=True):
+            self.instance_up.labels(info.name, info.pool, _kind(info)).set(1 if hit else 0)
+        for pool in sorted(self.seen_pools):
+            k = bus.pool_keys(pool)
+            pipe = redis.pipeline(transaction=False)
+            pipe.llen(k.incoming)
+            pipe.hlen(k.pending)
+            pipe.zcount(k.reservations, time.time(), "+inf")
+            depth = sum(int(x) for x in await pipe.execute())
+            self.queue.labels(pool).set(depth)
+            self.queue_tokens.labels(pool).set(float(await sum_field(keys=[k.pending, k.incoming],
+                                                                     args=["predicted_tokens", "max_tokens"])))
+            self.queue_prompt_tokens.labels(pool).set(float(await sum_field(keys=[k.pending, k.incoming],
+                                                                            args=["input_tokens", "input_tokens"])))
+            live = [i for i, hit in zip(infos, beating, strict=True) if hit and i.pool == pool]
+            for kind in ("builtin", "upstream"):
+                self.live.labels(pool, kind).set(sum(1 for i in live if _kind(i) == kind))
+            capacity = sum(i.theta_bytes // i.delta_bytes for i in live if i.delta_bytes > 0)
+            planned = float(await inflight_kv(keys=[k.inflight]))
+            self.kv_planned.labels(pool).set(planned)
+            self.kv_capacity.labels(pool).set(capacity)
+            self.kv_usage.labels(pool).set(planned / capacity if capacity else 0.0)
+        for name, js in (await redis.hgetall(bus.ENGINE_STATS)).items():
+            if not any(i.name == name for i in infos):
+                continue  # a stopped instance's last totals stay in the hash
+            try:
+                c = json.loads(js)
+            except ValueError:
+                continue
+            self.engine_rows.labels(name).set(float(c.get("rows", 0)))
+            self.engine_waiting.labels(name).set(float(c.get("waiting_groups", 0)))
+
+
+def _kind(info: InstanceInfo) -> str:
+    return "upstream" if info.upstream else "builtin"
+
+
+RECENT_WINDOW_S = 300.0  # the window of RecentOutcomes' gauges
+
+
+class RecentOutcomes:
+    """Read from the log DB at scrape time, per served model, over the requests that ended in the last
+    ``RECENT_WINDOW_S`` seconds: how many had an SLO and how many of those were answered within it
+    (SLO attainment; a request that failed or timed out missed it, a cancelled one is left out),
+    and how many a model planned with an upper bound and how many of those stayed within it (the
+    predictor's q90 coverage, ``cohort predictor coverage``'s rule). The log DB is the gateway's
+    (``app.state.db``), found on the first request the gateway serves (``CountRequests``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.state = None
+        registry.register(self)
+
+    def collect(self):
+        db = getattr(self.state, "db", None)
+        if db is None:
+            return
+        window = GaugeMetricFamily("cohort_recent_window_seconds", "The window of the cohort_recent_* gauges",
+                                   value=RECENT_WINDOW_S)
+        slo_n = GaugeMetricFamily("cohort_recent_slo_requests", "Requests with an SLO that ended in the window "
+                                  "(answered, failed or timed out)", labels=["model"])
+        slo_met = GaugeMetricFamily("cohort_recent_slo_met_requests", "Of those, the ones answered within their "
+                                    "SLO (total_s <= slo_s)", labels=["model"])
+        cov_n = GaugeMetricFamily("cohort_recent_planned_requests", "Answered requests in the window that a "
+                                  "length model planned with an upper bound", labels=["model"])
+        cov_in = GaugeMetricFamily("cohort_recent_covered_requests", "Of those, the ones whose actual length "
+                                   "stayed within the bound (q90 coverage = covered / planned)", labels=["model"])
+        t = request_rows.c
+        since = time.time() - RECENT_WINDOW_S
+        met = and_(t.status == "done", t.total_s <= t.slo_s)
+        planned = and_(t.status == "done", t.predicted_upper.is_not(None), t.actual_tokens.is_not(None),
+                       t.predictor_version.is_not(None),
+                       (t.max_tokens.is_(None)) | (t.predicted_tokens < t.max_tokens))
+        try:
+            with db.connect() as conn:
+                for model, n, m in conn.execute(
+                        select(t.model, func.count(), func.sum(case((met, 1), else_=0)))
+                        .where(t.finished > since, t.slo_s.is_not(None), t.status != "cancelled")
+                        .group_by(t.model)):
+                    slo_n.add_metric([model or ""], n)
+                    slo_met.add_metric([model or ""], m or 0)
+                for model, n, c in conn.execute(
+                        select(t.model, func.count(), func.sum(case((t.actual_tokens <= t.predicted_upper, 1),
+                                                                    else_=0)))
+                        .where(t.finished > since, planned).group_by(t.model)):
+                    cov_n.add_metric([model or ""], n)
+                    cov_in.add_metric([model or ""], c or 0)
+        except Exception:  # the log DB away for a moment: the rest of /metrics still answers
+            log.warning("recent outcome metrics unavailable", exc_info=True)
+            return
+        yield from (window, slo_n, slo_met, cov_n, cov_in)
 
 
 class RedisCounter:
@@ -126,6 +309,8 @@ class CountRequests:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.metrics.recent.state is None and "app" in scope:
+            self.metrics.recent.state = scope["app"].state  # the log DB of RecentOutcomes
         endpoint = ENDPOINTS.get(scope.get("path", "")) if scope["type"] == "http" else None
         if endpoint is None:
             await self.app(scope, receive, send)
