@@ -238,6 +238,7 @@ class InstanceInfo:
     device: str = "cpu"
     started: float = 0.0
     served_model_name: str = ""   # the OpenAI ``model`` id clients use for this pool ("": the model path)
+    max_model_len: int = 0        # prompt + generated tokens the instance's model takes (0: not known)
 
     @property
     def upstream(self) -> bool:

@@ -83,11 +83,15 @@ class PoolView:
         pool = self.settings.pool if pool is None else pool
         return [i for i in self._registered if i.pool == pool and i.name in self._alive]
 
-    def _max_model_len(self, alive: list[InstanceInfo]) -> int:
-        """The request limits, and no more than one instance's KV memory holds for one request."""
+    def max_model_len(self, alive: list[InstanceInfo]) -> int:
+        """The pool's context length: prompt + generated tokens one request may reach. The request
+        limits, no more than one instance's KV memory holds for one request, and no more than the
+        smallest context of its live instances (an upstream's own ``max_model_len``, the built-in
+        model's positions): a request planned past it would be cut short by the engine."""
         limit = self.settings.max_input_tokens + self.settings.max_tokens_limit
         fits = [i.theta_bytes // i.delta_bytes for i in alive if i.delta_bytes > 0]
-        return min([limit, *fits])
+        contexts = [i.max_model_len for i in alive if i.max_model_len > 0]
+        return min([limit, *fits, *contexts])
 
     async def models(self) -> list[ServedModel]:
         """Every served model: the default pool first, then the others by name. Two pools that
@@ -108,7 +112,7 @@ class PoolView:
                 log.warning("pools share the served model name %r; pool %r is listed as %r", name, pool, pool)
                 name = pool
             taken.add(name)
-            out.append(ServedModel(name, pool, path, created[pool], self._max_model_len(await self.alive(pool))))
+            out.append(ServedModel(name, pool, path, created[pool], self.max_model_len(await self.alive(pool))))
         return out
 
     async def resolve(self, name: str | None) -> ServedModel:

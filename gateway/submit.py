@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 from starlette.concurrency import run_in_threadpool
@@ -112,6 +112,21 @@ async def _check(s: Settings, served: ServedModel, sub: Submission) -> list[int]
     return ids
 
 
+def within_context(sub: Submission, input_tokens: int, context: int) -> Submission:
+    """The request as the pool's context lets it run, as vLLM runs it: a prompt that leaves no room
+    for one token is refused; a ``max_tokens`` that does not fit beside the prompt is planned (and
+    sent) as what fits, so the answer ends there with ``finish_reason: "length"``."""
+    if input_tokens >= context:
+        raise APIError(400, f"this model's maximum context length is {context} tokens; the prompt has "
+                       f"{input_tokens}, leaving no room to generate", code="context_length_exceeded",
+                       param=sub.param)
+    room = context - input_tokens
+    if sub.max_tokens <= room:
+        return sub
+    emulated = None if sub.emulated_tokens is None else min(sub.emulated_tokens, room)
+    return replace(sub, max_tokens=room, emulated_tokens=emulated)
+
+
 async def check_token_ids(served: ServedModel, ids: list[int], param: str) -> None:
     """Token ids must name tokens of the pool's vocabulary (checked before anything decodes them)."""
     if not ids:
@@ -148,6 +163,7 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
     alive = await app_state.pool.alive(served.pool)
     if not alive:
         raise APIError(503, f"no LLM instance of {served.id} is available yet; retry shortly", code="no_instance")
+    subs = [within_context(sub, n, app_state.pool.max_model_len(alive)) for sub, n in zip(subs, counts, strict=True)]
     memory = KVMemory.for_pool(alive)
     for sub, input_tokens in zip(subs, counts, strict=True):
         if not memory.judge().fits(1, input_tokens, sub.max_tokens):

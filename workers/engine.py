@@ -40,6 +40,7 @@ class LLMEngine:
         self.settings = settings
         self.model, self.tokenizer, self.device = load_model(settings)
         cfg = self.model.config.to_dict()
+        self.max_model_len = int(cfg.get("max_position_embeddings") or 0)  # its context (0: not bounded)
         dtype_bytes = torch.finfo(next(self.model.parameters()).dtype).bits // 8
         self.delta_bytes = kv_bytes_per_token(cfg, dtype_bytes)
         self.theta_bytes = settings.theta_override_bytes or self._measure_theta()

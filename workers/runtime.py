@@ -136,7 +136,8 @@ def start(settings: Settings) -> Runtime:
         info = InstanceInfo(name=name, pool=settings.pool, model=settings.model,
                             theta_bytes=engine.theta_bytes, delta_bytes=engine.delta_bytes,
                             device=str(engine.device), started=time.time(),
-                            served_model_name=settings.served_model_name or settings.model)
+                            served_model_name=settings.served_model_name or settings.model,
+                            max_model_len=engine.max_model_len)
         rt = Runtime(settings, engine, bus.connect(settings.resolved_redis_url),
                      get_db_engine(settings.database_url), info)
         rt.loop = continuous_loop(engine, settings)

@@ -67,6 +67,7 @@ class Capabilities:
     logprobs: bool = False
     priority_sign: int = 1             # -1: the server runs larger priority values first (SGLang's default)
     kv_tokens: int | None = None       # its KV pool in tokens, where its settings say (SGLang)
+    max_model_len: int | None = None   # its context length: /v1/models (vLLM), its settings (SGLang)
     page_tokens: int | None = None     # its KV page in tokens, where its settings say (SGLang)
 
     def describe(self) -> str:
@@ -134,6 +135,9 @@ def read_server_settings(caps: Capabilities, info: dict[str, Any]) -> None:
     page = info.get("page_size")
     if isinstance(page, int) and page > 0:
         caps.page_tokens = page
+    context = info.get("context_length")
+    if caps.max_model_len is None and isinstance(context, int) and context > 0:
+        caps.max_model_len = context
 
 
 def gauge(text: str, name: str) -> float | None:
@@ -237,9 +241,8 @@ class UpstreamServer:
         return {}
 
     async def discover_model(self) -> str:
-        """The model id to send: the configured one, else the first the server lists."""
-        if self.model:
-            return self.model
+        """The model id to send: the configured one, else the first the server lists; and that
+        model's context length where the server lists it (vLLM's ``max_model_len``)."""
         try:
             status, text = await self._get(f"{self.base_url}/models", 10.0)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -249,7 +252,11 @@ class UpstreamServer:
         data = json.loads(text).get("data") or []
         if not data:
             raise UpstreamDown(f"{self.base_url}/models lists no model")
-        self.model = data[0]["id"]
+        card = next((m for m in data if self.model in (m.get("id"), m.get("root"))), None) if self.model else data[0]
+        self.model = self.model or data[0]["id"]
+        context = (card or {}).get("max_model_len")
+        if isinstance(context, int) and context > 0:
+            self.caps.max_model_len = context
         return self.model
 
     async def probe(self, prompt_ids: list[int], prompt_text: str) -> Capabilities:

@@ -282,8 +282,10 @@ class UpstreamLoop:
         if row.ended:
             return
         reason = FinishReason.LENGTH if finish == "length" else FinishReason.STOP
-        if reason is FinishReason.LENGTH and len(row.new_ids) < row.req.max_tokens:
-            reason = FinishReason.STOP  # an emulated length ended it, as the built-in engine says
+        e = row.req.emulated_tokens
+        if reason is FinishReason.LENGTH and e is not None and e <= len(row.new_ids) < row.req.max_tokens:
+            reason = FinishReason.STOP  # an emulated length ended it (its EOS), as the built-in engine says
+        # otherwise the server's reason stands: "length" short of max_tokens is its context's end
         row.group.out.tokens.append(TokenEvent(row.req, None, row.req.done_tokens + len(row.new_ids), time.time(),
                                                row.first_token_at, reason))
         row.ended = True

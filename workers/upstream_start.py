@@ -59,6 +59,17 @@ def delta_bytes(model: str) -> int:
         return 1
 
 
+def context_from_config(model: str) -> int:
+    """The served model's positions, from its config where cohort can read it (0: not known): the
+    context of a server that does not say its own (``transformers serve``)."""
+    if model == DEFAULT_MODEL:
+        return int(TINY_LLAMA.get("max_position_embeddings", 0))
+    try:
+        return int(json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings") or 0)
+    except (OSError, ValueError, TypeError):
+        return 0
+
+
 async def _connect(server: UpstreamServer, probe_ids: list[int], probe_text: str) -> str | None:
     """Wait for the server, then read its model, what it accepts and its published capacity."""
     deadline = time.monotonic() + START_WAIT_S
@@ -100,7 +111,8 @@ def start_upstream(settings: Settings) -> Runtime:
     name = s.instance_name or f"{socket.gethostname()}-{os.getpid()}-upstream"
     info = InstanceInfo(name=name, pool=s.pool, model=s.model, theta_bytes=capacity * delta, delta_bytes=delta,
                         device=f"upstream:{s.upstream}", started=time.time(),
-                        served_model_name=s.served_model_name or s.model)
+                        served_model_name=s.served_model_name or s.model,
+                        max_model_len=server.caps.max_model_len or context_from_config(s.model))
 
     def status() -> InstanceInfo | None:
         return None if loop.down else replace(info, theta_bytes=loop.capacity_tokens * delta)
@@ -109,6 +121,6 @@ def start_upstream(settings: Settings) -> Runtime:
                  info, loop=loop, status=status)
     rt.publisher = GroupPublisher(rt, loop)
     rt.start_heartbeat()
-    log.info("upstream instance %s registered in pool %s: %d KV tokens (%s)", name, s.pool, capacity,
-             "published by the server" if published else "configured")
+    log.info("upstream instance %s registered in pool %s: %d KV tokens (%s), context %s tokens", name, s.pool,
+             capacity, "published by the server" if published else "configured", info.max_model_len or "unknown")
     return rt

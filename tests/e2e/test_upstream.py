@@ -100,6 +100,33 @@ def test_n_choices_and_stop_strings(upstream_stack):
     assert cut.choices[0].text == full[:full.index(stop)]
 
 
+def _finish_reasons(c: OpenAI, model: str, **extra) -> tuple:
+    """What a client reads as an answer's end, whole and streamed, and the whole answer's text."""
+    whole = c.completions.create(model=model, prompt="List some fruit.", max_tokens=12, temperature=0, **extra)
+    chunks = c.completions.create(model=model, prompt="List some fruit.", max_tokens=12, temperature=0,
+                                  stream=True, **extra)
+    return (whole.choices[0].finish_reason,
+            [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason],
+            whole.choices[0].text)
+
+
+def test_finish_reasons_are_the_servers(upstream_stack):
+    """max_tokens reached: "length" from the server and from cohort, whole and streamed. A stop
+    string: `transformers serve` does not apply ``stop`` to completions (it answers all 12 tokens,
+    "length"); cohort finds it in the server's text and ends the answer there with "stop"."""
+    stack, servers = upstream_stack
+    direct = OpenAI(base_url=f"{servers[1][1]}/v1", api_key="none", max_retries=0, timeout=120)
+    model = direct.models.list().data[0].id  # the one cohort's worker sends to
+    theirs = _finish_reasons(direct, model)
+    assert theirs[:2] == ("length", ["length"])
+    assert _finish_reasons(_client(stack), "cohort/tiny-random-llama") == theirs
+    stop = theirs[2][4:7]
+    ignored = _finish_reasons(direct, model, stop=[stop])
+    cut = _finish_reasons(_client(stack), "cohort/tiny-random-llama", stop=[stop])
+    assert ignored == theirs, "transformers serve applies stop strings now: compare them too"
+    assert cut == ("stop", ["stop"], theirs[2][:theirs[2].index(stop)])
+
+
 def test_a_client_that_leaves_stops_its_upstream_row(upstream_stack):
     stack, _ = upstream_stack
     stream = _client(stack).completions.create(model="cohort/tiny-random-llama", prompt="Tell me a story.", temperature=0,

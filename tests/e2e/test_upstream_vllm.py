@@ -92,3 +92,32 @@ def test_a_client_that_leaves_aborts_the_vllm_request(vllm_stack):
     while time.time() < deadline and running() != 0.0:
         time.sleep(0.5)
     assert running() == 0.0, "vLLM still runs the row its client left"
+
+
+def _context_rows(base: str, model: str) -> dict[str, tuple]:
+    """The requests of the context table, to ``base`` (vLLM direct or cohort): a 1,992-token prompt
+    with max_tokens 200 (past the 2,048-token context), streamed and not, and a chat of ~2,000."""
+    c = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
+    ids = (prompt_token_ids(["Tell me a story."])[0] * 1000)[:1992]
+    plain = c.completions.create(model=model, prompt=ids, max_tokens=200, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    chunks = list(c.completions.create(model=model, prompt=ids, max_tokens=200, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    streamed = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    streamed_tokens = [ch.usage.completion_tokens for ch in chunks if ch.usage]
+    chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "story " * 1980}],
+                                     max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+    return {"models": (c.models.list().data[0].model_extra["max_model_len"],),
+            "completion": (plain.choices[0].finish_reason, plain.usage.completion_tokens),
+            "streamed": (streamed, streamed_tokens[-1:]),
+            "chat": (chat.choices[0].finish_reason, chat.usage.prompt_tokens + chat.usage.completion_tokens)}
+
+
+def test_the_context_length_and_finish_reasons_are_vllms(vllm_stack):
+    """The table of what a client sees: /v1/models' max_model_len, and a max_tokens past the context
+    ending at the context with "length", streamed or not, completions and chat — as vLLM says."""
+    stack, url = vllm_stack
+    direct, through = _context_rows(url, "tiny"), _context_rows(stack.url, "cohort/tiny-random-llama")
+    assert direct["models"] == (2048,) and direct["completion"] == ("length", 56)
+    assert direct["streamed"] == (["length"], [56]) and direct["chat"] == ("length", 2048)
+    assert through == direct

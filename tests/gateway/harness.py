@@ -80,9 +80,10 @@ def leaves_after(seconds: float):
 
 
 async def register(redis, name: str, pool: str, model: str, served: str = "", alive: bool = True,
-                   theta: int = THETA) -> None:
+                   theta: int = THETA, max_model_len: int = 0) -> None:
     """An instance of ``pool`` as a worker registers it (heart-beating unless ``alive`` is False)."""
-    info = InstanceInfo(name, pool, model, theta, DELTA, served_model_name=served, started=time.time())
+    info = InstanceInfo(name, pool, model, theta, DELTA, served_model_name=served, started=time.time(),
+                        max_model_len=max_model_len)
     await redis.hset(bus.INSTANCES, name, json.dumps(info.to_dict()))
     if alive:
         await redis.set(bus.alive_key(name), "1")
