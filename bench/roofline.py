@@ -91,6 +91,9 @@ MODELS: dict[str, RooflineShape] = {
     "llama-7b": RooflineShape("Llama-7B", 6.738e9, 32, 4096, 32, 32, 128),
     # LLaMA-13B (AdaptiveLLM's Llama-13B): 40 layers, hidden 5120, 40 heads, 13.02 B parameters.
     "llama-13b": RooflineShape("Llama-13B", 13.016e9, 40, 5120, 40, 40, 128),
+    # meta-llama/Meta-Llama-3-8B: 32 layers, hidden 4096, 32 heads, 8 KV heads (GQA) of 128, 8.03 B parameters
+    # (the 128,256-token vocabulary's untied embeddings included), bf16: what the engine simulator models.
+    "llama-3-8b": RooflineShape("Llama-3-8B", 8.030e9, 32, 4096, 32, 8, 128, dtype="bfloat16"),
     # The built-in model (cohort/tiny-random-llama, workers.tiny_llama.TINY_LLAMA) as a CPU worker runs it,
     # in fp32: 4 layers, hidden 128, 4 heads, 2 KV heads of 32; 4.50 M parameters, 3.9 M of them the
     # MiniLM vocabulary's (30,522) tied embeddings (tests/bench/test_roofline.py checks the match).

@@ -13,6 +13,7 @@ import uvicorn
 from batcher.policies import POLICIES
 from batcher.process import run_batcher
 from bench.cli import app as bench_app
+from bench.engine_sim.cli import app as engine_sim_app
 from cohort.sampling_defaults import sampling_defaults
 from cohort.settings import Settings, get_settings
 from cohort.tokenizer import tokenizer_path
@@ -38,6 +39,7 @@ app.add_typer(predictor_app, name="predictor")
 app.add_typer(bench_app, name="bench")
 app.add_typer(deploy_app, name="deploy")
 app.add_typer(batch_app, name="batch")
+app.add_typer(engine_sim_app, name="engine-sim")
 
 
 def _logging(level: str = "INFO") -> None:

@@ -1,0 +1,96 @@
+"""The simulator's options, what they imply (the KV pool size, the step-time model), and the
+engine they build.
+
+Defaults are vLLM's where vLLM has one (block size 16, ``max_num_seqs`` 256, a token budget of
+8192 per step with chunked prefill on); the KV pool, unless ``--num-gpu-blocks`` is given, is
+what the roofline leaves for KV on the GPU(s) (Θ/Δ tokens: device memory − weights − a 10 %
+reserve, as vLLM's 0.9 ``gpu_memory_utilization`` does), in blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench.engine_sim.engine import SimClock, SteppedEngine
+from bench.engine_sim.faults import Faults
+from bench.engine_sim.fixed import FixedDelayEngine
+from bench.engine_sim.kv_blocks import KVCacheManager
+from bench.engine_sim.scheduler import FCFS, PRIORITY, Scheduler
+from bench.engine_sim.step_time import StepTime, load_fit, roofline_step_time, tp_instance
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SimConfig:
+    model_name: str = "sim-model"
+    tokenizer: str | None = None          # None: cohort's built-in model's tokenizer
+    gpu: str = "h100-80gb"
+    model: str = "llama-3-8b"
+    tp: int = 1
+    fit: str | None = None                # a fitted step-time JSON instead of the roofline
+    num_gpu_blocks: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    scheduling_policy: str = FCFS
+    enable_prefix_caching: bool = True
+    speedup: float = 1.0
+    ttft_ms: float | None = None          # both set: the fixed-delay engine
+    itl_ms: float | None = None
+    max_waiting: int = 0                  # 0: unbounded
+    die_after: int = 0
+    stall_after: int = 0
+    stall_s: float = 0.0
+    error_rate: float = 0.0
+    seed: int = 0
+
+    @property
+    def fixed_delay(self) -> bool:
+        return self.ttft_ms is not None or self.itl_ms is not None
+
+    def validate(self) -> None:
+        if self.fixed_delay and (self.ttft_ms is None or self.itl_ms is None):
+            raise ValueError("the fixed-delay engine needs both --ttft-ms and --itl-ms")
+        if self.scheduling_policy not in (FCFS, PRIORITY):
+            raise ValueError(f"--scheduling-policy must be {FCFS} or {PRIORITY}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.speedup <= 0:
+            raise ValueError("--speedup must be positive")
+
+    def kv_blocks(self) -> int:
+        """``--num-gpu-blocks``, else the roofline's KV tokens for the GPU(s) and model, in blocks."""
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        inst = tp_instance(self.gpu, self.model, self.tp)
+        return max(2, inst.theta_bytes // inst.model.delta_bytes // self.block_size)
+
+    def step_time(self) -> StepTime:
+        return load_fit(self.fit) if self.fit else roofline_step_time(self.gpu, self.model, self.tp)
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_engine(cfg: SimConfig, exit_fn: Any = None) -> SteppedEngine | FixedDelayEngine:
+    """The engine the options describe (the fixed-delay one when ``--ttft-ms``/``--itl-ms`` are set)."""
+    cfg.validate()
+    clock = SimClock(cfg.speedup)
+    kw = {"exit_fn": exit_fn} if exit_fn is not None else {}
+    faults = Faults(cfg.die_after, cfg.stall_after, cfg.stall_s, cfg.error_rate, cfg.seed, **kw)
+    if cfg.fixed_delay:
+        assert cfg.ttft_ms is not None and cfg.itl_ms is not None
+        return FixedDelayEngine(cfg.ttft_ms, cfg.itl_ms, clock, faults, cfg.max_waiting)
+    blocks = cfg.kv_blocks()
+    capacity = (blocks - 1) * cfg.block_size
+    if cfg.max_model_len > capacity:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the KV pool ({blocks} blocks of "
+                         f"{cfg.block_size} = {capacity} usable tokens); lower it or raise --num-gpu-blocks")
+    kv = KVCacheManager(blocks, cfg.block_size, cfg.max_model_len, cfg.enable_prefix_caching)
+    sched = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.scheduling_policy)
+    return SteppedEngine(sched, cfg.step_time(), clock, faults, cfg.max_waiting)
