@@ -80,7 +80,7 @@ fi
 
 cat <<EOF
 
-Start it (CPU; tiny model dir from \`cohort model export DIR\`; docs/vllm_cpu.md):
+Start it (CPU; the tiny model dir from \`.venv/bin/cohort worker export-model DIR\`; docs/vllm_cpu.md):
   VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind \\
     $VENV/bin/vllm serve DIR --host 127.0.0.1 --port 8100 --served-model-name tiny \\
       --dtype float32 --max-model-len 2048 --num-gpu-blocks-override 64 \\
