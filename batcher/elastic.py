@@ -80,6 +80,6 @@ def admission_kv_tokens(contexts: Sequence[int], remaining: Sequence[int], page_
     context and planned remaining tokens): their peak (``rows_kv_peak``) plus half a page per row
     for the partly filled last page. Half, not the worst case of a page less one token: fills are
     spread evenly, so the sum over dozens of rows stays close to it, and the worst case reserved
-    18 % of a 4,096-token Θ at 50 rows and cost 6 % throughput in the simulator (docs/benchmarks.md).
+    18 % of a 4,096-token Θ at 50 rows and cost 6 % throughput in the simulator (docs/notes/benchmarks.md).
     What ``batcher.kv_judge.KVJudge.running_set_fits`` holds against the capacity."""
     return rows_kv_peak(contexts, remaining) + (page_tokens // 2) * len(contexts)

@@ -74,7 +74,7 @@ class KVJudge:
         bound by the rows themselves, another row adds little throughput but slows every other row,
         and with shortest-first admission the rows kept out are the long ones (simulator,
         saturated Magnus trace: 0.73 -> 0.70x cb-fcfs mean latency on V100 / ChatGLM-6B, no change
-        on H100 / Llama-7B; docs/benchmarks.md). An empty instance is the callers' case: it takes
+        on H100 / Llama-7B; docs/notes/benchmarks.md). An empty instance is the callers' case: it takes
         any group."""
         return (len(contexts) <= self.max_rows
                 and admission_kv_tokens(contexts, remaining, self.page_tokens) <= self.capacity_tokens

@@ -9,7 +9,7 @@ row's steps; and with shortest-first admission the requests a full running set k
 the long ones. So a row joins only while its marginal cost is at most ``limit`` × the mean cost
 per row of the running set it joins (the step's *make-up*, not a fixed row count decides).
 
-Measured (docs/benchmarks.md "A row cap from the step's make-up"): on the simulator's V100 /
+Measured (docs/notes/benchmarks.md "A row cap from the step's make-up"): on the simulator's V100 /
 ChatGLM-6B, compute-bound from ~170 rows, 0.815 binds near 223 rows and takes spf's mean latency
 from 0.73 to 0.70x cb-fcfs; on H100 / Llama-7B, bound by its fixed part, it never binds (a fixed
 224-row cap cost 0.76 -> 0.86x there); the CPU worker (tiny model) measured its rows paying for

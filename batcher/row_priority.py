@@ -3,7 +3,7 @@
 Why: a batch job's rows (``offline.runner``, priority ``COHORT_OFFLINE__PRIORITY``) and interactive
 requests (priority 0) share an instance's running set. On a CPU a decode step's time grows with
 every row in it, so background rows beside an interactive one slow each of its steps (2.5× its
-p50 latency, docs/batch.md) however strictly the batcher orders the queue. So at each step:
+p50 latency, docs/notes/batch.md) however strictly the batcher orders the queue. So at each step:
 
 - the most urgent priority present (the lowest number among the rows running, waiting to resume
   or waiting to be admitted) runs every step;

@@ -34,6 +34,7 @@ from bench.continuous_run import (
     DEFAULT_MAX_ROWS,
     physical_bound,
 )
+from bench.front_cli import front
 from bench.live import answer_digests, check_loopback, compare_answers, run_live_sync
 from bench.live_stack import parse_env, spawned_stack
 from bench.online_quantile import OnlineQuantile
@@ -50,8 +51,7 @@ from predictor.conformal import ConformalTable
 from predictor.estimator import AnalyticBatchTime
 
 app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
-
-for _command in (soak, upstream, prefix):  # `cohort bench soak|upstream|prefix`: bench/<name>_cli.py
+for _command in (soak, upstream, prefix, front):  # `cohort bench soak|upstream|prefix|front`: bench/<name>_cli.py
     app.command()(_command)
 DEFAULT_POLICIES = "vs,glp,abp,magnus,magnus+oracle,s3,slo-dbs,odbs,slo-odbs"
 

@@ -228,7 +228,7 @@ class ContinuousEngine:
             recompute_s = self._recompute_s(inst, row)
             host_tokens = inst.host_free * self.limits.page_tokens
             if self.preemption == "swap" and tokens > host_tokens:
-                self.stats.swap_fallbacks += 1   # vLLM 0.2.5 would abort here (docs/benchmarks.md)
+                self.stats.swap_fallbacks += 1   # vLLM 0.2.5 would abort here (docs/notes/benchmarks.md)
             if choose_preemption(self.preemption, swap_s, recompute_s, host_tokens, tokens) == "swap":
                 self.stats.swaps += 1
                 self.transfer += self._bytes_s(row.pages, True)

@@ -91,7 +91,7 @@ async def replay_streams(workload: Workload, base_url: str, body_of: Callable[[i
                        np.zeros(n, dtype=bool), 0.0, {})
     recs = workload.rows.records
     # aiohttp, not httpx: the client shares a core with cohort's processes in the recipe, and httpx
-    # spent ~3x the CPU per stream (measured in docs/upstream.md), which a cohort run paid and a
+    # spent ~3x the CPU per stream (measured in docs/notes/upstream.md), which a cohort run paid and a
     # direct one did not. Idle connections expire before the servers' own 5 s keep-alive
     # (uvicorn's, vLLM's): a request sent on a connection the server is closing that instant dies
     # with a disconnect, never received.

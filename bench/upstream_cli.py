@@ -1,6 +1,6 @@
 """`cohort bench upstream`: an engine direct against cohort in front of it, same seeded workload,
 one run. The engine (vLLM, `transformers serve`, …) is started by the caller (recipe:
-docs/upstream.md); cohort stacks are spawned per target with COHORT_UPSTREAMS pointing at it, or
+docs/notes/upstream.md); cohort stacks are spawned per target with COHORT_UPSTREAMS pointing at it, or
 on the built-in engine (``builtin:<policy>``). Targets run in the order given, each over every
 load, so ``direct,…,direct`` is the A-B-A order that shows the machine's drift. ``direct-fcfs`` is
 the same engine started without priority scheduling (``--fcfs-upstream``; vLLM's default, FCFS),

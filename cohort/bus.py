@@ -301,7 +301,7 @@ def stream_ttl_s(final: bool) -> int:
     read it (it reads within COHORT_DISCONNECT_CHECK_S) and for the batcher to see the row is
     answered if its batch is lost soon after. Open: COHORT_REQUEST_TIMEOUT_S + that, renewed on
     every write, so only a stream nobody writes to or waits for any more expires. Redis memory
-    is then ~ rate x stream bytes x end TTL (docs/retention.md)."""
+    is then ~ rate x stream bytes x end TTL (docs/notes/retention.md)."""
     s = get_settings()
     end = int(s.stream_end_ttl_s)
     return end if final else int(s.request_timeout_s) + end

@@ -24,7 +24,7 @@ class ContinuousSettings(BaseModel):
     group_frac: float = Field(
         default=0.01, gt=0.0, le=1.0, description="The share of Θ the policy plans one admission group with: "
         "small groups join a busy running set often instead of waiting for room for a big one "
-        "(measured in docs/benchmarks.md).")
+        "(measured in docs/notes/benchmarks.md).")
     max_rows: int = Field(
         default=256, ge=1, description="Most rows one instance runs at once (vLLM's max_num_seqs); the "
         "marginal-cost rule caps rows by the step's make-up below it, a fixed cap is the blunter tool.")
@@ -41,7 +41,7 @@ class ContinuousSettings(BaseModel):
         default=0.02, ge=0.0, le=10.0, description="How much rows of a less urgent priority (a batch job's) may "
         "lengthen the mean step time of more urgent ones beside them: the engine measures steps with and without "
         "them and runs them in the share of steps that keeps within this; otherwise they stay resident and skip "
-        "the step, until the job's window nears (batcher.row_priority; measured in docs/batch.md).")
+        "the step, until the job's window nears (batcher.row_priority; measured in docs/notes/batch.md).")
     background_min_duty: float = Field(
         default=0.0, ge=0.0, le=1.0, description="The least share of steps rows of a less urgent priority "
         "run beside more urgent ones, whatever COHORT_CONTINUOUS__BACKGROUND_SLOWDOWN measures (1: never yield).")

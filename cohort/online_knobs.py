@@ -29,7 +29,7 @@ class OnlineSettings(BaseModel):
     clusters: int = Field(
         default=8, ge=0, description="Prompt clusters (k of an online k-means over the instruction's static "
         "MiniLM vector) that unlabelled traffic is calibrated in, between the instruction and the pool-wide "
-        "group; 0: none. See predictor/prompt_clusters.py and docs/predictors.md.")
+        "group; 0: none. See predictor/prompt_clusters.py and docs/notes/predictors.md.")
     correction: bool = Field(
         default=True, description="Also correct the point prediction online: a forgetting ridge on the log "
         "residual over cross-source cues, learnt from completions (needs COHORT_ONLINE__CONFORMAL).")

@@ -3,7 +3,7 @@
 redis-py's asyncio connection packs every command in Python, argument by argument. The gateway's
 stream hub sends one XREAD naming every answer stream it follows (two arguments each) each time
 any of them has news: in a streamed run that packing was 16 % of the gateway's CPU (cProfile,
-docs/upstream.md). ``hiredis.pack_command`` gives the same bytes; the argument rules of redis-py's
+docs/notes/upstream.md). ``hiredis.pack_command`` gives the same bytes; the argument rules of redis-py's
 own hiredis packer are kept (a command name with a space is split, bool is refused).
 """
 

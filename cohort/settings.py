@@ -118,6 +118,12 @@ class Settings(BaseSettings):
     # --- gateway --------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000
+    gateway_processes: int = Field(
+        default=1, ge=1, le=64, description="Gateway processes serving the one port (uvicorn's process manager: "
+        "one listening socket, each process accepts from it; a process that dies is started again). Queue "
+        "slots, rate limits and keys live in Redis and the log DB, so every process sees the same; /metrics "
+        "adds up every process's counters and histograms; the predictor's online state has one writer. Several "
+        "hosts behind any load balancer work the same way.")
     http_max_header_bytes: int = Field(
         default=16_384, ge=1024, description="Most bytes of an unfinished request line + headers the gateway "
         "reads while the head is unfinished (launch.bounded_http; 400 beyond it), so a client cannot make it read "
@@ -151,7 +157,7 @@ class Settings(BaseSettings):
     # --- predictor ------------------------------------------------------------------------
     predictor_kind: str = Field(default="semantic", description="What retraining trains: semantic (ours: full static "
                                 "MiniLM vectors + words, ranks general instructions, ~900 predictions/s; "
-                                "docs/predictors.md) | magnus (the paper: MiniLM sentence embeddings) | magnus_fast "
+                                "docs/notes/predictors.md) | magnus (the paper: MiniLM sentence embeddings) | magnus_fast "
                                 "(token-embedding average) | lora (UELLM) | linear | mean. The gateway serves the "
                                 "registry's active version.")
     predictor_dir: Path | None = Field(
@@ -162,18 +168,18 @@ class Settings(BaseSettings):
     )
     encoder_backend: Literal["torch", "onnx"] = Field(
         default="torch", description="How the sentence encoder runs: torch (sentence-transformers) | onnx "
-        "(onnxruntime, exported once to <data_dir>/cache/onnx; same vectors). See docs/predictors.md."
+        "(onnxruntime, exported once to <data_dir>/cache/onnx; same vectors). See docs/notes/predictors.md."
     )
     encoder_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto", description="Weights and arithmetic of the torch sentence encoder: float32 | "
         "bfloat16 | auto (bfloat16 where the CPU has AMX tiles, measured 3x faster there with vectors at "
-        "cosine >= 0.9998; float32 elsewhere, where bf16 measured no gain). See docs/predictors.md."
+        "cosine >= 0.9998; float32 elsewhere, where bf16 measured no gain). See docs/notes/predictors.md."
     )
     encoder_threads: int = Field(
         default=0, ge=0, description="OpenMP threads one sentence-encoder forward may use, also on the gateway's "
         "predictor thread (which runs everything else at COHORT_PREDICTOR_THREADS); 0: every core. A Magnus "
         "micro-batch is tens of ms of matmuls that split well: 135/s with 1 thread, 200-235/s with 2 "
-        "(docs/predictors.md)."
+        "(docs/notes/predictors.md)."
     )
     cold_start: str = Field(
         default="max_tokens",
@@ -200,17 +206,17 @@ class Settings(BaseSettings):
         default=0.2, gt=0.0, le=1.0, description="The share of Θ the policy plans one admission group with when every "
         "instance of the pool is an upstream (COHORT_CONTINUOUS__GROUP_FRAC for built-in ones): the server runs each "
         "row as its own stream in the group's order, so a group is only how rows travel, and each one costs a "
-        "Celery task and a round of bookkeeping (measured in docs/upstream.md).")
+        "Celery task and a round of bookkeeping (measured in docs/notes/upstream.md).")
     upstream_stream_interval: int = Field(
         default=8, ge=1, description="Ask an upstream that streams token ids to send a row's tokens in chunks of this "
         "many (vLLM's per-request `stream_interval`; the first token and the end still come at once): the worker "
-        "coalesces tokens for its flush anyway, and each chunk costs both processes a parse (docs/upstream.md). "
+        "coalesces tokens for its flush anyway, and each chunk costs both processes a parse (docs/notes/upstream.md). "
         "1: a chunk per token.")
     upstream_flush_s: float = Field(
         default=0.05, gt=0, le=1.0, description="An upstream worker sends what its rows streamed this long after "
         "the first news, as one Redis round (a row's first token and its end go at once): longer means fewer, "
         "larger chunks for the gateway and the clients to relay and parse. With 8-token upstream chunks, 0.05 "
-        "cut cohort's CPU per streamed request by a fifth against 0.02 and 4 (docs/upstream.md).")
+        "cut cohort's CPU per streamed request by a fifth against 0.02 and 4 (docs/notes/upstream.md).")
     upstream_timeout_s: float = Field(
         default=60.0, gt=0, description="An upstream that sends nothing on a stream this long is down: its "
         "unfinished rows continue elsewhere.")
@@ -219,7 +225,7 @@ class Settings(BaseSettings):
     policy: str = Field(default="magnus", description="vs | glp | abp | magnus | s3 | s3-hrrn | slo-dbs | odbs | "
                         "slo-odbs | spf")
     wma_threshold: float = Field(default=20_000.0, description="Φ: WMA (token reads) under which p joins a "
-                                 "batch (swept in docs/benchmarks.md: larger lets short requests join long batches).")
+                                 "batch (swept in docs/notes/benchmarks.md: larger lets short requests join long batches).")
     memory_headroom: float = Field(default=0.0, ge=0.0, lt=1.0, description="Policies that plan with "
                                    "predicted lengths use Θ·(1−headroom): slack for under-predictions "
                                    "(0 = the papers' rule; VS plans with max_tokens and ignores it).")
@@ -319,7 +325,7 @@ class Settings(BaseSettings):
     # --- the spf policy ---------------------------
     spf_aging: float = Field(default=3.5, ge=0.0, description="spf (shortest predicted first): predicted tokens "
                              "of rank a waiting request gains per second; 0 = pure SPF, large = FCFS: aging bounds "
-                             "the tail the long requests pay (tuned in docs/benchmarks.md).")
+                             "the tail the long requests pay (tuned in docs/notes/benchmarks.md).")
     spf_prefix_window: float = Field(
         default=64.0, ge=0.0, description="spf under continuous execution with a prefix cache: a waiting request "
         "that starts with the same prompt page as a group's head joins that group if its rank is at most this many "
@@ -330,7 +336,7 @@ class Settings(BaseSettings):
                                    description="Online recalibration of the predictor (COHORT_ONLINE__*).")
     predictor_threads: int = Field(
         default=1, ge=1, description="OpenMP threads the gateway's predictor thread may use (gradient-boosted "
-        "trees, ridge). A request batch is a few rows: more threads only spin (docs/retention.md).")
+        "trees, ridge). A request batch is a few rows: more threads only spin (docs/notes/retention.md).")
 
     # --- Batch API (files, batches, job runner) and API keys --------------------
     api_keys: str | None = Field(
@@ -356,10 +362,10 @@ class Settings(BaseSettings):
     stream_end_ttl_s: float = Field(
         default=60.0, ge=1.0, description="A request's Redis stream lives this long after its final event (the "
         "gateway reads it within COHORT_DISCONNECT_CHECK_S); an open stream expires when nothing is written to it "
-        "for COHORT_REQUEST_TIMEOUT_S + this. Memory ~ rate x stream bytes x this (docs/retention.md).")
+        "for COHORT_REQUEST_TIMEOUT_S + this. Memory ~ rate x stream bytes x this (docs/notes/retention.md).")
     redis_maxmemory_mb: int = Field(
         default=512, ge=0, description="Embedded Redis only: maxmemory (0: none), with policy volatile-lru: only "
-        "keys with a TTL (finished streams, cancel marks, results) may be evicted, never a queue (docs/retention.md).")
+        "keys with a TTL (finished streams, cancel marks, results) may be evicted, never a queue (docs/notes/retention.md).")
 
     def policy_params(self) -> dict:
         """Everything a policy factory may take; each policy picks what it uses."""

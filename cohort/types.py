@@ -20,7 +20,7 @@ def _field_names(cls: type) -> tuple[str, ...]:
 def field_values(obj: Any) -> dict[str, Any]:
     """A dataclass's fields as a dict, each value as it is. ``dataclasses.asdict`` deep-copies every
     list on the way; the messages built per token and per batch are JSON-dumped at once, so that
-    copy was a measurable share of the worker's and the batcher's CPU (docs/upstream.md).
+    copy was a measurable share of the worker's and the batcher's CPU (docs/notes/upstream.md).
     Callers convert nested dataclasses themselves."""
     return {name: getattr(obj, name) for name in _field_names(type(obj))}
 

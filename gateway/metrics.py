@@ -14,7 +14,7 @@ import json
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy import and_, case, func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cohort import bus
 from cohort.logdb import requests as request_rows
 from cohort.types import InstanceInfo
+from gateway.metrics_processes import exposition
 
 log = logging.getLogger("cohort.gateway")
 
@@ -106,7 +107,7 @@ class GatewayMetrics:
             else:
                 self.counters.labels(event=k).set(float(v))
         await self.pools.fill(redis, pool)
-        return generate_latest(self.registry)
+        return exposition(self.registry)
 
 
 # Σ of a JSON field over a hash's values and a list's items, inside Redis (the waiting requests are

@@ -2,7 +2,7 @@
 
 Why: with a blocking XREAD per request, the event loop pays one Redis round trip (command
 encoding, reply parsing, a pooled connection held while blocked) per event batch per request. In a
-burst of 300 streamed requests that was 45 % of the gateway's main thread (py-spy, docs/upstream.md
+burst of 300 streamed requests that was 45 % of the gateway's main thread (py-spy, docs/notes/upstream.md
 "The gateway's intake"), more than admission itself, and the relaying of early requests' tokens
 delayed the admission of later ones. The hub reads every followed stream in one call, which
 returns all their new entries at once, and hands each reader its own.

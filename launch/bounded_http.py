@@ -3,7 +3,7 @@ request head.
 
 Why not h11, which uvicorn bounds itself (``h11_max_incomplete_event_size``): h11 parses and
 frames in pure Python, and every streamed SSE chunk of every answer passes through it. With
-httptools (C) the gateway spent ~1 ms less CPU per streamed request (docs/upstream.md), on the
+httptools (C) the gateway spent ~1 ms less CPU per streamed request (docs/notes/upstream.md), on the
 core it shares with the batcher and the workers. httptools itself reads a head of any size, so
 this protocol keeps h11's rule: the bytes read while a head is still open may not exceed
 ``max_head_bytes`` (COHORT_HTTP_MAX_HEADER_BYTES); beyond it the client is answered 400 and the
@@ -13,6 +13,8 @@ connection closed. A head that completes within the read that crosses the bound 
 from __future__ import annotations
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from cohort.settings import get_settings
 
 
 class BoundedHttpTools(HttpToolsProtocol):
@@ -42,3 +44,14 @@ class BoundedHttpTools(HttpToolsProtocol):
 def bounded_http(max_head_bytes: int) -> type[BoundedHttpTools]:
     """The protocol class uvicorn builds per connection, with this bound."""
     return type("BoundedHttpTools", (BoundedHttpTools,), {"max_head_bytes": max_head_bytes})
+
+
+class SettingsBoundedHttpTools(BoundedHttpTools):
+    """The bound from the process's own settings (COHORT_HTTP_MAX_HEADER_BYTES): the class several
+    gateway processes name (``launch.bounded_http:SettingsBoundedHttpTools``), since uvicorn's
+    process manager hands its children the configuration by value and a class made at run time
+    (``bounded_http``) cannot cross."""
+
+    @property
+    def max_head_bytes(self) -> int:  # type: ignore[override]
+        return get_settings().http_max_header_bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 import typer
@@ -18,6 +19,7 @@ from cohort.sampling_defaults import sampling_defaults
 from cohort.settings import Settings, get_settings
 from cohort.tokenizer import tokenizer_path
 from deployer.cli import app as deploy_app
+from gateway.metrics_processes import MULTIPROCESS_ENV, fresh_metrics_dir
 from launch.bounded_http import bounded_http
 from launch.prefill_profile import profile_prefill
 from launch.supervisor import serve_all
@@ -90,11 +92,19 @@ def gateway_server_options(s: Settings) -> dict[str, Any]:
 
 @app.command()
 def gateway(host: str | None = None, port: int | None = None) -> None:
-    """Run the REST gateway (with the predictor in-process)."""
+    """Run the REST gateway (with the predictor in-process); COHORT_GATEWAY_PROCESSES of them on
+    the one port."""
     _logging()
     s = checked_settings()
+    options = gateway_server_options(s)
+    if s.gateway_processes > 1:
+        # uvicorn's process manager: one socket, N processes accepting from it, a dead one restarted.
+        # Each process counts its own requests into files that /metrics adds up (gateway.metrics).
+        options["http"] = "launch.bounded_http:SettingsBoundedHttpTools"
+        options["workers"] = s.gateway_processes
+        os.environ[MULTIPROCESS_ENV] = str(fresh_metrics_dir(s.data_dir, port or s.port))
     uvicorn.run("gateway.app:create_app", factory=True, host=host or s.host, port=port or s.port,
-                log_level="info", **gateway_server_options(s))
+                log_level="info", **options)
 
 
 @app.command()

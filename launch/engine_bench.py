@@ -1,7 +1,7 @@
 """Benchmark (not a test): generated tokens/s of the three execution paths on the same requests,
 one CPU process.
 
-    python -m launch.engine_bench --json docs/benchmarks/engine_cpu.json
+    python -m launch.engine_bench --json docs/notes/benchmarks/engine_cpu.json
 
 Requests: 32, prompts 400-800 tokens, outputs 16-256 tokens (seeded), lengths emulated (EOS
 forced at each request's length) so every path generates exactly the same tokens:

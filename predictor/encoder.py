@@ -6,7 +6,7 @@ within float rounding, identical predictions on the validation rows). The ONNX f
 from the local model at first use and cached under ``<data_dir>/cache/onnx/<encoder-id>/`` —
 nothing is downloaded. Dynamic int8 quantisation (onnxruntime ``quantize_dynamic``, per channel)
 was measured and dropped: MAE +8.7 %, Kendall τ −2.8 % on the Magnus validation rows, outside the
-2 % quality budget (docs/predictors.md).
+2 % quality budget (docs/notes/predictors.md).
 
 Why the export is done here and not by sentence-transformers' own ``backend="onnx"``: that path
 needs ``optimum-onnx``, which pins ``transformers<4.58``; this project runs transformers 5, so the
@@ -25,7 +25,7 @@ Why bfloat16 where the CPU has AMX (``COHORT_ENCODER_DTYPE=auto``): on a 2-vCPU 
 the torch encoder runs 118/s in float32 (batch 4) and 372/s with bfloat16 weights (batch 16; AMX
 tiles do the matmuls), vectors at cosine >= 0.9998 to float32; without AMX (AVX512-BF16 only) bf16
 measured no gain, so ``auto`` keeps float32 there. Larger batches pay off in bf16 because the
-per-call overhead, not the padded arithmetic, dominates. docs/predictors.md has the table.
+per-call overhead, not the padded arithmetic, dominates. docs/notes/predictors.md has the table.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _encoder_threads(backend: str) -> Iterator[None]:
     """torch's OpenMP thread count for one forward (``settings.encoder_threads``, 0: every core),
     restored afterwards. OpenMP's count is per calling thread, so this widens only the thread that
     encodes: the gateway's predictor thread otherwise runs its small tree and ridge work at
-    ``predictor_threads`` (spinning workers there cost as much as the work, docs/retention.md)."""
+    ``predictor_threads`` (spinning workers there cost as much as the work, docs/notes/retention.md)."""
     if backend != "torch":  # onnxruntime has its own intra-op pool
         yield
         return

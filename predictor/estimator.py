@@ -80,7 +80,7 @@ class KNNBatchTime:
     Estimates are remembered per shape (exact: a fitted model maps a shape to one time). The
     batcher asks for the same open groups' shapes at every dispatch, and one scikit-learn
     neighbour query costs about a millisecond whatever its size: in the steady soak those queries
-    were half the batcher's CPU once the first estimator went live (docs/steady.md).
+    were half the batcher's CPU once the first estimator went live (docs/notes/steady.md).
     """
 
     kind = "knn"
@@ -127,7 +127,7 @@ class KNNBatchTime:
         mean and scale, the neighbours' standardised shapes and times): scikit-learn's query
         costs about a millisecond whatever its size, and in continuous execution every arrival
         changes an open group's shape, so the memo misses at most dispatches (the batcher spent
-        half its CPU there in docs/steady.md run 10). Same rule: the k nearest by Euclidean
+        half its CPU there in docs/notes/steady.md run 10). Same rule: the k nearest by Euclidean
         distance, weighted by 1/distance, an exact repeat of a logged shape its own time."""
         arrays = self._arrays()
         if arrays is None:

@@ -3,7 +3,7 @@
 Why: scikit-learn predicts a ``HistGradientBoostingRegressor`` by looping in Python over its
 trees, one compiled call (and one OpenMP region) per tree. The gateway predicts one or two
 requests at a time, so ``semantic``'s 300 trees cost a few milliseconds per request, nearly all
-of it per-tree overhead: in the steady soak (docs/steady.md) it was the largest single cost in
+of it per-tree overhead: in the steady soak (docs/notes/steady.md) it was the largest single cost in
 the gateway, which shares a 2-core host with the LLM worker. Here every tree's nodes sit in flat
 arrays and all trees descend together, one level per numpy step, so a prediction costs about as
 many array operations as the deepest tree has levels.
@@ -82,7 +82,7 @@ def compile_random_forest(model) -> CompiledForest | None:
     it, the same descent, the trees' values added in order from zero and divided by their number
     (``_accumulate_prediction`` then ``/= len(estimators_)``). Why: scikit-learn predicts a forest
     tree by tree through joblib, ~0.13 ms of overhead per tree, so 100 trees cost the gateway
-    10–15 ms per request (docs/upstream.md, "The gateway's prediction")."""
+    10–15 ms per request (docs/notes/upstream.md, "The gateway's prediction")."""
     trees = [e.tree_ for e in getattr(model, "estimators_", [])]
     if not trees or any(t.n_outputs != 1 or t.value.shape[2] != 1 for t in trees):
         return None

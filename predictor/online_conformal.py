@@ -122,7 +122,7 @@ class OnlineConformal:
         Magnus tasks, in order, the last task was planned at ~1,300 tokens a row for 50 rows
         (static table: 97), and the last 500 rows averaged 241 planned tokens against 81; capped at
         0.95: 120, coverage 0.888 → 0.884; the Alpaca → codealpaca / gpteacher replays, where the
-        cap never binds, are unchanged to the last digit (docs/predictors.md)."""
+        cap never binds, are unchanged to the last digit (docs/notes/predictors.md)."""
         return 1.0 - (1.0 - self.level) / 2.0
 
     def group_quantile(self, item: PredictItem, pool: str | None, static: ConformalTable | None,

@@ -38,7 +38,7 @@ RIDGE = 30.0
 MIN_ROWS = 100
 MAX_SHIFT = 2.5  # the correction never moves a prediction by more than e^2.5 ≈ 12× either way
 SHARED = ""
-HASHED_WORDS = 128  # measured: +0.015 τ on codealpaca, +0.04 on gpteacher over cues alone (docs/predictors.md)
+HASHED_WORDS = 128  # measured: +0.015 τ on codealpaca, +0.04 on gpteacher over cues alone (docs/notes/predictors.md)
 _WORDS = HashingVectorizer(n_features=HASHED_WORDS, alternate_sign=True, norm="l2")  # stateless: nothing to store
 # What _WORDS.transform computes, without its per-call parameter and input validation (3x the
 # hashing itself, on every prediction in the gateway): the same words, hasher and l2 norm

@@ -6,7 +6,7 @@ instructions) all falls into the pool-wide group, so its coverage is right *on a
 per kind of request. On an interleaved stream of Alpaca, code (codealpaca) and tool-use
 (gpteacher) prompts the pool-wide bound covered 0.905 / 0.823 / 0.973 of them: code answers
 outgrew their plans and tool calls were planned at 2.5× their length. Grouping by prompt cluster
-gets each kind near the target without being told what it is (docs/predictors.md).
+gets each kind near the target without being told what it is (docs/notes/predictors.md).
 
 What: spherical k-means over the MiniLM *static* vector of each request's instruction (its last
 ``TEXT_CHARS`` characters, where the ask and the template are; the input when there is no

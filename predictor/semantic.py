@@ -1,6 +1,6 @@
 """The ranking length predictor ("semantic"): what the request asks for, not only how long it is.
 
-Why this design (numbers in docs/predictors.md):
+Why this design (numbers in docs/notes/predictors.md):
 - Magnus compresses each 384-d sentence vector into 16 (user) + 4 (application) group sums, which
   keeps the *size* of a text but throws away what it asks for. On general instruction traffic
   (Alpaca) the words of the instruction ("write a story", "list five", "classify", "in one word")

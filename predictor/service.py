@@ -53,6 +53,7 @@ from predictor.online_residual import OnlineResidual
 from predictor.online_state import load_state, snapshot_state, state_path, write_state
 from predictor.prompt_clusters import PromptClusters, cluster_slot
 from predictor.registry import Registry
+from predictor.state_writer import StateWriter
 
 log = logging.getLogger(__name__)
 # The online state (~200 KB of JSON) is saved at most this often, and at close: it is for restarts,
@@ -117,6 +118,7 @@ class PredictorService:
         self.items_predicted = 0
         self._online_lock = threading.Lock()
         self.online_path = state_path(settings.data_dir)
+        self._writer = StateWriter(self.online_path)  # several gateway processes learn; one saves
         self.online: OnlineConformal | None = None
         self.residual: OnlineResidual | None = None
         self.clusters: PromptClusters | None = None
@@ -301,7 +303,7 @@ class PredictorService:
 
     def save_online(self) -> None:
         """The online state and its cursor to their file (restart-safe)."""
-        if self.online is None or not self._unsaved:
+        if self.online is None or not self._unsaved or not self._writer.held():
             return
         with self._online_lock:  # a copy under the lock; the file is written after it (predictions wait on it)
             state = snapshot_state(self.online, self.residual, self.clusters)
@@ -380,3 +382,4 @@ class PredictorService:
             self.save_online()
         except OSError:  # a read-only or vanished data dir: the next start reads the completions again
             log.exception("could not save the online predictor state")
+        self._writer.release()

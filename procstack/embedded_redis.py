@@ -15,7 +15,7 @@ pending and in-flight hashes, Celery's task queues and unacked sets. So eviction
 a queued request; if the TTL-less keys alone fill ``maxmemory``, writes fail with an explicit
 OOM error (a 5xx the client sees) instead of a silent loss. ``allkeys-*`` policies would evict
 queues; ``noeviction`` would refuse writes while expired-but-not-yet-collected streams hold the
-memory. docs/retention.md sizes it from the load.
+memory. docs/notes/retention.md sizes it from the load.
 """
 
 from __future__ import annotations

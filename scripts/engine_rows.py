@@ -3,12 +3,12 @@ tiny model in one CPU process (one torch thread, as the worker runs), in four se
 side by side, alternating, on the same requests:
 
 - ``linear, multinomial``: the LM head as ``F.linear`` and sampled rows drawn by ``torch.multinomial``
-  (the engine before docs/steady.md run 10);
+  (the engine before docs/notes/steady.md run 10);
 - ``linear, cdf``: the same head, rows drawn by ``workers.sampling.draw`` (inverse CDF);
 - ``measured, cdf``: the head the worker installs at load (``workers.lm_head``), rows drawn by CDF;
 - ``measured, greedy``: the same head, greedy rows (one argmax for the step).
 
-    .venv/bin/python scripts/engine_rows.py docs/steady/engine-rows
+    .venv/bin/python scripts/engine_rows.py docs/notes/steady/engine-rows
 
 writes ``<out>.json`` and ``<out>.png``: mean seconds per step at each row count, each setting.
 """

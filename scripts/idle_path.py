@@ -1,4 +1,4 @@
-"""Where cohort's fixed cost per request goes in front of an upstream, at idle (docs/upstream.md
+"""Where cohort's fixed cost per request goes in front of an upstream, at idle (docs/notes/upstream.md
 "The batcher wakes on work").
 
 Sends N sequential streamed completions (16 tokens, prompts from ``../shared/data/bf.jsonl``) to

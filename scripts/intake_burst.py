@@ -1,4 +1,4 @@
-"""Profile the gateway's intake under a burst (docs/upstream.md "The gateway's intake").
+"""Profile the gateway's intake under a burst (docs/notes/upstream.md "The gateway's intake").
 
 Spawns a stack (spf, the built-in engine, length emulation), sends N streamed chat completions at
 once and records the gateway with py-spy (``.venv/bin/pip install py-spy``). Writes ``res.json``

@@ -1,5 +1,5 @@
 """CPU per request of each process of a cohort stack in front of an upstream, and of the client
-(docs/upstream.md "The benchmark measured fairly"). Run from the repository root with the engine up:
+(docs/notes/upstream.md "The benchmark measured fairly"). Run from the repository root with the engine up:
 
     taskset -c 0 .venv/bin/python scripts/stack_cpu.py http://127.0.0.1:8100/v1 RATE [N] [KEY=VALUE ...]
 

@@ -4,7 +4,7 @@ Sends k parallel streamed completions of ``tokens`` tokens each (``ignore_eos``)
 8, 12, 16, one k after the other, and prints each row's mean time per token and the engine's tokens
 per second at that k. Where tokens/s keeps growing with k, another row is nearly free throughput
 and cohort must not hold the engine below it (issue 37); where it flattens, rows only slow each
-other (docs/upstream.md "A slower machine"). Mind the engine's KV: past it, rows are preempted.
+other (docs/notes/upstream.md "A slower machine"). Mind the engine's KV: past it, rows are preempted.
 
     .venv/bin/python scripts/upstream_rows.py http://127.0.0.1:8100/v1 [STREAM_INTERVAL] [TOKENS]
 

@@ -102,7 +102,7 @@ def batch_sender(settings: Settings) -> Callable[[Batch, str | None], None]:
     is recognised by it). Its result is never read (the worker answers through Redis streams and a
     completion event), so the sender does not subscribe to it: Celery's Redis backend otherwise
     subscribes the sender to every task's result channel, a round trip per batch and one more
-    channel held for each (a fifth of the batcher's samples in a burst, docs/upstream.md)."""
+    channel held for each (a fifth of the batcher's samples in a burst, docs/notes/upstream.md)."""
     pool_queue = queue_for_pool(settings.pool)
 
     def send(batch: Batch, instance: str | None = None) -> None:

@@ -5,7 +5,7 @@ A decode step runs the LM head on a handful of rows (one per decoding row): a
 the CPU's BLAS does that depends on the machine and on the row count. On the 2-core AMD EPYC VM the
 soaks run on, ``F.linear`` (MKL's GEMM with the weight transposed) took 4.7 ms for 2 rows and
 8.0 ms for 3, while the same product laid out as ``weight @ x.T`` took 1.0 and 1.6 ms, on a tiny
-Llama whose whole decode step is ~10 ms (docs/steady.md). On another machine the order may be the
+Llama whose whole decode step is ~10 ms (docs/notes/steady.md). On another machine the order may be the
 reverse. So the worker times both layouts on the model's own weight at load, for a ladder of row
 counts, and uses the faster one for each; above the ladder (prefill with prompt logprobs) it keeps
 ``F.linear``. Both layouts compute the same sums; like any BLAS call their last bits already depend

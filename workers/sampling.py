@@ -99,7 +99,7 @@ def draw(scores: torch.Tensor, u: torch.Tensor) -> int:
     """The token whose share of the softmax of ``scores`` (vocab,) covers ``u`` ∈ [0, 1): inverse
     CDF sampling, one uniform number per token. Why not ``torch.multinomial``: on a CPU it draws a
     random number for every vocabulary entry, ~1 ms a token at a 32k vocabulary — a cost per row
-    of every step, which made the engine's steps grow with its rows (docs/steady.md). The CDF is
+    of every step, which made the engine's steps grow with its rows (docs/notes/steady.md). The CDF is
     summed in float64 and searched from the right, so a token the processors ruled out (−inf,
     probability 0) is never drawn."""
     weights = torch.softmax(scores.double(), dim=-1)

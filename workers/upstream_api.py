@@ -1,7 +1,7 @@
 """Talking to an upstream engine: an OpenAI-compatible server (vLLM, SGLang, `transformers serve`)
 that runs the rows cohort schedules. One ``aiohttp.ClientSession`` (one connection pool) serves every
 stream of the instance. aiohttp, not httpx: its parser is C, and streaming a row cost the worker
-~1.8 ms of CPU against httpx's ~5.2 ms (32 tokens in chunks of 4; docs/upstream.md), on a core the
+~1.8 ms of CPU against httpx's ~5.2 ms (32 tokens in chunks of 4; docs/notes/upstream.md), on a core the
 worker shares with the gateway and the batcher.
 
 What a server can do is found once, at start, by ``probe`` — not guessed from its name:

@@ -168,10 +168,8 @@ class UpstreamLoop:
 
     def _fits(self, g: _Group) -> bool:
         running = list(self._rows.values())  # a row leaves ``_rows`` when it ends
-        if not running:
-            return True
-        if self.server_waiting > 0:
-            return False
+        if not running or self.server_waiting > 0:
+            return not running
         rows = running + g.rows
         judge = KVJudge(self.capacity_tokens, self.page_tokens, self.max_rows)
         return judge.running_set_fits([r.context for r in rows], [r.remaining for r in rows])
@@ -282,10 +280,9 @@ class UpstreamLoop:
         if row.ended:
             return
         reason = FinishReason.LENGTH if finish == "length" else FinishReason.STOP
-        e = row.req.emulated_tokens
+        e = row.req.emulated_tokens  # stands for EOS (as the built-in engine says); else "length" short
         if reason is FinishReason.LENGTH and e is not None and e <= len(row.new_ids) < row.req.max_tokens:
-            reason = FinishReason.STOP  # an emulated length ended it (its EOS), as the built-in engine says
-        # otherwise the server's reason stands: "length" short of max_tokens is its context's end
+            reason = FinishReason.STOP  # of max_tokens is the server's context end, and stays
         row.group.out.tokens.append(TokenEvent(row.req, None, row.req.done_tokens + len(row.new_ids), time.time(),
                                                row.first_token_at, reason))
         row.ended = True

@@ -28,7 +28,7 @@ one) and w1 = w2 = 1 for SLO-ODBS, so a batch closes after ~1,500 request-second
 overrun or the length-mismatch budget, whichever comes first. Larger L1 makes batches collapse
 to a few requests as soon as the queue is behind (late requests make every join overrun), which
 is a death spiral under load (at 60 req/s throughput falls from 33.8 req/s at L1 = 10 to 12.5
-at L1 = 100); smaller makes the SLO term inert (docs/benchmarks.md, "Choice of L1", has the
+at L1 = 100); smaller makes the SLO term inert (docs/notes/benchmarks.md, "Choice of L1", has the
 sweep). Batches are restricted to one batch key (requests of other keys are skipped, not used to
 close the batch). Our batch cap is Θ (the authors' code uses a constant 10 or 18).
 """

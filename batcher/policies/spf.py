@@ -12,7 +12,7 @@ same order at every instant: one heap, no re-sorting. ``aging = 0`` is pure SPF,
 ``aging`` is FCFS. A batch (an *admission group* under ``continuous``) is the head of that order
 plus the next requests of the same batch key while the memory rule (``PolicyContext.plan``) still
 fits: neighbours in the order have similar predicted lengths, so the group pads little even under
-static execution. Measured choice of ``aging`` (5 tokens/s): docs/benchmarks.md, "Continuous
+static execution. Measured choice of ``aging`` (5 tokens/s): docs/notes/benchmarks.md, "Continuous
 execution".
 
 Under continuous execution over a prefix cache (``PolicyContext.prefix_page_tokens``) a group is

@@ -165,7 +165,7 @@ def test_the_marginal_cost_rule_binds_cohort_policies_not_the_baseline():
 @pytest.mark.parametrize(("gpu", "model", "binds"), [("v100-32gb", "chatglm-6b", True),
                                                       ("h100-80gb", "llama-7b", False)])
 def test_the_default_marginal_cost_binds_where_the_rows_bound_the_step(gpu, model, binds):
-    """The documented behaviour of the default (docs/benchmarks.md): 256 rows of 150 tokens
+    """The documented behaviour of the default (docs/notes/benchmarks.md): 256 rows of 150 tokens
     pay for themselves on H100 / Llama-7B (a step's fixed part dominates) but not on V100 /
     ChatGLM-6B (compute-bound), where the rule lets in about 223."""
     from batcher.row_cost import row_pays

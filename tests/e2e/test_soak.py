@@ -4,7 +4,7 @@ It asserts what must hold on any machine, loaded or not: no 5xx, nothing lost (e
 the leaving clients' gets an HTTP answer, no log record stays open), bad bodies get 4xx, the
 admin retrains finish, and every retention bound applies (log rows, prompts, model versions,
 training store, finished streams, Redis's eviction policy). Latency ratios and memory slopes are
-only meaningful over the documented long run (docs/retention.md), so they are reported, not
+only meaningful over the documented long run (docs/notes/retention.md), so they are reported, not
 asserted, here.
 """
 

@@ -42,7 +42,7 @@ def test_bf16_vectors_stay_close_to_float32():
 @pytest.mark.slow  # MiniLM in bfloat16, emulated on CPUs without AMX: seconds
 def test_bf16_vectors_barely_depend_on_their_batch():
     """bf16 arithmetic rounds differently with the padded shape: not bit-identical across batchings
-    as float32 is, but far below what moves a prediction on average (docs/predictors.md)."""
+    as float32 is, but far below what moves a prediction on average (docs/notes/predictors.md)."""
     model = enc.load_encoder(None, dtype="bfloat16")
     alone = np.stack([np.asarray(model.encode([t], convert_to_numpy=True), np.float32)[0] for t in TEXTS])
     batched = np.asarray(model.encode(TEXTS, batch_size=16, convert_to_numpy=True), np.float32)

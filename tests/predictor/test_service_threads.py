@@ -1,6 +1,6 @@
 """The gateway's predictor thread runs OpenMP with ``COHORT_PREDICTOR_THREADS`` threads: on a
 request batch of a few rows, a gradient-boosted model's default team (one thread per core) spins
-at every tree and took ~40× the CPU of one thread on the 2-core machine (docs/retention.md)."""
+at every tree and took ~40× the CPU of one thread on the 2-core machine (docs/notes/retention.md)."""
 
 from __future__ import annotations
 
