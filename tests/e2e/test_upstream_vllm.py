@@ -38,11 +38,13 @@ def vllm_stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm")
     model_dir = export_model(folder)
     port = free_port()
+    template = folder / "chat.jinja"  # the exported model has none; vLLM's chat then needs one given
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen([str(VLLM), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                                "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048",
                                "--num-gpu-blocks-override", str(BLOCKS), "--enforce-eager",
-                               "--scheduling-policy", "priority"],
+                               "--scheduling-policy", "priority", "--chat-template", str(template)],
                               stdout=open(folder / "vllm.log", "ab"), stderr=subprocess.STDOUT, env=env,
                               start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -115,7 +117,9 @@ def _context_rows(base: str, model: str) -> dict[str, tuple]:
 
 def test_the_context_length_and_finish_reasons_are_vllms(vllm_stack):
     """The table of what a client sees: /v1/models' max_model_len, and a max_tokens past the context
-    ending at the context with "length", streamed or not, completions and chat — as vLLM says."""
+    ending at the context with "length", streamed or not, completions and chat — as vLLM says. (A
+    chat's prompt is rendered by each side's own template, so the rows compare where it ends:
+    prompt + answer = the context.)"""
     stack, url = vllm_stack
     direct, through = _context_rows(url, "tiny"), _context_rows(stack.url, "cohort/tiny-random-llama")
     assert direct["models"] == (2048,) and direct["completion"] == ("length", 56)
