@@ -51,7 +51,7 @@ from predictor.conformal import ConformalTable
 from predictor.estimator import AnalyticBatchTime
 
 app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
-for _command in (soak, upstream, prefix, front):  # `cohort bench soak|upstream|prefix|front`: bench/<name>_cli.py
+for _command in (soak, upstream, prefix, front, __import__("bench.fleet_cli", fromlist=["fleet"]).fleet):  # `cohort bench soak|upstream|prefix|front|fleet`: bench/<name>_cli.py
     app.command()(_command)
 DEFAULT_POLICIES = "vs,glp,abp,magnus,magnus+oracle,s3,slo-dbs,odbs,slo-odbs"
 
