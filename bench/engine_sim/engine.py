@@ -43,9 +43,10 @@ class SimClock:
         return (time.monotonic() - self._t0) * self.speedup
 
     async def sleep_until(self, model_t: float) -> None:
+        """Sleep until the wall time of ``model_t``; yield to the loop even when it has passed, so
+        the handlers write each step's tokens before the next step runs."""
         left = model_t / self.speedup - (time.monotonic() - self._t0)
-        if left > 0:
-            await asyncio.sleep(left)
+        await asyncio.sleep(max(left, 0.0))
 
     async def sleep(self, model_s: float) -> None:
         await asyncio.sleep(model_s / self.speedup)
