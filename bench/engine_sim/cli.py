@@ -15,18 +15,46 @@ app = typer.Typer(help="A simulated vLLM engine (OpenAI API): benchmark and test
 log = logging.getLogger("bench.engine_sim")
 
 
-def make_server(cfg: SimConfig, exit_fn=None):
-    """The engine, tokenizer table and app state the options describe."""
-    from bench.engine_sim.server import SimServer
-    from bench.engine_sim.tokens import TokenTable
+def load_tokens(path: str | None, seed: int = 0):
+    """The token table of a tokenizer folder (default: cohort's built-in model's): the fast
+    backend when it fits, else HF's (``tokens`` module docstring)."""
+    from bench.engine_sim.tokens import FastTokenizer, TokenTable
     from cohort.tokenizer import tokenizer_path
 
-    engine = build_engine(cfg, exit_fn)
-    return SimServer(cfg, engine, TokenTable(cfg.tokenizer or tokenizer_path(), seed=cfg.seed))
+    path = path or tokenizer_path()
+    if FastTokenizer.fits(path):
+        return TokenTable(FastTokenizer(path), seed=seed, path=path)
+    from bench.engine_sim.hf_tokens import HFTokenizer
+
+    return TokenTable(HFTokenizer(path), seed=seed, path=path)
 
 
-@app.command()
-def serve(
+def make_engine(cfg: SimConfig, exit_fn=None):
+    """The engine the options describe; the stepped one timed by ``--fit`` or the roofline, its KV
+    pool ``--num-gpu-blocks`` or the roofline's (loaded only for these: ``roofline_steps``)."""
+    if cfg.fixed_delay:
+        return build_engine(cfg, exit_fn=exit_fn)
+    from bench.engine_sim.step_time import load_fit
+
+    step_time = load_fit(cfg.fit) if cfg.fit else None
+    blocks = cfg.num_gpu_blocks
+    if step_time is None or blocks is None:
+        from bench.engine_sim.roofline_steps import default_num_blocks, roofline_step_time
+
+        step_time = step_time or roofline_step_time(cfg.gpu, cfg.model, cfg.tp)
+        blocks = blocks or default_num_blocks(cfg.gpu, cfg.model, cfg.tp, cfg.block_size)
+    return build_engine(cfg, step_time, blocks, exit_fn)
+
+
+def make_server(cfg: SimConfig, exit_fn=None, tokens=None):
+    """The engine, token table and app state the options describe."""
+    from bench.engine_sim.server import SimServer
+
+    return SimServer(cfg, make_engine(cfg, exit_fn), tokens or load_tokens(cfg.tokenizer, cfg.seed))
+
+
+@app.command("serve")
+def serve_sim(
     port: int = typer.Option(8000, help="The port to listen on."),
     host: str = typer.Option("127.0.0.1", help="The address to listen on."),
     model_name: str = typer.Option("sim-model", help="The model id /v1/models lists and requests name."),

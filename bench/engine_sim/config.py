@@ -2,14 +2,14 @@
 engine they build.
 
 Defaults are vLLM's where vLLM has one (block size 16, ``max_num_seqs`` 256, a token budget of
-8192 per step with chunked prefill on); the KV pool, unless ``--num-gpu-blocks`` is given, is
-what the roofline leaves for KV on the GPU(s) (Θ/Δ tokens: device memory − weights − a 10 %
-reserve, as vLLM's 0.9 ``gpu_memory_utilization`` does), in blocks.
+8192 per step with chunked prefill on). The stepped engine is handed its step-time model and its
+KV pool size (``cli.make_server`` takes them from the roofline, ``roofline_steps``, or from
+``--fit`` and ``--num-gpu-blocks``), so that building the fixed-delay engine never loads the
+roofline.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,9 +18,7 @@ from bench.engine_sim.faults import Faults
 from bench.engine_sim.fixed import FixedDelayEngine
 from bench.engine_sim.kv_blocks import KVCacheManager
 from bench.engine_sim.scheduler import FCFS, PRIORITY, Scheduler
-from bench.engine_sim.step_time import StepTime, load_fit, roofline_step_time, tp_instance
-
-log = logging.getLogger(__name__)
+from bench.engine_sim.step_time import StepTime
 
 
 @dataclass
@@ -63,22 +61,15 @@ class SimConfig:
         if self.speedup <= 0:
             raise ValueError("--speedup must be positive")
 
-    def kv_blocks(self) -> int:
-        """``--num-gpu-blocks``, else the roofline's KV tokens for the GPU(s) and model, in blocks."""
-        if self.num_gpu_blocks is not None:
-            return self.num_gpu_blocks
-        inst = tp_instance(self.gpu, self.model, self.tp)
-        return max(2, inst.theta_bytes // inst.model.delta_bytes // self.block_size)
-
-    def step_time(self) -> StepTime:
-        return load_fit(self.fit) if self.fit else roofline_step_time(self.gpu, self.model, self.tp)
-
     def describe(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def build_engine(cfg: SimConfig, exit_fn: Any = None) -> SteppedEngine | FixedDelayEngine:
-    """The engine the options describe (the fixed-delay one when ``--ttft-ms``/``--itl-ms`` are set)."""
+def build_engine(cfg: SimConfig, step_time: StepTime | None = None, num_blocks: int | None = None,
+                 exit_fn: Any = None) -> SteppedEngine | FixedDelayEngine:
+    """The engine the options describe: the fixed-delay one when ``--ttft-ms``/``--itl-ms`` are
+    set, else the stepped one, on ``step_time`` with ``num_blocks`` KV blocks
+    (``cfg.num_gpu_blocks`` when not given)."""
     cfg.validate()
     clock = SimClock(cfg.speedup)
     kw = {"exit_fn": exit_fn} if exit_fn is not None else {}
@@ -86,11 +77,13 @@ def build_engine(cfg: SimConfig, exit_fn: Any = None) -> SteppedEngine | FixedDe
     if cfg.fixed_delay:
         assert cfg.ttft_ms is not None and cfg.itl_ms is not None
         return FixedDelayEngine(cfg.ttft_ms, cfg.itl_ms, clock, faults, cfg.max_waiting)
-    blocks = cfg.kv_blocks()
+    blocks = num_blocks or cfg.num_gpu_blocks
+    if step_time is None or not blocks:
+        raise ValueError("the stepped engine needs a step-time model and a KV pool size")
     capacity = (blocks - 1) * cfg.block_size
     if cfg.max_model_len > capacity:
         raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the KV pool ({blocks} blocks of "
                          f"{cfg.block_size} = {capacity} usable tokens); lower it or raise --num-gpu-blocks")
     kv = KVCacheManager(blocks, cfg.block_size, cfg.max_model_len, cfg.enable_prefix_caching)
     sched = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.scheduling_policy)
-    return SteppedEngine(sched, cfg.step_time(), clock, faults, cfg.max_waiting)
+    return SteppedEngine(sched, step_time, clock, faults, cfg.max_waiting)

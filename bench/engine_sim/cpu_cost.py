@@ -18,11 +18,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from procstack.stack import free_port
 
 
 def spawn(args: list[str], port: int, timeout_s: float = 60.0) -> subprocess.Popen:

@@ -111,7 +111,7 @@ class ScheduledRow:
 
 
 @dataclass
-class StepPlan:
+class SimStep:
     rows: list[ScheduledRow] = field(default_factory=list)
     preempted: list[SimRequest] = field(default_factory=list)
 
@@ -174,9 +174,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(req)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> SimStep:
         """Choose this step's rows and advance their computed counts (see the module docstring)."""
-        plan = StepPlan()
+        plan = SimStep()
         scheduled: dict[int, ScheduledRow] = {}   # id(req) → its row, for the running pass
         budget = self.max_num_batched_tokens
         i = 0
@@ -216,7 +216,7 @@ class Scheduler:
             row.req.num_computed_tokens += row.num_new
         return plan
 
-    def _admit(self, plan: StepPlan, budget: int) -> int:
+    def _admit(self, plan: SimStep, budget: int) -> int:
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
             cached, hit = self.kv.get_computed_blocks(req)
@@ -234,7 +234,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def update(self, plan: StepPlan) -> list[TokenOut]:
+    def update(self, plan: SimStep) -> list[TokenOut]:
         """After the step ran: every scheduled request whose computed tokens caught up with its
         length samples a token; those at their limit finish and free their blocks. Rows aborted
         while the step ran are skipped."""

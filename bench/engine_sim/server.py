@@ -46,7 +46,7 @@ class BadRequest(ValueError):
 
 
 @dataclass
-class Parsed:
+class SimBody:
     prompt_ids: list[int]
     max_tokens: int
     stream: bool
@@ -108,7 +108,7 @@ class SimServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
-    def parse(self, body: Any, chat: bool) -> Parsed:
+    def parse(self, body: Any, chat: bool) -> SimBody:
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         model = body.get("model")
@@ -140,7 +140,7 @@ class SimServer:
             raise BadRequest(f"Got priority {priority} but Priority scheduling is not enabled.")
         opts = body.get("stream_options") or {}
         seed = body.get("seed")
-        return Parsed(ids, min(max_tokens, room), bool(body.get("stream")), bool(opts.get("include_usage")),
+        return SimBody(ids, min(max_tokens, room), bool(body.get("stream")), bool(opts.get("include_usage")),
                       bool(body.get("return_token_ids")), priority, max(1, int(body.get("stream_interval") or 1)),
                       seed if isinstance(seed, int) else None)
 
@@ -193,7 +193,7 @@ class SimServer:
                 self.engine.abort(req)
             await tokens.aclose()
 
-    async def _stream(self, request: web.Request, p: Parsed, req: SimRequest, reply: Reply, tokens: Any,
+    async def _stream(self, request: web.Request, p: SimBody, req: SimRequest, reply: Reply, tokens: Any,
                       index: int) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
@@ -219,7 +219,7 @@ class SimServer:
         await resp.write_eof()
         return resp
 
-    async def _whole(self, p: Parsed, req: SimRequest, reply: Reply, tokens: Any, index: int) -> web.Response:
+    async def _whole(self, p: SimBody, req: SimRequest, reply: Reply, tokens: Any, index: int) -> web.Response:
         dies = self.faults.dies_at(index)
         async for _ids, _finish in tokens:
             if dies:

@@ -7,25 +7,21 @@ rows attend to. The roofline turns that into FLOPs and bytes read; the fitted fo
 
     t = a + b · prefill_tokens + c · decode_rows + d · context_tokens        (seconds)
 
-where ``context_tokens`` is Σ over every scheduled row of the tokens in its KV after the step
+(the roofline's version is ``roofline_steps``), where ``context_tokens`` is Σ over every scheduled row of the tokens in its KV after the step
 (what attention reads). ``a`` is the per-step floor (launches, sampling, scheduling), ``b`` the
 prefill cost per token, ``c`` the per-row decode cost, ``d`` the KV read per cached token. It is
-the form ``fit_step_time`` fits by least squares (coefficients kept non-negative), and the JSON
+the form ``fit.fit_step_time`` fits by least squares (coefficients kept non-negative), and the JSON
 ``--fit FILE`` reads: ``{"form": "linear-v1", "a": …, "b": …, "c": …, "d": …}``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from bench.engine_sim.scheduler import StepPlan
-
-if TYPE_CHECKING:   # bench.roofline imports the predictor's estimator (scikit-learn: a second and more)
-    from bench.roofline import Instance, RooflineBatchTime
+from bench.engine_sim.scheduler import SimStep
 
 FIT_FORM = "linear-v1"
 
@@ -45,7 +41,7 @@ class StepShape:
         return self.prefill_context + self.decode_context
 
     @classmethod
-    def of(cls, plan: StepPlan) -> StepShape:
+    def of(cls, plan: SimStep) -> StepShape:
         pt = pc = dr = dc = 0
         pairs = 0.0
         for row in plan.rows:
@@ -68,23 +64,6 @@ class StepTime(Protocol):
     def seconds(self, shape: StepShape) -> float: ...
 
     def describe(self) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class RooflineStepTime:
-    """A step on the roofline: ``RooflineBatchTime.step_seconds`` (FLOPs of every token through
-    the weights plus the prefill chunks' attention, against the weights and the KV read)."""
-
-    model: RooflineBatchTime   # bench.roofline's; imported when the roofline is used
-    label: str = "roofline"
-
-    def seconds(self, shape: StepShape) -> float:
-        return self.model.step_seconds(shape.prefill_tokens, shape.prefill_pairs, shape.prefill_context,
-                                       shape.decode_rows, shape.decode_context)
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": "roofline", "label": self.label, "step_overhead_s": self.model.step_overhead_s,
-                "compute_eff": self.model.compute_eff, "bandwidth_eff": self.model.bandwidth_eff}
 
 
 @dataclass(frozen=True)
@@ -117,44 +96,3 @@ def load_fit(path: str | Path) -> FittedStepTime:
         return FittedStepTime(*(float(data[k]) for k in "abcd"))
     except KeyError as e:
         raise ValueError(f"{path}: missing coefficient {e.args[0]!r}") from None
-
-
-def fit_step_time(samples: Iterable[tuple[StepShape, float]]) -> FittedStepTime:
-    """Least-squares coefficients of the linear form from (shape, seconds) samples, each kept
-    non-negative (NNLS): a negative per-token cost would make a bigger step faster. Columns are
-    scaled before solving, since tokens and rows differ by orders of magnitude."""
-    import numpy as np
-    from scipy.optimize import nnls
-
-    rows = [(s.features(), t) for s, t in samples]
-    if len(rows) < 4:
-        raise ValueError(f"need at least 4 step samples to fit 4 coefficients, got {len(rows)}")
-    x = np.array([r[0] for r in rows], dtype=float)
-    y = np.array([r[1] for r in rows], dtype=float)
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-    coef, _ = nnls(x / scale, y)
-    a, b, c, d = (coef / scale).tolist()
-    return FittedStepTime(a, b, c, d)
-
-
-def tp_instance(gpu: str, model: str, tp: int = 1, step_overhead_s: float = 0.002) -> Instance:
-    """The roofline instance of ``model`` on ``tp`` GPUs of a kind: tensor parallelism modelled as
-    one GPU with ``tp`` times the memory, FLOP/s and bandwidth (weights and KV heads are split;
-    the all-reduces are not modelled). The step overhead defaults to 2 ms, a CUDA-graph engine's
-    (the roofline's own default is HF eager's)."""
-    from bench.roofline import GPU, Instance, instance
-
-    base = instance(gpu, model, step_overhead_s=step_overhead_s)
-    if tp == 1:
-        return base
-    g = base.gpu
-    scaled = GPU(f"{tp}x{g.name}", g.memory_bytes * tp, g.flops * tp, g.bandwidth * tp, g.pcie_bandwidth)
-    return Instance(scaled, base.model, step_overhead_s=step_overhead_s)
-
-
-def roofline_step_time(gpu: str, model: str, tp: int = 1) -> RooflineStepTime:
-    return RooflineStepTime(tp_instance(gpu, model, tp).time_model(), f"{model} on {tp}x {gpu}")
-
-
-def shapes_seconds(model: StepTime, shapes: Sequence[StepShape]) -> list[float]:
-    return [model.seconds(s) for s in shapes]

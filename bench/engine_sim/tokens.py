@@ -1,8 +1,9 @@
 """The tokenizer side of the simulated engine: prompts to ids, and the ids and text it "generates".
 
-Loading: the ``tokenizers`` library straight from ``tokenizer.json`` when the folder has one and
-no chat template (a fifth of a second, no torch import: the fixed-delay engine starts in tests and
-benchmarks many times), else HF ``AutoTokenizer.from_pretrained`` (which renders chat templates).
+Two backends: ``FastTokenizer``, the ``tokenizers`` library straight from ``tokenizer.json``
+(a fifth of a second, no torch: the fixed-delay engine starts in tests and benchmarks many times),
+for a folder that has one and no chat template; else ``hf_tokens.HFTokenizer``
+(``AutoTokenizer.from_pretrained``, which renders chat templates). ``cli.load_tokens`` chooses.
 
 Output: a request's ids are drawn, seeded by the request, from an *output vocabulary*: a seeded
 sample of the tokenizer's ordinary tokens whose text, tokenized again, is that one token. So text
@@ -19,7 +20,9 @@ import random
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from tokenizers import Tokenizer
 
 from cohort.tokenizer import builtin_chat_prompt, split_chat
 
@@ -27,52 +30,75 @@ OUTPUT_VOCAB = 2048       # candidate ids sampled for the output vocabulary
 ANCHOR_TEXT = "the"       # a token decoded before each candidate, so its leading space survives
 
 
+class Backend(Protocol):
+    """What the table needs from a tokenizer."""
+
+    vocab_size: int
+    special_ids: set[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int] | None:
+        """The template's prompt ids, or None when the tokenizer has no chat template."""
+        ...
+
+
+class FastTokenizer:
+    """A ``tokenizer.json`` through the ``tokenizers`` library (no chat templates)."""
+
+    def __init__(self, path: str) -> None:
+        self._tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self.vocab_size = self._tok.get_vocab_size()
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        self.special_ids = {self._tok.token_to_id(t) for t in special} - {None}
+
+    @staticmethod
+    def fits(path: str) -> bool:
+        """Whether the folder has a ``tokenizer.json`` and no chat template to render."""
+        folder = Path(path)
+        cfg = _json(folder / "tokenizer_config.json")
+        return (folder / "tokenizer.json").is_file() and not cfg.get("chat_template") \
+            and not (folder / "chat_template.jinja").is_file()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int] | None:
+        return None
+
+
 class TokenTable:
     """Prompt encoding and the output vocabulary of one tokenizer."""
 
-    def __init__(self, path: str, seed: int = 0, vocab_sample: int = OUTPUT_VOCAB) -> None:
+    def __init__(self, backend: Backend, seed: int = 0, vocab_sample: int = OUTPUT_VOCAB, path: str = "") -> None:
         self.path = path
-        self._hf: Any = None
-        self._fast: Any = None
-        folder = Path(path)
-        cfg = _json(folder / "tokenizer_config.json")
-        if (folder / "tokenizer.json").is_file() and not cfg.get("chat_template") \
-                and not (folder / "chat_template.jinja").is_file():
-            from tokenizers import Tokenizer
-
-            self._fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
-            self._fast.no_padding()
-            self._fast.no_truncation()
-            self.vocab_size = self._fast.get_vocab_size()
-            special = {t.content for t in self._fast.get_added_tokens_decoder().values() if t.special}
-            self.special_ids = {self._fast.token_to_id(t) for t in special} - {None}
-        else:
-            from transformers import AutoTokenizer
-
-            self._hf = AutoTokenizer.from_pretrained(path)
-            self.vocab_size = len(self._hf)
-            self.special_ids = set(self._hf.all_special_ids)
+        self.backend = backend
+        self.vocab_size = backend.vocab_size
+        self.special_ids = backend.special_ids
         self.ids, self.texts = self._output_vocab(seed, vocab_sample)
         self.escaped = [json.dumps(t)[1:-1] for t in self.texts]   # JSON string bodies, no quotes
         self._slot = {tid: i for i, tid in enumerate(self.ids)}
 
     # --- prompts ---------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self._fast is not None:
-            return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
-        return list(self._hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return self.backend.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
-        if self._fast is not None:
-            return self._fast.decode(list(ids), skip_special_tokens=False)
-        return self._hf.decode(list(ids))
+        return self.backend.decode(list(ids))
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """A chat's prompt ids: the tokenizer's own template with a generation prompt when it has
         one (its special tokens written by the template), else cohort's built-in chat format."""
-        if self._hf is not None and getattr(self._hf, "chat_template", None):
-            text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self.encode(text, add_special_tokens=False)
+        ids = self.backend.chat_prompt(messages)
+        if ids is not None:
+            return ids
         turns = [(str(m.get("role", "user")), _content_text(m.get("content"))) for m in messages]
         system, convo = split_chat(turns)
         return self.encode(builtin_chat_prompt(system, convo), add_special_tokens=False)

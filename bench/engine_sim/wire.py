@@ -25,7 +25,7 @@ def _ids(ids: Sequence[int]) -> str:
     return "[" + ",".join(map(str, ids)) + "]"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
             "prompt_tokens_details": {"cached_tokens": max(cached_tokens, 0)}}
@@ -78,12 +78,12 @@ class Reply:
         return self._head + (escaped_text + tail + "}]}\n\n").encode()
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
-        u = json.dumps(usage(prompt_tokens, completion_tokens, cached_tokens), separators=(",", ":"))
+        u = json.dumps(usage_body(prompt_tokens, completion_tokens, cached_tokens), separators=(",", ":"))
         return f'data: {self._top}"choices":[],"usage":{u}}}\n\n'.encode()
 
     def whole(self, text: str, ids: Sequence[int], finish: str | None, cached_tokens: int) -> dict[str, Any]:
         """The non-streaming answer."""
-        u = usage(len(self.prompt_ids), len(ids), cached_tokens)
+        u = usage_body(len(self.prompt_ids), len(ids), cached_tokens)
         extra: dict[str, Any] = {"token_ids": list(ids)} if self.return_token_ids else {}
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},

@@ -10,15 +10,16 @@ from contextlib import contextmanager
 
 import pytest
 
-from bench.engine_sim.config import SimConfig, build_engine
+from bench.engine_sim.cli import make_server
+from bench.engine_sim.config import SimConfig
 from bench.engine_sim.server import SimServer, start_server
-from bench.engine_sim.tokens import TokenTable
+from bench.engine_sim.tokens import FastTokenizer, TokenTable
 from cohort.tokenizer import tokenizer_path
 
 
 @pytest.fixture(scope="session")
 def token_table() -> TokenTable:
-    return TokenTable(tokenizer_path())
+    return TokenTable(FastTokenizer(tokenizer_path()))
 
 
 class Served:
@@ -43,7 +44,7 @@ def serving_sim(cfg: SimConfig, tokens: TokenTable, exit_fn=None) -> Iterator[Se
     thread.start()
 
     async def up():
-        server = SimServer(cfg, build_engine(cfg, exit_fn), tokens)
+        server = make_server(cfg, exit_fn, tokens)
         runner, port = await start_server(server)
         return server, runner, port
 

@@ -4,7 +4,7 @@ max_num_seqs, prefix hits by block hash, LRU eviction, preemption victims, prior
 from __future__ import annotations
 
 from bench.engine_sim.request import Status
-from bench.engine_sim.scheduler import PRIORITY, ScheduledRow, StepPlan
+from bench.engine_sim.scheduler import PRIORITY, ScheduledRow, SimStep
 from bench.engine_sim.step_time import StepShape
 from tests.bench.engine_sim.helpers import make_req, make_sched, step
 
@@ -183,7 +183,7 @@ def test_abort_while_waiting_and_during_a_step() -> None:
 def test_step_shape_separates_prefill_from_decode() -> None:
     r1, r2 = make_req(10), make_req(30)
     r1.output_ids = [1, 2]
-    plan = StepPlan([ScheduledRow(r1, 1, 11), ScheduledRow(r2, 20, 10)])
+    plan = SimStep([ScheduledRow(r1, 1, 11), ScheduledRow(r2, 20, 10)])
     shape = StepShape.of(plan)
     assert (shape.decode_rows, shape.decode_context) == (1, 12)
     assert (shape.prefill_tokens, shape.prefill_context) == (20, 30)
