@@ -36,6 +36,11 @@ class Served:
             return fn()
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(5)
 
+    def run(self, coro, timeout_s: float = 30.0):
+        """Run a client coroutine on the server's own loop: a client in another thread would take
+        turns with the server for the GIL, every few milliseconds, on every step."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
 
 @contextmanager
 def serving_sim(cfg: SimConfig, tokens: TokenTable, exit_fn=None) -> Iterator[Served]:

@@ -46,7 +46,7 @@ def test_die_after_cuts_the_nth_request_mid_stream(sim) -> None:
     assert codes == [3] and 1 <= len(got) < 50
 
 
-@pytest.mark.slow
+@pytest.mark.slow   # a Python process started: half a second
 def test_die_after_exits_the_real_process() -> None:
     port = free_port()
     proc = spawn(["--ttft-ms", "1", "--itl-ms", "1", "--die-after", "1"], port)
@@ -133,6 +133,7 @@ def test_cohort_probes_the_sim_as_it_probes_vllm(sim, token_table) -> None:
     assert caps.token_ids and not caps.priority
 
 
+@pytest.mark.slow   # a Python process started: half a second
 def test_the_cli_serves_help() -> None:
     out = subprocess.run([sys.executable, "-m", "bench.engine_sim.cli", "serve", "--help"], capture_output=True,
                          text=True, timeout=30)
