@@ -61,6 +61,10 @@ def _litellm(binary: Path, engine: str, model: str, workdir: Path) -> Iterator[t
             proc.kill()
 
 
+# cohort's targets: who streams the engine's tokens to the client
+FRONT_MODES = {"cohort": "gateway", "cohort-relay": "worker"}
+
+
 def _run_target(label: str, wls: dict[str, Any], warm, closed, base_url: str, model: str, roles: dict,
                 concurrency: int) -> dict[str, Any]:
     """A warm-up (lazy loads, connection pools), every offered rate, then the closed loop, against one
@@ -81,9 +85,10 @@ def _run_target(label: str, wls: dict[str, Any], warm, closed, base_url: str, mo
 
 
 def front(
-    targets: str = typer.Option("direct,cohort,cohort:2,litellm,direct", help="Comma-separated: direct (the "
-                                "engine itself), cohort (one gateway process), cohort:N (N gateway processes), "
-                                "litellm (needs --litellm). Ratios and added TTFT are to the first direct run."),
+    targets: str = typer.Option("direct,cohort-relay,cohort,cohort:2,litellm,direct", help="Comma-separated: direct "
+                                "(the engine itself), cohort (the gateway streams from the engine), cohort-relay "
+                                "(the upstream worker streams, tokens through Redis), either with :N gateway "
+                                "processes, litellm (needs --litellm). Ratios and added TTFT are to the first direct."),
     rates: str = typer.Option("30,80", help="Offered requests/s (Poisson), each a replay of --requests."),
     requests: int = typer.Option(600), seed: int = typer.Option(0),
     ttft_ms: float = typer.Option(20.0, help="The engine's first token after this many ms."),
@@ -121,8 +126,8 @@ def front(
     env = parse_env(server_env)
     for t in names:
         head, _, n = t.partition(":")
-        if not (t in ("direct", "litellm") or (head == "cohort" and (n == "" or n.isdigit() and int(n) >= 1))):
-            raise typer.BadParameter(f"unknown target {t!r}: direct, cohort, cohort:N or litellm")
+        if not (t in ("direct", "litellm") or (head in FRONT_MODES and (n == "" or n.isdigit() and int(n) >= 1))):
+            raise typer.BadParameter(f"unknown target {t!r}: direct, cohort[:N], cohort-relay[:N] or litellm")
     os.sched_setaffinity(0, client)  # this thread is the client; what it starts inherits its cores
     runs: dict[str, Any] = {}
     engine_proc, engine = spawn_engine(ttft_ms, itl_ms, workdir / "engine.log")
@@ -138,8 +143,9 @@ def front(
                         url, roles = held.enter_context(_litellm(litellm, engine, model, workdir / "litellm"))
                     served = model
                 else:
-                    n = target.partition(":")[2] or "1"
-                    stack_env = {**env, "COHORT_UPSTREAMS": engine, "COHORT_GATEWAY_PROCESSES": n}
+                    head, _, n = target.partition(":")
+                    stack_env = {**env, "COHORT_UPSTREAMS": engine, "COHORT_GATEWAY_PROCESSES": n or "1",
+                                 "COHORT_UPSTREAM_STREAMING": FRONT_MODES[head]}
                     with pinned(fronts):
                         stack_url = held.enter_context(
                             spawned_stack("magnus", stack_env, workdir / label.replace(":", "_")))

@@ -5,6 +5,11 @@ batcher  → worker  : a ``Batch`` (cohort.types) as the Celery task argument
 worker   → batcher : a ``CompletionEvent`` on ``completions`` (outcome, measurements, continuations)
 worker | batcher → gateway : ``StreamEvent``s on the request's Redis Stream (deltas, then one end or error)
 
+Where a gateway streams a row from its upstream engine itself (``ProfiledRequest.owner``), only
+metadata crosses: the upstream worker that admitted it sends the owner a ``Release`` (which engine,
+what to send it) on the gateway's inbox, and the gateway reports back ``StreamReport``s on the
+worker's inbox (progress batched, then the end, a broken stream, a refusal or a cancel).
+
 The JSON forms are what crosses Redis and Celery (JSON only, never pickle). Nothing here imports
 torch or redis.
 """
@@ -181,3 +186,66 @@ class CompletionEvent:
         d["outcome"] = BatchOutcome(d["outcome"])
         d["continuations"] = [ProfiledRequest.from_dict(r) for r in d.get("continuations") or []]
         return cls(**d)
+
+
+@dataclass
+class Release:
+    """Upstream worker → the owning gateway: run this row on ``url`` now and stream it to its client.
+
+    ``payload`` is the whole completion request the engine gets (prompt — token ids, for a
+    continuation the prompt and what was generated —, budget, priority, sampling, ``stream``);
+    ``done_tokens`` of the answer were streamed already (a continuation's); ``stop`` the stop strings
+    the gateway looks for itself (a server may not apply them); ``limit`` the tokens this run may
+    generate (an emulated length ends the answer with "stop", as EOS would)."""
+
+    request_id: str
+    instance: str
+    url: str
+    payload: dict[str, Any]
+    done_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    limit: int = 0
+    max_tokens: int = 0
+    batch_id: str = ""
+    batch_size: int = 0
+    arrival: float = 0.0     # the request's arrival (wall clock): its timings count from it
+    started: float = 0.0     # when its group joined the engine's rows (wall clock)
+
+    def to_json(self) -> str:
+        return dumps(field_values(self))
+
+    @classmethod
+    def from_json(cls, js: str) -> Release:
+        return cls(**json.loads(js))
+
+
+class ReportKind(str, Enum):
+    PROGRESS = "progress"    # tokens streamed since the last report
+    FINISH = "finish"        # the answer ended (``finish_reason``)
+    BROKEN = "broken"        # the stream broke, went silent or answered 5xx: continue it elsewhere
+    REFUSED = "refused"      # the engine answered 4xx: the row fails with its reason
+    CANCELLED = "cancelled"  # the client went away: the row is over
+
+
+@dataclass
+class StreamReport:
+    """Owning gateway → upstream worker: what a row it streams did. ``ids``: the token ids streamed
+    since the previous report of the row (empty for a text-only server: ``tokens`` counts them)."""
+
+    request_id: str
+    kind: ReportKind
+    ids: list[int] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_at: float | None = None
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in field_values(self).items() if v not in (None, [], 0) or k == "request_id"}
+        d["kind"] = self.kind.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StreamReport:
+        return cls(**{**d, "kind": ReportKind(d["kind"])})

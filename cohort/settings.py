@@ -212,6 +212,12 @@ class Settings(BaseSettings):
         "many (vLLM's per-request `stream_interval`; the first token and the end still come at once): the worker "
         "coalesces tokens for its flush anyway, and each chunk costs both processes a parse (docs/notes/upstream.md). "
         "1: a chunk per token.")
+    upstream_streaming: Literal["worker", "gateway"] = Field(
+        default="worker", description="Who streams an upstream pool's rows from the engine. worker: the upstream "
+        "worker, whose tokens reach the gateway through Redis. gateway: the gateway that took the request streams "
+        "it from the engine over one HTTP connection and reports progress to the worker in batches (no Redis "
+        "traffic per token); the worker still admits, orders and recovers rows. Requests asking for logprobs "
+        "are relayed either way.")
     upstream_flush_s: float = Field(
         default=0.05, gt=0, le=1.0, description="An upstream worker sends what its rows streamed this long after "
         "the first news, as one Redis round (a row's first token and its end go at once): longer means fewer, "

@@ -109,6 +109,7 @@ class ProfiledRequest:
     preemptions: int = 0
     first_token_at: float | None = None
     priority: int = 0  # lower is served earlier (vLLM's convention); see batcher.policies.priority
+    owner: str | None = None  # the gateway that streams it from its upstream engine itself (None: relayed)
 
     # A *continuation* is a request that was preempted mid-generation (elastic execution): its
     # ``prompt_ids`` are the original prompt's token ids and ``generated_ids`` what it produced

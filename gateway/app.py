@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -20,13 +23,14 @@ from gateway.auth import ApiKeys, KeyBook, KeyMetrics
 from gateway.batch_metrics import BatchJobs
 from gateway.errors import RequestIds, install_error_handlers
 from gateway.metrics import CountRequests, GatewayMetrics
-from gateway.stream_hub import close_hub
+from gateway.stream_hub import close_hub, hub_for
 from gateway.submit import PoolView
 from gateway.validation import BodyLimit
 from gateway.views import batches, files, generate, health, models, openai
 from gateway.views.keys import make_keys_router
 from predictor.service import PredictorService
 from taskq.celery_app import enqueue_retrain, task_status
+from upstream.direct import DirectStreams
 
 log = logging.getLogger("cohort.gateway")
 
@@ -43,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await run_in_threadpool(st.keys.refresh, st.db)
         await run_in_threadpool(st.predictor.warmup)
         await run_in_threadpool(prompt_token_counts, ["warm up"], s.model)
+        st.direct = await start_direct_streams(st) if s.upstream_streaming == "gateway" else None
         reloader = asyncio.create_task(_reload_loop(st.predictor))
         log.info("gateway ready: policy=%s predictor=%s version=%s", s.policy, s.predictor_kind,
                  st.predictor.version)
@@ -51,6 +56,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         with contextlib.suppress(asyncio.CancelledError):
             await reloader
         st.predictor.close()
+        if st.direct is not None:
+            await st.direct.aclose()
         await close_hub(st)
         await st.redis.aclose()
 
@@ -76,6 +83,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.warning("COHORT_ADMIN_TOKEN is not set: admin endpoints are disabled")
     openapi_doc.install(app)
     return app
+
+
+async def start_direct_streams(st) -> DirectStreams:
+    """This gateway's direct streams (COHORT_UPSTREAM_STREAMING=gateway): rows of upstream pools it
+    streams from their engines itself, their events handed to its hub beside the Redis streams'."""
+    s = st.settings
+    direct = DirectStreams(st.redis, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                           lambda rid, events: hub_for(st).push_local(rid, events), flush_s=s.upstream_flush_s,
+                           read_timeout_s=s.upstream_timeout_s)
+    await direct.start()
+    log.info("direct streaming: this gateway (%s) streams its upstream rows from their engines", direct.gateway_id)
+    return direct
 
 
 async def _reload_loop(predictor) -> None:

@@ -108,6 +108,8 @@ async def withdraw(app_state, ticket: Ticket, code: FailureCode, group: RequestM
     error = ("the client disconnected" if code is FailureCode.CANCELLED
              else f"no answer within {app_state.settings.request_timeout_s:g} s")
     await run_in_threadpool(finish_request, app_state.db, rid, overrule=True, status=code.value, error=error)
+    if (direct := getattr(app_state, "direct", None)) is not None:
+        direct.cancel(rid)  # its engine stream, where this gateway runs it, closes now
     pipe = app_state.redis.pipeline()
     bus.cancel(pipe, rid, ticket.pool)
     await pipe.execute()
@@ -189,6 +191,8 @@ class Relay:
             raise _withdrawn_error(w.code, self.st.settings.request_timeout_s) from None
         finally:
             await self.abandon()  # closed or cancelled by the consumer: the client went away
+            if (direct := getattr(self.st, "direct", None)) is not None:
+                direct.forget(t.request.id)
 
     async def abandon(self) -> None:
         """Withdraw the request as cancelled unless it already ended; safe to call more than once

@@ -50,8 +50,8 @@ async def read_events(hub: StreamHub, request_id: str, deadline: float, slice_s:
             left = deadline - now
             if left <= 0:
                 raise Withdrawn(FailureCode.TIMEOUT)
-            for _entry_id, fields in await reader.next(min(slice_s, left)):
-                event = StreamEvent.from_json(fields[bus.STREAM_FIELD])
+            for item in await reader.next(min(slice_s, left)):  # stream entries, or events made here
+                event = item if isinstance(item, StreamEvent) else StreamEvent.from_json(item[1][bus.STREAM_FIELD])
                 yield event
                 if event.final:
                     return

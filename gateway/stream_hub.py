@@ -49,6 +49,11 @@ class Reader:
     def fail(self, exc: BaseException) -> None:
         self._queue.put_nowait(exc)
 
+    def push(self, events: list) -> None:
+        """Events this gateway made itself (a row it streams from its engine: ``upstream.direct``),
+        given as they are, beside the stream's entries."""
+        self._queue.put_nowait(events)
+
     async def next(self, timeout_s: float) -> Entries:
         """The entries that arrived since the last call, waiting up to ``timeout_s`` (then none)."""
         if self._queue.empty():
@@ -75,6 +80,7 @@ class StreamHub:
         self.loop = asyncio.get_running_loop()
         self.block_ms = max(1, int(block_s * 1000))
         self.readers: dict[str, list[Reader]] = {}
+        self._early: dict[str, tuple[float, list]] = {}  # local events of a request not followed yet
         self._wake_key, self._wake_last = bus.hub_wake_key(uuid.uuid4().hex), "0"
         self._task: asyncio.Task | None = None
         self._blocked = self._woken = False
@@ -84,6 +90,8 @@ class StreamHub:
         """Follow ``request_id``'s stream from its first entry; ``unsubscribe`` when done."""
         reader = Reader(bus.stream_key(request_id))
         self.readers.setdefault(reader.key, []).append(reader)
+        if early := self._early.pop(reader.key, None):
+            reader.push(early[1])
         if self._task is None or self._task.done():
             self._task = self.loop.create_task(self._run())
         elif self._blocked and not self._woken:  # the call under way does not read this stream: end it
@@ -98,6 +106,20 @@ class StreamHub:
                 self.unsubscribe(reader)
                 raise
         return reader
+
+    def push_local(self, request_id: str, events: list) -> None:
+        """Hand this gateway's own events of ``request_id`` to its readers; kept a while for a reader
+        that has not subscribed yet (its release came before its relay began to follow it)."""
+        key = bus.stream_key(request_id)
+        readers = self.readers.get(key)
+        if readers:
+            for reader in readers:
+                reader.push(events)
+            return
+        now = time.monotonic()
+        if len(self._early) > 1000:  # nobody came for these: their clients left
+            self._early = {k: v for k, v in self._early.items() if now - v[0] < 60.0}
+        self._early.setdefault(key, (now, []))[1].extend(events)
 
     async def aclose(self) -> None:
         """At shutdown: stop reading, fail the readers still waiting (as a lost Redis would), and

@@ -183,7 +183,7 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
                        code="queue_full")
     recorded = False
     try:
-        reqs = await _profile(app_state, served, subs, prompt_ids, ids)
+        reqs = await _profile(app_state, served, subs, prompt_ids, ids, _owner(app_state, alive))
         await run_in_threadpool(record_requests, app_state.db, [_row(served, r) for r in reqs])
         recorded = True
         await bus.enqueue(redis, served.pool, ids, [dumps(r.to_dict()) for r in reqs])
@@ -203,8 +203,15 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
     return [Ticket(req, endpoint, received, deadline, served.pool) for req in reqs]
 
 
+def _owner(app_state, alive: list) -> str | None:
+    """This gateway, where it streams an upstream pool's rows from their engines itself
+    (COHORT_UPSTREAM_STREAMING=gateway); None: the pool's instances relay them."""
+    direct = getattr(app_state, "direct", None)
+    return direct.gateway_id if direct is not None and all(i.upstream for i in alive) else None
+
+
 async def _profile(app_state, served: ServedModel, subs: list[Submission], prompt_ids: list[list[int]],
-                   ids: list[str]) -> list[ProfiledRequest]:
+                   ids: list[str], owner: str | None = None) -> list[ProfiledRequest]:
     """The requests as the batcher reads them: each with its predicted length (one prediction
     per distinct prompt: ``n`` copies share it)."""
     predictions: dict[tuple, tuple] = {}
@@ -223,7 +230,8 @@ async def _profile(app_state, served: ServedModel, subs: list[Submission], promp
             predicted_upper=upper, max_tokens=sub.max_tokens, arrival=time.time(), model=served.path,
             sampling=sub.sampling, slo_s=sub.slo_s, instruction=sub.instruction, user_input=sub.user_input,
             task=sub.task, emulated_tokens=sub.emulated_tokens, predictor_version=version,
-            prompt_ids=list(p_ids), priority=sub.priority))
+            prompt_ids=list(p_ids), priority=sub.priority,
+            owner=owner if sub.sampling.logprobs is None and sub.sampling.prompt_logprobs is None else None))
     return reqs
 
 

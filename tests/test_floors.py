@@ -32,9 +32,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "deployer": {"cohort"},
     "batcher": {"cohort"},
     "predictor": {"cohort"},
-    "workers": {"cohort", "batcher", "predictor", "deployer", "taskq"},
+    "upstream": {"cohort"},  # talking to an upstream engine: the upstream worker's and the gateway's
+    "workers": {"cohort", "batcher", "predictor", "deployer", "taskq", "upstream"},
     "learning": {"cohort", "predictor", "taskq"},
-    "gateway": {"cohort", "batcher", "predictor", "taskq"},
+    "gateway": {"cohort", "batcher", "predictor", "taskq", "upstream"},
     "bench": {"cohort", "batcher", "predictor", "deployer", "procstack"},
     "offline": {"cohort", "procstack"},  # the Batch API's job runner: a client of the gateway (issue 21)
     "launch": set(PACKAGES) - {"launch"},

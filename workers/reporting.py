@@ -169,7 +169,7 @@ class Reporter:
                   for req, ids, scores in out.prompt_scores]
         events += [(req.id, StreamEvent.delta(text, n, ids, ids.logprobs if isinstance(ids, ScoredIds) else None))
                    for req, text, n, ids in out.deltas]
-        events += [(res.request.id, _end_event(res, self.batch, self.started)) for res in out.finished]
+        events += [(res.request.id, _end_event(res, self.batch, self.started)) for res in out.finished if res.relayed]
         events += [(req.id, StreamEvent.error(code, message)) for req, code, message in out.failed]
         count, self.counted = generated - self.counted, generated
         now = time.monotonic()

@@ -26,6 +26,7 @@ class RowResult:
     first_token_at: float | None
     finished_at: float
     cached_tokens: int = 0   # prompt tokens its KV came from the prefix cache for
+    relayed: bool = True     # its answer goes out on its stream (False: its gateway streamed it itself)
 
 
 @dataclass

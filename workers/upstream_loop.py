@@ -1,5 +1,5 @@
 """An upstream instance's engine loop: the admission groups the batcher sends run as streaming
-completions on an OpenAI-compatible server (``workers.upstream_api``), on one asyncio thread.
+completions on an OpenAI-compatible server (``upstream.api``), on one asyncio thread.
 
 It has the continuous loop's face (``submit``, ``updates``, ``cancel``), so the instance's one
 publisher (``workers.group_publisher``) reports for it unchanged: the same Redis streams, log-DB
@@ -12,7 +12,7 @@ rows, metrics and completions as the built-in engine. What differs is who decode
   queue of its own (vLLM's ``num_requests_waiting``, SGLang's ``num_queue_reqs``). An empty
   instance takes any group.
 * **Order.** Each row carries ``priority`` = its client priority, then its group's admission
-  number, where the server takes one (vLLM, SGLang: ``workers.upstream_api``).
+  number, where the server takes one (vLLM, SGLang: ``upstream.api``).
 * **Failure.** A stream that breaks, times out or answers 5xx goes back to the batcher as a
   continuation from the tokens it streamed (another instance of the pool resumes it). When the
   server's /health does not answer either, the server is down: every unfinished row goes back,
@@ -29,23 +29,26 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from batcher.kv_judge import KVJudge
 from cohort.protocol import FailureCode, FinishReason
-from cohort.types import Batch, ProfiledRequest
-from workers.continuous_loop import GroupHandle, GroupUpdate, Update, drain
-from workers.row_text import TextStage
-from workers.step_outputs import StepOutput, TokenEvent
-from workers.upstream_api import (
+from cohort.types import Batch
+from upstream.api import (
     Chunk,
     UpstreamDown,
     UpstreamRefused,
     UpstreamServer,
     block_tokens_from_metrics,
+    finish_reason,
     kv_tokens_from_metrics,
     queue_from_metrics,
 )
+from workers.continuous_loop import GroupHandle, GroupUpdate, Update, drain
+from workers.row_text import TextStage
+from workers.step_outputs import StepOutput, TokenEvent
+from workers.upstream_release import ReleaseLink, Releasing
+from workers.upstream_rows import Group, Row
 
 log = logging.getLogger(__name__)
 PRIORITY_SPAN = 1_000_000_000  # admission ranks within one client priority
@@ -53,62 +56,22 @@ GROUP_SPAN = 1_000             # ranks within one group (its rows, shortest pred
 QUEUE_POLL_S = 0.1             # the watch's period while the server's own queue holds groups back
 
 
-@dataclass
-class _Row:
-    req: ProfiledRequest
-    prompt_ids: list[int]
-    group: _Group
-    new_ids: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
-    task: asyncio.Task | None = None
-    ended: bool = False
-
-    @property
-    def context(self) -> int:
-        return len(self.prompt_ids) + len(self.req.generated_ids) + len(self.new_ids)
-
-    @property
-    def remaining(self) -> int:
-        """Tokens planning still reserves for it (``workers.rows.RowState.planned_remaining``)."""
-        return max(1, min(self.req.planned_tokens, self.req.max_tokens) - len(self.new_ids))
-
-    @property
-    def limit(self) -> int:
-        """Tokens it may still generate: an emulated length (benchmarks) or max_tokens."""
-        e = self.req.emulated_tokens
-        return self.req.max_tokens if e is None else max(1, min(e, self.req.max_tokens))
-
-
-@dataclass
-class _Group:
-    batch: Batch
-    handle: GroupHandle
-    rows: list[_Row] = field(default_factory=list)
-    admitted: bool = False
-    told_admitted: bool = False
-    out: StepOutput = field(default_factory=StepOutput)
-    generated: int = 0
-    dirty: bool = False
-
-    @property
-    def alive(self) -> list[str]:
-        return [r.req.id for r in self.rows if not r.ended]
-
-
-class UpstreamLoop:
-    """Owns the asyncio thread, the server client and the groups it runs."""
+class UpstreamLoop(Releasing):
+    """Owns the asyncio thread, the server client and the groups it runs (``link``: releases rows
+    to the gateways that stream them, ``workers.upstream_release``)."""
 
     def __init__(self, server: UpstreamServer, tokenizer, capacity_tokens: int, *, page_tokens: int = 16,
-                 max_rows: int = 256, use_priority: bool = True, poll_s: float = 2.0, flush_s: float = 0.02) -> None:
-        self.server, self.tok = server, tokenizer
+                 max_rows: int = 256, use_priority: bool = True, poll_s: float = 2.0, flush_s: float = 0.02,
+                 link: ReleaseLink | None = None) -> None:
+        self.server, self.tok, self.link = server, tokenizer, link
         self.capacity_tokens, self.page_tokens, self.max_rows = capacity_tokens, page_tokens, max_rows
         self.use_priority, self.poll_s, self.flush_s = use_priority, poll_s, flush_s
         self.down = False
         self.server_waiting = 0.0
         self.outbox: queue.Queue[list[Update]] = queue.Queue()
-        self._waiting: list[_Group] = []
-        self._groups: dict[str, _Group] = {}
-        self._rows: dict[str, _Row] = {}
+        self._waiting: list[Group] = []
+        self._groups: dict[str, Group] = {}
+        self._rows: dict[str, Row] = {}
         self._admissions = 0
         self._flush_timer: asyncio.TimerHandle | None = None  # the coalescing flush, when one is due
         self._flush_soon = False  # a flush without delay is queued (a row's first token)
@@ -116,6 +79,8 @@ class UpstreamLoop:
         self._thread = threading.Thread(target=self._run, name="upstream-loop", daemon=True)
         self._thread.start()
         self._call(self._watch())
+        if link is not None:
+            self._call(link.start(self.on_reports))
 
     # --- the continuous loop's face (called from other threads) --------------------------------
     def submit(self, batch: Batch, prompt_ids: Sequence[list[int]]) -> GroupHandle:
@@ -159,14 +124,14 @@ class UpstreamLoop:
         self._aloop.call_soon_threadsafe(lambda: self._aloop.create_task(coro))
 
     def _take(self, batch: Batch, prompt_ids: list[list[int]], handle: GroupHandle) -> None:
-        g = _Group(batch, handle)
-        g.rows = [_Row(req, ids, g, first_token_at=req.first_token_at)
+        g = Group(batch, handle)
+        g.rows = [Row(req, ids, g, first_token_at=req.first_token_at)
                   for req, ids in zip(batch.requests, prompt_ids, strict=True)]
         self._groups[batch.id] = g
         self._waiting.append(g)
         self._admit()
 
-    def _fits(self, g: _Group) -> bool:
+    def _fits(self, g: Group) -> bool:
         running = list(self._rows.values())  # a row leaves ``_rows`` when it ends
         if not running or self.server_waiting > 0:
             return not running
@@ -189,10 +154,13 @@ class UpstreamLoop:
                 if row.ended:  # cancelled while it waited
                     continue
                 self._rows[row.req.id] = row
-                row.task = self._aloop.create_task(self._stream(row, self._priority(row, rank)))
+                if self._releases(row):  # its gateway streams it
+                    self._release(row, self._priority(row, rank))
+                else:
+                    row.task = self._aloop.create_task(self._stream(row, self._priority(row, rank)))
             self._schedule_flush()
 
-    def _priority(self, row: _Row, rank: int) -> int | None:
+    def _priority(self, row: Row, rank: int) -> int | None:
         """The server's ``priority`` (lower runs first): the client's priority, then the group's
         admission number, then the row's rank in its group by predicted length, so the server sees
         the policy's order between groups and shortest-first within one."""
@@ -201,7 +169,7 @@ class UpstreamLoop:
         order = (self._admissions * GROUP_SPAN + min(rank, GROUP_SPAN - 1)) % PRIORITY_SPAN
         return row.req.priority * PRIORITY_SPAN + order
 
-    def _hand_back(self, g: _Group) -> None:
+    def _hand_back(self, g: Group) -> None:
         """A group that never ran goes back to the batcher whole."""
         for row in g.rows:
             row.ended = True
@@ -209,14 +177,14 @@ class UpstreamLoop:
         g.dirty = True
         self._schedule_flush()
 
-    def _prompt(self, row: _Row) -> list[int] | str:
+    def _prompt(self, row: Row) -> list[int] | str:
         if self.server.caps.token_ids:
             return [*row.prompt_ids, *row.req.generated_ids]
         if not row.req.generated_ids:
             return row.req.prompt
         return row.req.prompt + self.tok.decode(row.req.generated_ids, skip_special_tokens=True)
 
-    async def _stream(self, row: _Row, priority: int | None) -> None:
+    async def _stream(self, row: Row, priority: int | None) -> None:
         req = row.req
         if (req.sampling.logprobs is not None or req.sampling.prompt_logprobs is not None) and not self.server.caps.logprobs:
             self._fail(row, "this pool's upstream server does not return logprobs; ask without logprobs")
@@ -250,7 +218,7 @@ class UpstreamLoop:
             log.exception("row %s on the upstream failed", req.id)
             self._fail(row, f"{type(e).__name__}: {e}")
 
-    def _accept(self, row: _Row, ch: Chunk) -> None:
+    def _accept(self, row: Row, ch: Chunk) -> None:
         """One streamed piece as token events: one per server id, or one per chunk from a text-only
         server (each of its chunks is one token; its ids are cohort's re-tokenization)."""
         if ch.ids is not None:
@@ -276,26 +244,23 @@ class UpstreamLoop:
         g.dirty = True
         self._schedule_flush(now=first)
 
-    def _finish(self, row: _Row, finish: str) -> None:
+    def _finish(self, row: Row, finish: str) -> None:
         if row.ended:
             return
-        reason = FinishReason.LENGTH if finish == "length" else FinishReason.STOP
-        e = row.req.emulated_tokens  # stands for EOS (as the built-in engine says); else "length" short
-        if reason is FinishReason.LENGTH and e is not None and e <= len(row.new_ids) < row.req.max_tokens:
-            reason = FinishReason.STOP  # of max_tokens is the server's context end, and stays
+        reason = FinishReason(finish_reason(finish, len(row.new_ids), row.req.max_tokens, row.req.emulated_tokens))
         row.group.out.tokens.append(TokenEvent(row.req, None, row.req.done_tokens + len(row.new_ids), time.time(),
                                                row.first_token_at, reason))
         row.ended = True
         self._row_ended(row)
 
-    def _fail(self, row: _Row, message: str) -> None:
+    def _fail(self, row: Row, message: str) -> None:
         if row.ended:
             return
         row.group.out.failed.append((row.req, FailureCode.BATCH_FAILED, message))
         row.ended = True
         self._row_ended(row)
 
-    def _evict(self, row: _Row) -> None:
+    def _evict(self, row: Row) -> None:
         """Back to the batcher from what it streamed (``ProfiledRequest.continuation``)."""
         if row.ended:
             return
@@ -305,7 +270,7 @@ class UpstreamLoop:
         row.ended = True
         self._row_ended(row)
 
-    def _row_ended(self, row: _Row) -> None:
+    def _row_ended(self, row: Row) -> None:
         self._rows.pop(row.req.id, None)
         row.group.dirty = True
         self._schedule_flush(now=True)  # its client's answer (and e2e) waits for this news
@@ -316,6 +281,9 @@ class UpstreamLoop:
             row = self._rows.get(rid)
             if row is not None and row.task is not None:
                 row.task.cancel()
+            elif row is not None and row.released and not row.ended:  # its gateway closed its stream
+                row.ended = True
+                self._row_ended(row)
             for g in self._waiting:  # not yet admitted: it just leaves its group
                 for r in g.rows:
                     if r.req.id == rid:
@@ -375,6 +343,7 @@ class UpstreamLoop:
             held = self.server_waiting > 0 and bool(self._waiting)
             await asyncio.sleep(min(self.poll_s, QUEUE_POLL_S) if held else self.poll_s)
             try:
+                await self._check_owners()
                 healthy = await self.server.healthy()
                 if self.down:
                     if healthy:

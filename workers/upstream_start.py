@@ -21,16 +21,17 @@ from cohort.logdb import get_db_engine
 from cohort.settings import DEFAULT_MODEL, Settings
 from cohort.tokenizer import load_tokenizer, prompt_token_ids
 from cohort.types import InstanceInfo, ProfiledRequest
-from workers.group_publisher import GroupPublisher
-from workers.runtime import Runtime
-from workers.tiny_llama import TINY_LLAMA
-from workers.upstream_api import (
+from upstream.api import (
     UpstreamDown,
     UpstreamServer,
     block_tokens_from_metrics,
     kv_tokens_from_metrics,
 )
+from workers.group_publisher import GroupPublisher
+from workers.runtime import Runtime
+from workers.tiny_llama import TINY_LLAMA
 from workers.upstream_loop import UpstreamLoop
+from workers.upstream_release import ReleaseLink
 
 log = logging.getLogger(__name__)
 START_WAIT_S = 300.0  # how long a starting worker waits for its server to answer
@@ -104,11 +105,12 @@ def start_upstream(settings: Settings) -> Runtime:
         log.warning("upstream %s publishes no KV capacity and COHORT_UPSTREAM_KV_TOKENS is unset: planning with "
                     "%d tokens", s.upstream, capacity)
     block = (block_tokens_from_metrics(metrics) if metrics else None) or server.caps.page_tokens
+    name = s.instance_name or f"{socket.gethostname()}-{os.getpid()}-upstream"
     loop = UpstreamLoop(server, tok, capacity, page_tokens=block or s.continuous.page_tokens,
                         max_rows=s.continuous.max_rows, flush_s=s.upstream_flush_s,
-                        use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and server.caps.priority))
+                        use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and server.caps.priority),
+                        link=ReleaseLink(s.resolved_redis_url, name))  # rows whose gateway streams them
     delta = delta_bytes(s.model)
-    name = s.instance_name or f"{socket.gethostname()}-{os.getpid()}-upstream"
     info = InstanceInfo(name=name, pool=s.pool, model=s.model, theta_bytes=capacity * delta, delta_bytes=delta,
                         device=f"upstream:{s.upstream}", started=time.time(),
                         served_model_name=s.served_model_name or s.model,

@@ -12,7 +12,7 @@ import pytest
 from batcher.memory import KVMemory
 from cohort.tokenizer import load_tokenizer
 from cohort.types import Batch, InstanceInfo, ProfiledRequest
-from workers.upstream_api import (
+from upstream.api import (
     Capabilities,
     Chunk,
     UpstreamDown,

@@ -15,7 +15,7 @@ from cohort.tokenizer import load_tokenizer
 from cohort.types import Batch, ProfiledRequest
 from tests.loopback import answer, serving
 from tests.workers.test_upstream import ScriptedServer, _run
-from workers.upstream_api import Capabilities, UpstreamServer, read_server_settings
+from upstream.api import Capabilities, UpstreamServer, read_server_settings
 from workers.upstream_loop import UpstreamLoop
 
 

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from cohort.types import ProfiledRequest
 from tests.loopback import answer, serving
-from workers.upstream_api import (
+from upstream.api import (
     Capabilities,
     UpstreamServer,
     kv_tokens_from_metrics,

@@ -14,11 +14,7 @@ import pytest
 from bench.engine_sim.cpu_cost import free_port, spawn
 from bench.engine_sim.roofline_steps import roofline_step_time
 from bench.engine_sim.step_time import StepShape
-
-try:
-    from upstream.api import UpstreamServer, gauge
-except ImportError:   # before the upstream client had a package of its own
-    from workers.upstream_api import UpstreamServer, gauge
+from upstream.api import UpstreamServer, gauge
 
 
 def client(url: str) -> openai.OpenAI:

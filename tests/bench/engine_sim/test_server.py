@@ -11,15 +11,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-try:   # cohort's upstream client, which must read the simulator exactly as it reads vLLM
-    from upstream.api import block_tokens_from_metrics, gauge, kv_tokens_from_metrics, queue_from_metrics
-except ImportError:   # before the upstream client had a package of its own
-    from workers.upstream_api import (
-        block_tokens_from_metrics,
-        gauge,
-        kv_tokens_from_metrics,
-        queue_from_metrics,
-    )
+# cohort's upstream client, which must read the simulator exactly as it reads vLLM
+from upstream.api import block_tokens_from_metrics, gauge, kv_tokens_from_metrics, queue_from_metrics
 
 
 def client(url: str) -> openai.OpenAI:

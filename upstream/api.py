@@ -86,6 +86,7 @@ class Chunk:
     finish: str | None = None             # "stop" | "length" on the last piece
     logprobs: list[list] | None = None    # one TokenLogprob per id, when asked and given
     completion_tokens: int | None = None  # usage, when the server sends it
+    cached_tokens: int = 0                # usage: prompt tokens its prefix cache had (vLLM, SGLang)
 
 
 _UNEXPECTED = re.compile(r"[Uu]nexpected fields[^{]*\{([^}]*)\}")
@@ -157,6 +158,7 @@ def parse_chunk(data: dict[str, Any]) -> Chunk:
     ch = Chunk()
     usage = data.get("usage") or {}
     ch.completion_tokens = usage.get("completion_tokens")
+    ch.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     choices = data.get("choices") or []
     if not choices:
         return ch
@@ -321,35 +323,55 @@ class UpstreamServer:
             b["stream_interval"] = self.stream_interval
         return b  # ``stream`` leaves out what the server refuses
 
-    async def stream(self, body: dict[str, Any]) -> AsyncIterator[Chunk]:
-        """Stream one completion; closing the iterator closes the connection (vLLM then aborts
-        the request). Raises ``UpstreamRefused`` on 4xx, ``UpstreamDown`` on anything else."""
+    def payload(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The whole streamed request for ``body``: the model, streaming with usage, and nothing the
+        server refuses."""
         payload = {**body, "model": self.model, "stream": True, "stream_options": {"include_usage": True}}
-        payload = {k: v for k, v in payload.items() if k not in self.caps.refused}
-        try:
-            async with self._session().post(f"{self.base_url}/completions", json=payload) as r:
-                if r.status >= 400:
-                    text = (await r.text(errors="replace"))[:2000]
-                    if 400 <= r.status < 500 and r.status not in (408, 429):
-                        raise UpstreamRefused(f"{r.status}: {text}")
-                    raise UpstreamDown(f"{r.status}: {text}")
-                ended = False
-                try:
-                    async for line in r.content:
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            ended = True
-                            return
-                        obj = json.loads(data)
-                        if "error" in obj:  # an error event mid-stream
-                            raise UpstreamDown(json.dumps(obj["error"])[:500])
-                        yield parse_chunk(obj)
-                finally:
-                    if not ended:  # left early (a cancelled row, an error): close it, so the server aborts the request
-                        r.close()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise UpstreamDown(f"{type(e).__name__}: {e}") from e
-        except json.JSONDecodeError as e:
-            raise UpstreamDown(f"unreadable stream: {e}") from e
+        return {k: v for k, v in payload.items() if k not in self.caps.refused}
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[Chunk]:
+        """Stream one completion (``stream_completion``) on this server's connection pool."""
+        async for ch in stream_completion(self._session(), f"{self.base_url}/completions", self.payload(body)):
+            yield ch
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]) -> AsyncIterator[Chunk]:
+    """Stream one completion; closing the iterator closes the connection (vLLM then aborts the
+    request). Raises ``UpstreamRefused`` on 4xx, ``UpstreamDown`` on anything else: a 5xx, a
+    connection that breaks or goes silent past the session's read timeout, an error mid-stream."""
+    try:
+        async with session.post(url, json=payload) as r:
+            if r.status >= 400:
+                text = (await r.text(errors="replace"))[:2000]
+                if 400 <= r.status < 500 and r.status not in (408, 429):
+                    raise UpstreamRefused(f"{r.status}: {text}")
+                raise UpstreamDown(f"{r.status}: {text}")
+            ended = False
+            try:
+                async for line in r.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        ended = True
+                        return
+                    obj = json.loads(data)
+                    if "error" in obj:  # an error event mid-stream
+                        raise UpstreamDown(json.dumps(obj["error"])[:500])
+                    yield parse_chunk(obj)
+            finally:
+                if not ended:  # left early (a cancelled row, an error): close it, so the server aborts the request
+                    r.close()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise UpstreamDown(f"{type(e).__name__}: {e}") from e
+    except json.JSONDecodeError as e:
+        raise UpstreamDown(f"unreadable stream: {e}") from e
+
+
+def finish_reason(reason: str | None, generated: int, max_tokens: int, emulated: int | None) -> str:
+    """A row's finish reason from its server's: "length" is the server's unless an emulated length
+    (a benchmark's stand-in for EOS) ended it short of max_tokens — then "stop", as the built-in engine
+    says; "length" short of max_tokens otherwise is the server's context end, and stays."""
+    if reason == "length" and emulated is not None and emulated <= generated < max_tokens:
+        return "stop"
+    return "length" if reason == "length" else "stop"

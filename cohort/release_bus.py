@@ -1,0 +1,25 @@
+"""The Redis keys of direct streaming, where a gateway streams a row from its upstream engine
+itself (``protocol.Release`` / ``protocol.StreamReport``): the gateway's inbox of releases and its
+liveness, the upstream instance's inbox of reports. Everything else crosses on ``cohort.bus``."""
+
+from __future__ import annotations
+
+from cohort.bus import PREFIX
+
+GATEWAY_ALIVE_TTL_S = 10  # a gateway that stopped refreshing this long ago is gone: its rows have no reader
+
+
+def gateway_inbox(gateway: str) -> str:
+    """A list of ``protocol.Release`` JSON: rows the gateway streams from their engine itself."""
+    return f"{PREFIX}:gateway:{gateway}:releases"
+
+
+def gateway_alive_key(gateway: str) -> str:
+    """Set (with ``GATEWAY_ALIVE_TTL_S``) while the gateway process runs."""
+    return f"{PREFIX}:gateway:{gateway}:alive"
+
+
+def instance_inbox(instance: str) -> str:
+    """A list of JSON arrays of ``protocol.StreamReport``: what the gateways' streams of an upstream
+    instance's rows did."""
+    return f"{PREFIX}:instance:{instance}:reports"

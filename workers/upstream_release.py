@@ -1,0 +1,159 @@
+"""The upstream worker's side of direct streaming (COHORT_UPSTREAM_STREAMING=gateway): a row whose
+gateway streams it from the engine itself (``ProfiledRequest.owner``) is *released* to that gateway
+when its group joins the engine's rows, instead of streamed here.
+
+The worker keeps deciding: admission under the engine's KV, the priority the engine gets, a row
+whose stream broke (back to the batcher as a continuation from the ids its gateway reported, on
+another instance while this engine is down), a row whose gateway died (failed: nobody reads it).
+What crosses is metadata: one ``protocol.Release`` per row run, a few batched ``StreamReport``s
+back. Rows that ask for logprobs, and servers that stream text without token ids, stay streamed
+here (a continuation must resume from exact ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from cohort import bus
+from cohort.protocol import FinishReason, Release, ReportKind, StreamReport
+from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox
+from workers.step_outputs import RowResult
+from workers.upstream_rows import Row
+
+log = logging.getLogger(__name__)
+
+
+class ReleaseLink:
+    """The worker's Redis side of releases: its outbox to gateways and its inbox of reports. Used on
+    the upstream loop's own asyncio thread (``start`` runs there)."""
+
+    def __init__(self, redis_url: str, instance: str) -> None:
+        self.redis_url, self.instance = redis_url, instance
+        self.redis: Any = None
+        self._out: dict[str, list[str]] = {}
+        self._flushing = False
+
+    async def start(self, on_reports) -> None:
+        self.redis = bus.connect_async(self.redis_url, max_connections=16)
+        asyncio.get_running_loop().create_task(self._read(on_reports))
+
+    def send(self, owner: str, rel: Release) -> None:
+        self._out.setdefault(owner, []).append(rel.to_json())
+        if not self._flushing:  # every release of this turn of the loop goes in one pipeline
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush()))
+
+    async def _flush(self) -> None:
+        self._flushing = False
+        out, self._out = self._out, {}
+        backoff = 0.2
+        while out:
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                for owner, releases in out.items():
+                    pipe.rpush(gateway_inbox(owner), *releases)
+                await pipe.execute()
+                return
+            except Exception as e:  # Redis gone: the releases wait for it (their gateways still wait)
+                log.warning("sending %d release(s) failed (%s); retrying in %.1f s", sum(map(len, out.values())), e,
+                            backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    async def _read(self, on_reports) -> None:
+        conn, key, backoff = self.redis.client(), instance_inbox(self.instance), 0.2
+        while True:
+            try:
+                got = await conn.blpop([key], timeout=1)
+                more = (await conn.lpop(key, 255) or []) if got else []
+                backoff = 0.2
+            except Exception as e:
+                log.warning("reading stream reports failed (%s); retrying in %.1f s", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+                continue
+            for js in ([got[1], *more] if got else []):
+                try:
+                    on_reports([StreamReport.from_dict(d) for d in json.loads(js)])
+                except Exception:
+                    log.exception("stream reports could not be applied: %.200s", js)
+
+    async def dead(self, owners: set[str]) -> set[str]:
+        """The gateways among ``owners`` that stopped heart-beating."""
+        if not owners:
+            return set()
+        names = sorted(owners)
+        pipe = self.redis.pipeline(transaction=False)
+        for owner in names:
+            pipe.exists(gateway_alive_key(owner))
+        return {o for o, hit in zip(names, await pipe.execute(), strict=True) if not hit}
+
+
+class Releasing:
+    """What ``workers.upstream_loop.UpstreamLoop`` does with released rows (a mixin: it owns the
+    rows, the server and the thread; this is the part of its job that talks to gateways)."""
+
+    link: ReleaseLink | None
+
+    def _releases(self, row: Row) -> bool:
+        s = row.req.sampling
+        return (self.link is not None and row.req.owner is not None and self.server.caps.token_ids
+                and s.logprobs is None and s.prompt_logprobs is None)
+
+    def _release(self, row: Row, priority: int | None) -> None:
+        req = row.req
+        row.released = True
+        body = self.server.body(req, self._prompt(row), row.limit, priority)
+        self.link.send(req.owner, Release(
+            req.id, self.link.instance, self.server.base_url, self.server.payload(body), done_tokens=req.done_tokens,
+            stop=list(req.sampling.stop or ()), limit=row.limit, max_tokens=req.max_tokens,
+            batch_id=row.group.batch.id, batch_size=row.group.batch.size, arrival=req.arrival, started=time.time()))
+
+    def on_reports(self, reports: list[StreamReport]) -> None:
+        """A batch of reports from a gateway: progress, ends, broken streams, refusals, cancels."""
+        for rep in reports:
+            row = self._rows.get(rep.request_id)
+            if row is None or not row.released or row.ended:
+                continue
+            ids = rep.ids[:max(0, row.limit - len(row.new_ids))]
+            row.new_ids += ids
+            row.group.generated += len(ids)
+            row.group.dirty = True
+            if row.first_token_at is None and rep.first_token_at is not None:
+                row.first_token_at = rep.first_token_at
+            if rep.kind is ReportKind.FINISH:
+                row.group.out.finished.append(RowResult(
+                    row.req, "", row.req.done_tokens + len(row.new_ids), FinishReason(rep.finish_reason or "stop"),
+                    row.first_token_at, time.time(), rep.cached_tokens, relayed=False))
+                row.ended = True
+                self._row_ended(row)
+            elif rep.kind is ReportKind.CANCELLED:
+                row.ended = True
+                self._row_ended(row)
+            elif rep.kind is ReportKind.REFUSED:
+                self._fail(row, f"the upstream server refused this request: {rep.error}")
+            elif rep.kind is ReportKind.BROKEN:
+                self._aloop.create_task(self._broken(row, rep.error or "its stream broke"))
+        self._schedule_flush()
+
+    async def _broken(self, row: Row, error: str) -> None:
+        """A stream its gateway saw break: a server whose /health does not answer is down (its other
+        rows' streams break too); the row continues elsewhere from the ids reported."""
+        if not await self.server.healthy():
+            self._mark_down(error)
+        self._evict(row)
+
+    async def _check_owners(self) -> None:
+        """Rows whose gateway stopped heart-beating fail: their client went with it."""
+        owners = {r.req.owner for r in self._rows.values() if r.released and not r.ended}
+        if not owners or self.link is None:
+            return
+        with contextlib.suppress(Exception):  # Redis gone: asked again at the next watch
+            for gone in await self.link.dead(owners):
+                for row in [r for r in self._rows.values() if r.released and r.req.owner == gone]:
+                    self._fail(row, "the gateway streaming it went away (its client's connection with it)")

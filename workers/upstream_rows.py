@@ -1,0 +1,58 @@
+"""An upstream instance's rows and groups: what ``workers.upstream_loop`` admits, streams (or
+releases to a gateway) and reports, and the rule of what a row's KV and budget are."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from cohort.types import Batch, ProfiledRequest
+from workers.continuous_loop import GroupHandle
+from workers.step_outputs import StepOutput
+
+
+@dataclass
+class Row:
+    """One request while its group is on the server: what it streamed so far."""
+
+    req: ProfiledRequest
+    prompt_ids: list[int]
+    group: Group
+    new_ids: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    task: asyncio.Task | None = None
+    ended: bool = False
+    released: bool = False  # streamed by its gateway (``protocol.Release``), not by this worker
+
+    @property
+    def context(self) -> int:
+        return len(self.prompt_ids) + len(self.req.generated_ids) + len(self.new_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens planning still reserves for it (``workers.rows.RowState.planned_remaining``)."""
+        return max(1, min(self.req.planned_tokens, self.req.max_tokens) - len(self.new_ids))
+
+    @property
+    def limit(self) -> int:
+        """Tokens it may still generate: an emulated length (benchmarks) or max_tokens."""
+        e = self.req.emulated_tokens
+        return self.req.max_tokens if e is None else max(1, min(e, self.req.max_tokens))
+
+
+@dataclass
+class Group:
+    """One admission group (a batch the batcher sent) and what its rows produced since the last flush."""
+
+    batch: Batch
+    handle: GroupHandle
+    rows: list[Row] = field(default_factory=list)
+    admitted: bool = False
+    told_admitted: bool = False
+    out: StepOutput = field(default_factory=StepOutput)
+    generated: int = 0
+    dirty: bool = False
+
+    @property
+    def alive(self) -> list[str]:
+        return [r.req.id for r in self.rows if not r.ended]
