@@ -1,0 +1,126 @@
+"""cohort in front of simulated vLLM engines (``cohort engine-sim serve``, started by
+``bench.fleet_bench.engine_fleet``): an engine that dies mid-stream loses nothing; KV-bound
+engines are never made to preempt by cohort while a direct flood of the same requests makes them;
+a priority cohort passes is the order the engine admits in; a repeated prefix lands on the engine
+that holds it. Every assertion is on counts and orders, none on timing ratios."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.fleet_bench import EngineSpec, engine_fleet, scrape
+from cohort.settings import DEFAULT_MODEL
+from cohort.tokenizer import build_prompt, prompt_token_ids
+from tests.e2e.stack import TestStack
+
+pytestmark = pytest.mark.e2e
+
+
+@contextmanager
+def cohort_fleet(folder: Path, n: int, spec: EngineSpec, per_engine=(), **env: str
+                 ) -> Iterator[tuple[TestStack, list[str]]]:
+    """``n`` engines with priority scheduling and a cohort stack in front of all of them."""
+    with engine_fleet(n, spec, "priority", folder / "engines", per_engine=per_engine) as urls:
+        stack = TestStack(folder / "stack", COHORT_UPSTREAMS=",".join(urls), COHORT_UPSTREAM_TIMEOUT_S="10", **env)
+        try:
+            stack.start()
+            yield stack, urls
+        finally:
+            stack.stop()
+            for name in stack.procs:
+                print(stack.tail(name, 30))
+
+
+async def _generate(url: str, bodies: list[dict], gap_s: float = 0.0) -> list[tuple[httpx.Response, float]]:
+    """POST each body to /v1/generate (``gap_s`` apart); each answer and when it came (monotonic)."""
+    async with httpx.AsyncClient(base_url=url, timeout=180) as h:
+        async def one(b: dict) -> tuple[httpx.Response, float]:
+            r = await h.post("/v1/generate", json=b)
+            return r, time.monotonic()
+        tasks = []
+        for b in bodies:
+            tasks.append(asyncio.create_task(one(b)))
+            await asyncio.sleep(gap_s)
+        return await asyncio.gather(*tasks)
+
+
+def _body(i: int, tokens: int, **extra) -> dict:
+    return {"instruction": "Echo.", "input": f"item {i}", "max_tokens": tokens, "emulated_tokens": tokens, **extra}
+
+
+def test_an_engine_that_dies_mid_stream_loses_nothing(tmp_path):
+    spec = EngineSpec(num_gpu_blocks=24, max_model_len=352, speedup=0.5)  # ~2 rows per engine: both serve
+    with cohort_fleet(tmp_path, 2, spec, per_engine=[["--die-after", "2"]]) as (stack, urls):
+        answers = asyncio.run(_generate(stack.url, [_body(i, 120) for i in range(10)]))
+        assert [r.status_code for r, _ in answers] == [200] * 10, [r.text for r, _ in answers]
+        assert [r.json()["generated_tokens"] for r, _ in answers] == [120] * 10
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{urls[0].removesuffix('/v1')}/health", timeout=2)  # it did die
+        assert int(stack.redis.hgetall("cohort:stats").get("requests_failed", 0)) == 0
+
+
+def test_cohort_never_makes_kv_bound_engines_preempt_a_direct_flood_does(tmp_path):
+    # 34 blocks of 16 (33 usable); every request is 120 tokens (8 blocks): cohort, planning with
+    # max_tokens = the true length, fits 4 per engine; a direct flood admits every prompt at once
+    spec = EngineSpec(num_gpu_blocks=34, max_model_len=512)
+    prompts = [build_prompt("Echo.", f"item {i}") for i in range(16)]
+    ids = prompt_token_ids(prompts, DEFAULT_MODEL)
+    with cohort_fleet(tmp_path, 2, spec) as (stack, urls):
+        bodies = [_body(i, 120 - len(p)) for i, p in enumerate(ids)]
+        answers = asyncio.run(_generate(stack.url, bodies))
+        assert [r.status_code for r, _ in answers] == [200] * 16
+        assert [r.json()["generated_tokens"] for r, _ in answers] == [b["max_tokens"] for b in bodies]
+        fleet = scrape(urls)
+        assert fleet["finished"] >= 16 and fleet["preemptions"] == 0, fleet  # (+ each worker's start-up probe)
+
+        async def flood() -> list[int]:
+            async with httpx.AsyncClient(timeout=180) as h:
+                rs = await asyncio.gather(*(h.post(f"{urls[0]}/completions", json={
+                    "prompt": p, "max_tokens": 120 - len(p), "ignore_eos": True}) for p in ids))
+            return [r.status_code for r in rs]
+
+        assert asyncio.run(flood()) == [200] * 16
+        assert scrape(urls[:1])["preemptions"] > 0
+
+
+def test_the_engine_admits_in_the_priority_cohort_passes(tmp_path):
+    # one engine running one request at a time: a long one runs, then A (priority 5) and B
+    # (priority 1) wait in the engine's queue, A first; the engine takes B first only if cohort
+    # passed the priorities and the engine honours them
+    spec = EngineSpec(max_num_seqs=1, speedup=0.5)
+    with cohort_fleet(tmp_path, 1, spec) as (stack, urls):
+        bodies = [_body(0, 300), _body(1, 8, priority=5), _body(2, 8, priority=1)]
+        (long, t_long), (a, t_a), (b, t_b) = asyncio.run(_generate(stack.url, bodies, gap_s=0.6))
+        assert [r.status_code for r in (long, a, b)] == [200] * 3
+        assert t_long < t_b < t_a, (t_long, t_a, t_b)
+        assert "priority on" in stack.tail("upstream-0", 200)
+
+
+def test_a_repeated_prefix_lands_on_the_engine_that_holds_it(tmp_path):
+    topics = ["static batching", "KV caches", "tokenizers", "speculative decoding", "LoRA adapters"]
+    with cohort_fleet(tmp_path, 2, EngineSpec(), COHORT_SERVED_MODEL_NAME="cohort-tiny") as (stack, urls):
+        def turn(topic: str, question: str) -> None:
+            system = {"role": "system", "content": f"{topic}: you answer questions about {topic}, briefly. " * 8}
+            r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=120, json={
+                "model": "cohort-tiny", "max_tokens": 3, "ignore_eos": True,
+                "messages": [system, {"role": "user", "content": question}]})
+            assert r.status_code == 200, r.text
+
+        for t in topics:
+            turn(t, "Why?")
+        before = scrape(urls)
+        for t in topics:
+            turn(t, "And how?")
+        after = scrape(urls)
+        # each second turn found its system prompt (8 x ~12 tokens, at least 5 full blocks) cached
+        # on the engine it went to: with a pool queue some would land on the other engine
+        hits = [a["prefix_hits"] - b["prefix_hits"] for a, b in zip(after["per_engine"], before["per_engine"],
+                                                                      strict=True)]
+        assert sum(hits) >= len(topics) * 80, (hits, before, after)
