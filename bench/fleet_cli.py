@@ -138,7 +138,7 @@ def fleet(
                 bases = urls if direct else [f"{url}/v1"]
                 body = fleet_direct_body(wl, spec.model_name) if direct else \
                     fleet_cohort_body(wl, served_model(f"{url}/v1"), speedup)
-                with tqdm(total=len(wl), desc=f"{label} @ {tag}", unit="req", leave=False) as bar:
+                with tqdm(total=len(wl), desc=f"{label} @ {tag}", unit="req", leave=False, disable=None) as bar:
                     res, where = asyncio.run(replay_routed(to_wall(wl, speedup), bases, body,
                                                            direct[0] if direct else "rr", progress=bar.update))
             eng = scrape(urls)
