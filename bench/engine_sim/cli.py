@@ -1,5 +1,7 @@
-"""`cohort engine-sim ...`: the simulated vLLM engine (``serve``) and the measurement of its own
-CPU cost in fixed-delay mode (``cpu-cost``). docs/engine_sim.md is the user's page."""
+"""`cohort engine-sim ...`: the simulated vLLM engine (``serve``), the measurement of its own
+CPU cost in fixed-delay mode (``cpu-cost``), the fit of its step time to a running engine
+(``fit``) and the comparison of a fitted simulator with that engine (``fidelity``).
+docs/engine_sim.md is the user's page."""
 
 from __future__ import annotations
 
@@ -124,6 +126,31 @@ def cpu_cost(
     typer.echo(text)
     if out:
         out.write_text(text + "\n")
+
+
+@app.command("fit")
+def fit_cmd(
+    upstream: str = typer.Option(..., "--upstream", help="The engine's base URL (vLLM, or a simulator), loopback."),
+    out: Path = typer.Option(..., help="Write the fitted coefficients here (JSON; serve --fit reads it)."),
+    duration: float = typer.Option(150.0, help="Seconds of replay in all (split among the concurrencies)."),
+    concurrency: str = typer.Option("1,2,4,8,16,32", help="Closed-loop clients, one level after another."),
+    max_prompt: int = typer.Option(1024, help="Longest prompt (tokens); keep it under the engine's token budget."),
+    max_output: int = typer.Option(128, help="Largest max_tokens of a request."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Fit the step-time coefficients (--fit FILE) to the engine at --upstream: a replay of
+    streamed completions at several concurrencies, its steps rebuilt from when each token arrived
+    (bench/engine_sim/fit_upstream.py), both linear forms fitted; the file holds linear-v2's."""
+    from bench.engine_sim.fit_upstream import fit_upstream
+
+    levels = tuple(int(x) for x in concurrency.split(",") if x.strip())
+    res = fit_upstream(upstream, duration, levels, max_prompt, max_output, seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    e = res["fit_error"]["all"]
+    typer.echo(f"{res['samples']} step samples from {res['steps']['gaps']} token gaps, "
+               f"{res['replay']['done']} requests; linear-v2: median error {100 * e['median']:.1f} %, "
+               f"p90 {100 * e['p90']:.1f} %; written to {out}")
 
 
 if __name__ == "__main__":   # `python -m bench.engine_sim.cli serve …`: without the rest of `cohort`'s imports

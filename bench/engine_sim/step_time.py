@@ -12,6 +12,16 @@ rows attend to. The roofline turns that into FLOPs and bytes read; the fitted fo
 prefill cost per token, ``c`` the per-row decode cost, ``d`` the KV read per cached token. It is
 the form ``fit.fit_step_time`` fits by least squares (coefficients kept non-negative), and the JSON
 ``--fit FILE`` reads: ``{"form": "linear-v1", "a": …, "b": …, "c": …, "d": …}``.
+
+The second form, ``linear-v2``, adds what a step with prefill costs beyond its tokens:
+
+    t = a + a_p · [the step has prefill] + b · prefill_tokens + e · prefill_rows
+          + c · decode_rows + d · context_tokens
+
+``a_p`` is the extra fixed cost of a step that prefills (a real engine prepares a different
+attention path and more inputs), ``e`` the cost of each prompt started or continued in it (its
+setup, its sampler state). A linear-v1 file is a linear-v2 one with ``a_p = e = 0``; ``load_fit``
+reads both.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ from typing import Any, Protocol
 from bench.engine_sim.scheduler import SimStep
 
 FIT_FORM = "linear-v1"
+FIT_FORM_V2 = "linear-v2"
+FORMS = (FIT_FORM, FIT_FORM_V2)
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,7 @@ class StepShape:
     prefill_context: int = 0       # Σ (p + c) over prefill rows: the KV they read and write
     decode_rows: int = 0
     decode_context: int = 0        # Σ context over decode rows
+    prefill_rows: int = 0          # rows of the step that compute prompt tokens
 
     @property
     def context_tokens(self) -> int:
@@ -42,7 +55,7 @@ class StepShape:
 
     @classmethod
     def of(cls, plan: SimStep) -> StepShape:
-        pt = pc = dr = dc = 0
+        pt = pc = dr = dc = pr = 0
         pairs = 0.0
         for row in plan.rows:
             after = row.num_computed + row.num_new
@@ -52,12 +65,17 @@ class StepShape:
             else:
                 pt += row.num_new
                 pc += after
+                pr += 1
                 pairs += row.num_new * (row.num_computed + row.num_new / 2.0)
-        return cls(pt, pairs, pc, dr, dc)
+        return cls(pt, pairs, pc, dr, dc, pr)
 
-    def features(self) -> list[float]:
-        """The fitted form's regressors: 1, prefill tokens, decode rows, context tokens."""
-        return [1.0, float(self.prefill_tokens), float(self.decode_rows), float(self.context_tokens)]
+    def features(self, form: str = FIT_FORM) -> list[float]:
+        """The fitted form's regressors: 1, prefill tokens, decode rows, context tokens; linear-v2
+        adds [has prefill] and prefill rows (the order ``FittedStepTime.of`` takes)."""
+        base = [1.0, float(self.prefill_tokens), float(self.decode_rows), float(self.context_tokens)]
+        if form == FIT_FORM:
+            return base
+        return [*base, 1.0 if self.prefill_tokens > 0 else 0.0, float(self.prefill_rows)]
 
 
 class StepTime(Protocol):
@@ -68,31 +86,51 @@ class StepTime(Protocol):
 
 @dataclass(frozen=True)
 class FittedStepTime:
-    """t = a + b·prefill_tokens + c·decode_rows + d·context_tokens (module docstring)."""
+    """t = a + a_p·[prefill] + b·prefill_tokens + e·prefill_rows + c·decode_rows + d·context_tokens
+    (module docstring; linear-v1 when ``a_p`` and ``e`` are 0)."""
 
     a: float
     b: float
     c: float
     d: float
+    a_p: float = 0.0
+    e: float = 0.0
+
+    @property
+    def form(self) -> str:
+        return FIT_FORM if self.a_p == 0.0 and self.e == 0.0 else FIT_FORM_V2
+
+    @classmethod
+    def of(cls, form: str, coef: list[float]) -> FittedStepTime:
+        """From coefficients in ``StepShape.features(form)`` order."""
+        return cls(*coef[:4]) if form == FIT_FORM else cls(*coef[:4], a_p=coef[4], e=coef[5])
 
     def seconds(self, shape: StepShape) -> float:
-        return (self.a + self.b * shape.prefill_tokens + self.c * shape.decode_rows
-                + self.d * shape.context_tokens)
+        t = (self.a + self.b * shape.prefill_tokens + self.c * shape.decode_rows
+             + self.d * shape.context_tokens)
+        if shape.prefill_tokens > 0:
+            t += self.a_p + self.e * shape.prefill_rows
+        return t
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "fit", "form": FIT_FORM, **asdict(self)}
+        return {"kind": "fit", **self.to_json()}
 
     def to_json(self) -> dict[str, Any]:
-        return {"form": FIT_FORM, **asdict(self)}
+        coef = asdict(self)
+        if self.form == FIT_FORM:
+            del coef["a_p"], coef["e"]
+        return {"form": self.form, **coef}
 
 
 def load_fit(path: str | Path) -> FittedStepTime:
-    """The coefficients a ``--fit FILE`` names (the JSON ``FittedStepTime.to_json`` writes)."""
+    """The coefficients a ``--fit FILE`` names (the JSON ``FittedStepTime.to_json`` writes, or
+    ``cohort engine-sim fit`` with more beside them): linear-v1 or linear-v2."""
     data = json.loads(Path(path).read_text())
     form = data.get("form", FIT_FORM)
-    if form != FIT_FORM:
-        raise ValueError(f"{path}: step-time form {form!r} is not {FIT_FORM!r}")
+    if form not in FORMS:
+        raise ValueError(f"{path}: step-time form {form!r} is not one of {FORMS}")
+    keys = "abcd" if form == FIT_FORM else ("a", "b", "c", "d", "a_p", "e")
     try:
-        return FittedStepTime(*(float(data[k]) for k in "abcd"))
+        return FittedStepTime.of(form, [float(data[k]) for k in keys])
     except KeyError as e:
         raise ValueError(f"{path}: missing coefficient {e.args[0]!r}") from None

@@ -1,0 +1,59 @@
+"""``cohort engine-sim fit`` against the simulator itself: a replay on a roofline-timed simulator,
+its steps rebuilt from the client's chunk times, the fit checked against the roofline's own step
+times, and the file it writes read back by ``--fit``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bench.engine_sim.config import SimConfig
+from bench.engine_sim.fit import fit_errors
+from bench.engine_sim.fit_upstream import metric_labels, metric_value, replay, robust_fit, step_runs
+from bench.engine_sim.roofline_steps import roofline_step_time
+from bench.engine_sim.step_time import FIT_FORM, FIT_FORM_V2, FittedStepTime, StepShape, load_fit
+from tests.bench.engine_sim.conftest import serving_sim
+
+SPEEDUP = 2.0
+
+
+@pytest.fixture(scope="module")
+def fitted_run(token_table):
+    cfg = SimConfig(num_gpu_blocks=4000, max_model_len=2048, speedup=SPEEDUP)
+    with serving_sim(cfg, token_table) as s:
+        run = s.run(replay(s.url, duration_s=6.0, concurrency=(1, 4, 16), max_prompt=1024, max_output=64,
+                           vocab=(1000, 5000)), timeout_s=60)
+    speedup = metric_value(run.metrics_after, "engine_sim_speedup")
+    return run, speedup
+
+
+def test_the_steps_rebuilt_from_chunk_times_fit_the_roofline(fitted_run) -> None:
+    run, speedup = fitted_run
+    assert speedup == SPEEDUP
+    assert metric_labels(run.metrics_after, "vllm:cache_config_info")["num_gpu_blocks"] == "4000"
+    runs, why = step_runs(run.traces, speedup)
+    assert len(runs) > 100 and why["multi_token_requests"] == 0
+    roof = roofline_step_time("h100-80gb", "llama-3-8b")
+    # the rebuilt steps: what the roofline says of their shapes is the time the client measured
+    truth = np.array([abs(sum(map(roof.seconds, s)) - t) / t for s, t in runs])
+    assert np.median(truth) < 0.05   # a shared core's jitter on ~5 ms steps
+    fit, _ = robust_fit(runs, FIT_FORM_V2)
+    err = fit_errors(fit, runs)
+    assert err["all"]["median"] < 0.05 and err["with_prefill"]["samples"] > 10
+    # and one step at a time, on shapes of the kind the replay made
+    for shape in (StepShape(decode_rows=8, decode_context=8 * 600),
+                  StepShape(decode_rows=16, decode_context=16 * 300)):
+        assert fit.seconds(shape) == pytest.approx(roof.seconds(shape), rel=0.08)
+
+
+def test_the_fit_file_is_read_by_load_fit(tmp_path) -> None:
+    v2 = FittedStepTime(0.004, 2e-5, 1e-4, 3e-8, a_p=0.002, e=5e-4)
+    f = tmp_path / "fit.json"
+    f.write_text(json.dumps({**v2.to_json(), "samples": 10, "fits": {}}))
+    assert load_fit(f) == v2
+    assert v2.seconds(StepShape(prefill_tokens=100, prefill_rows=2, decode_rows=3, decode_context=30)) == \
+        pytest.approx(0.004 + 0.002 + 2e-5 * 100 + 5e-4 * 2 + 1e-4 * 3 + 3e-8 * 30)
+    v1 = FittedStepTime(0.004, 2e-5, 1e-4, 3e-8)
+    assert v1.to_json()["form"] == FIT_FORM and "a_p" not in v1.to_json()
