@@ -164,7 +164,7 @@ def step_runs(traces: list[Trace], scale: float = 1.0, run_steps: int = RUN_STEP
                 for _, q, k in sorted(ev[lo:hi], key=lambda e: abs(e[0] - t1)):   # the nearest token of each row
                     rows.setdefault(q, k)
                 why["gaps"] += 1
-                why["two_tokens_in_a_window"] += hi - lo > len(rows)
+                why["two_tokens_in_a_window"] += int(hi - lo > len(rows))
                 shapes.append(_shape(traces, rows))
             out.append((tuple(shapes), (tr.times[start + run_steps - 1] - tr.times[start - 1]) * scale))
     why["runs"] = len(out)
@@ -215,7 +215,8 @@ def metric_value(text: str, name: str) -> float | None:
 def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
                  max_prompt: int = 1024, max_output: int = 128, seed: int = 0) -> dict[str, Any]:
     """The replay, the samples and both forms' fits; the JSON ``cohort engine-sim fit`` writes,
-    linear-v2's coefficients at its top level (``step_time.load_fit`` reads it as ``--fit``)."""
+    linear-v2's coefficients at its top level (``step_time.load_fit`` reads it as ``--fit``), and
+    in ``fit_error`` linear-v2's errors over every run of steps."""
     run = asyncio.run(replay(url, duration_s, concurrency, max_prompt, max_output, seed))
     speedup = metric_value(run.metrics_after, "engine_sim_speedup") or 1.0
     samples, why = step_runs(run.traces, speedup)
@@ -230,7 +231,7 @@ def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ..
     pre = metric_value(run.metrics_before, "vllm:num_preemptions_total") or 0.0
     post = metric_value(run.metrics_after, "vllm:num_preemptions_total") or 0.0
     done = [t for t in run.traces if t.ok]
-    return {**chosen.to_json(), "form": FIT_FORM_V2,
+    return {**chosen.to_json(),   # its form: linear-v1 where a_p and e came out 0
             "formula": "t = a + a_p*[prefill] + b*prefill_tokens + e*prefill_rows + c*decode_rows + d*context_tokens",
             "units": "seconds (model seconds: wall x the engine's engine_sim_speedup)",
             "engine": {"url": url, "model": run.model, "max_model_len": run.max_model_len,

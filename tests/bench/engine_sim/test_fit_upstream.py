@@ -11,7 +11,14 @@ import pytest
 
 from bench.engine_sim.config import SimConfig
 from bench.engine_sim.fit import fit_errors
-from bench.engine_sim.fit_upstream import metric_labels, metric_value, replay, robust_fit, step_runs
+from bench.engine_sim.fit_upstream import (
+    fit_upstream,
+    metric_labels,
+    metric_value,
+    replay,
+    robust_fit,
+    step_runs,
+)
 from bench.engine_sim.roofline_steps import roofline_step_time
 from bench.engine_sim.step_time import FIT_FORM, FIT_FORM_V2, FittedStepTime, StepShape, load_fit
 from tests.bench.engine_sim.conftest import serving_sim
@@ -57,3 +64,16 @@ def test_the_fit_file_is_read_by_load_fit(tmp_path) -> None:
         pytest.approx(0.004 + 0.002 + 2e-5 * 100 + 5e-4 * 2 + 1e-4 * 3 + 3e-8 * 30)
     v1 = FittedStepTime(0.004, 2e-5, 1e-4, 3e-8)
     assert v1.to_json()["form"] == FIT_FORM and "a_p" not in v1.to_json()
+
+
+def test_the_fit_command_writes_a_file_serve_reads(token_table, tmp_path) -> None:
+    """``fit_upstream`` end to end (the client in this thread, the simulator in its own): the JSON
+    it writes carries the engine's cache config and both forms, and ``--fit`` loads it."""
+    cfg = SimConfig(num_gpu_blocks=500, block_size=128, max_model_len=2048, speedup=SPEEDUP)
+    with serving_sim(cfg, token_table) as s:
+        res = fit_upstream(s.url, duration_s=1.5, concurrency=(2, 6), max_prompt=512, max_output=32)
+    f = tmp_path / "fit.json"
+    f.write_text(json.dumps(res))
+    assert res["engine"]["cache_config_info"]["block_size"] == "128" and res["engine"]["speedup"] == SPEEDUP
+    assert set(res["fits"]) == {FIT_FORM, FIT_FORM_V2} and res["samples"] > 20
+    assert load_fit(f) == FittedStepTime.of(FIT_FORM_V2, [res.get(k, 0.0) for k in ("a", "b", "c", "d", "a_p", "e")])
