@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
+from scipy.optimize import lsq_linear
 
 from bench.engine_sim.step_time import FIT_FORM, FORMS, FittedStepTime, StepShape
 
@@ -17,7 +17,7 @@ from bench.engine_sim.step_time import FIT_FORM, FORMS, FittedStepTime, StepShap
 def fit_step_time(samples: Iterable[tuple[StepShape, float]], form: str = FIT_FORM,
                   relative: bool = False) -> FittedStepTime:
     """Least-squares coefficients of ``form`` (linear-v1 or linear-v2) from (shape, seconds)
-    samples, each kept non-negative (NNLS): a negative per-token cost would make a bigger step
+    samples, each kept non-negative (bounded least squares): a negative per-token cost would make a bigger step
     faster. Columns are scaled before solving, since tokens and rows differ by orders of
     magnitude. ``relative``: minimise the relative residuals (each sample weighted by 1/t), so
     short steps count as much as long ones."""
@@ -40,7 +40,9 @@ def fit_step_runs(samples: Iterable[tuple[Sequence[StepShape], float]], form: st
         w = 1.0 / np.maximum(y, 1e-9)
         x, y = x * w[:, None], y * w
     scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-    coef, _ = nnls(x / scale, y)
+    # bounded-variable least squares: exact, where scipy's nnls can stop at its iteration cap on
+    # nearly collinear columns (a constant per step and one per prefill step, in runs of steps)
+    coef = lsq_linear(x / scale, y, bounds=(0.0, np.inf), method="bvls").x
     return FittedStepTime.of(form, (coef / scale).tolist())
 
 

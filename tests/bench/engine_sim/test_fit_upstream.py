@@ -77,3 +77,25 @@ def test_the_fit_command_writes_a_file_serve_reads(token_table, tmp_path) -> Non
     assert res["engine"]["cache_config_info"]["block_size"] == "128" and res["engine"]["speedup"] == SPEEDUP
     assert set(res["fits"]) == {FIT_FORM, FIT_FORM_V2} and res["samples"] > 20
     assert load_fit(f) == FittedStepTime.of(FIT_FORM_V2, [res.get(k, 0.0) for k in ("a", "b", "c", "d", "a_p", "e")])
+
+
+def test_runs_of_steps_recover_linear_v2() -> None:
+    """Runs of 8 steps, timed as wholes, give back the coefficients that made them, even with
+    most runs holding a prefill step (a per-step and a per-prefill-step constant nearly collinear)."""
+    truth = FittedStepTime(0.006, 2e-5, 4e-4, 1e-8, a_p=0.003, e=1e-3)
+    rng = np.random.default_rng(0)
+    runs = []
+    for _ in range(300):
+        shapes = []
+        for _ in range(8):
+            pre = int(rng.integers(50, 900)) if rng.random() < 0.3 else 0
+            rows = int(rng.integers(1, 32))
+            shapes.append(StepShape(prefill_tokens=pre, prefill_context=pre,
+                                    prefill_rows=int(rng.integers(1, 4)) if pre else 0,
+                                    decode_rows=rows, decode_context=rows * int(rng.integers(20, 1500))))
+        runs.append((tuple(shapes), sum(map(truth.seconds, shapes))))
+    fit, kept = robust_fit(runs, FIT_FORM_V2)
+    assert len(kept) == len(runs)
+    for got, want in zip((fit.a, fit.b, fit.c, fit.d, fit.a_p, fit.e),
+                         (truth.a, truth.b, truth.c, truth.d, truth.a_p, truth.e), strict=True):
+        assert got == pytest.approx(want, rel=1e-4)
