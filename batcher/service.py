@@ -1,13 +1,13 @@
 """The live batcher: one active process that turns incoming requests into batches and hands a
-batch to the pool's Celery queue only when an instance of the pool is idle.
+batch to the pool's Celery queue (an upstream-only pool's: a plain list) only when an instance has room.
 
 Its state sits in Redis (``pending`` requests, ``inflight`` batches), so a restart recovers it.
 It also watches for lost work: a batch whose instance stopped heart-beating is re-queued (up to
 ``max_requeues`` times, then its requests fail explicitly); an OOM batch is split in two and both
-halves go back to the waiting queue; an OOM batch of one fails with a clear error. Under
-elastic execution the worker answers rows itself as they finish and hands preempted rows back as
-continuations, which wait here like new requests (same id, same stream). A request the gateway
-cancelled is dropped from the waiting set and from any batch before it is dispatched.
+halves go back to the waiting queue; an OOM batch of one fails with a clear error. Under elastic
+execution the worker answers rows itself as they finish and hands preempted rows back as continuations,
+which wait here like new requests (same id, same stream). A request the gateway cancelled is
+dropped from the waiting set and from any batch before it is dispatched.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from batcher.resume import resume_points
 from cohort import bus
 from cohort.logdb import fail_stale_queued, finish_request, get_db_engine
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, dumps
+from cohort.release_bus import group_list
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest, new_id
 
@@ -285,9 +286,10 @@ class BatcherService:
         self._requeue([a, b], now, replaces=batch.id)
 
     def _queued_ids(self) -> str:
-        """The pool's Celery queue and the routed instances' as raw text (short: only to ones with room)."""
-        targets = sorted({fl.target for fl in self.inflight.values() if fl.target})
-        queues = [bus.queue_for_pool(self.settings.pool), *map(bus.queue_for_instance, targets)]
+        """The pool's queues and the routed instances' as raw text (short: only to ones with room)."""
+        targets, pool = sorted({fl.target for fl in self.inflight.values() if fl.target}), self.settings.pool
+        queues = [bus.queue_for_pool(pool), *map(bus.queue_for_instance, targets), group_list(pool),
+                  *(group_list(pool, t) for t in targets)]
         return "".join(m for q in queues for m in self.redis.lrange(q, 0, -1))
 
     def _check_lost(self, now: float) -> bool:
@@ -373,11 +375,14 @@ class BatcherService:
         pipe.hset(self.keys.inflight, batch.id, dumps({"batch": payload, "dispatched": now, "target": target}))
         pipe.hdel(self.keys.pending, *[r.id for r in batch.requests])
         pipe.hincrby(bus.STATS, "batches_dispatched", 1)
+        if listed := bool(self.instances) and all(i.upstream for i in self.instances.values()):
+            pipe.rpush(group_list(self.settings.pool, target), dumps(payload))  # upstream-only: no Celery task
         pipe.execute()
         self.inflight[batch.id] = Inflight(batch, now, target=target)
         for r in batch.requests:
             self._waiting.pop(r.id, None)
-        self.send_task(batch, target)
+        if not listed:
+            self.send_task(batch, target)
         log.info("dispatched batch %s: β=%d L=%d G'=%d%s", batch.id, batch.size, batch.input_len,
                  batch.predicted_gen_len, f" to {target} (its prefix is cached there)" if target else "")
 

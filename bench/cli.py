@@ -1,9 +1,8 @@
 """`cohort bench ...`: run the batching policies on one workload, in the simulator or live.
 
-``cohort bench sim`` simulates N instances (default: Magnus's testbed, ChatGLM-6B fp16 on a
-V100-32GB, roofline batch times) for every policy on the *same* seeded workload; ``cohort bench
-live`` replays that workload against a running stack. Both write
-``{"config": {...}, "policies": {name: {metrics}}}``; with several rates, the top level holds the
+``cohort bench sim`` simulates N instances (default: Magnus's testbed, ChatGLM-6B fp16 on a V100-32GB,
+roofline batch times) for every policy on the *same* seeded workload; ``cohort bench live`` replays that
+workload against a running stack. Both write ``{"config": {...}, "policies": {name: {metrics}}}``; with several rates, the top level holds the
 last rate and ``by_rate`` holds every rate. A table of ratios against ``vs`` goes to stdout and
 ``--plot DIR`` draws throughput and latency against rate, one line per policy.
 
@@ -34,6 +33,7 @@ from bench.continuous_run import (
     DEFAULT_MAX_ROWS,
     physical_bound,
 )
+from bench.fleet_cli import fleet
 from bench.front_cli import front
 from bench.live import answer_digests, check_loopback, compare_answers, run_live_sync
 from bench.live_stack import parse_env, spawned_stack
@@ -51,7 +51,7 @@ from predictor.conformal import ConformalTable
 from predictor.estimator import AnalyticBatchTime
 
 app = typer.Typer(help="Benchmarks: simulate or replay the policies on one workload.", no_args_is_help=True)
-for _command in (soak, upstream, prefix, front, __import__("bench.fleet_cli", fromlist=["fleet"]).fleet):  # `cohort bench soak|upstream|prefix|front|fleet`: bench/<name>_cli.py
+for _command in (soak, upstream, prefix, front, fleet):  # `cohort bench soak|upstream|prefix|front|fleet`: bench/<name>_cli.py
     app.command()(_command)
 DEFAULT_POLICIES = "vs,glp,abp,magnus,magnus+oracle,s3,slo-dbs,odbs,slo-odbs"
 

@@ -1,6 +1,8 @@
-"""The Redis keys of direct streaming, where a gateway streams a row from its upstream engine
-itself (``protocol.Release`` / ``protocol.StreamReport``): the gateway's inbox of releases and its
-liveness, the upstream instance's inbox of reports. Everything else crosses on ``cohort.bus``."""
+"""The Redis keys of the upstream path's short cuts: the groups the batcher hands an upstream-only
+pool on plain lists (no Celery task per group: ``group_list``), and direct streaming, where a gateway
+streams a row from its upstream engine itself (``protocol.Release`` / ``protocol.StreamReport``):
+the gateway's inbox of releases and its liveness, the upstream instance's inbox of reports.
+Everything else crosses on ``cohort.bus``."""
 
 from __future__ import annotations
 
@@ -23,3 +25,8 @@ def instance_inbox(instance: str) -> str:
     """A list of JSON arrays of ``protocol.StreamReport``: what the gateways' streams of an upstream
     instance's rows did."""
     return f"{PREFIX}:instance:{instance}:reports"
+
+
+def group_list(pool: str, instance: str | None = None) -> str:
+    """A list of ``Batch`` JSON: groups for any upstream instance of ``pool``, or routed to one."""
+    return f"{PREFIX}:groups:{pool}" if instance is None else f"{PREFIX}:groups:{pool}:{instance}"

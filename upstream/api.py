@@ -101,7 +101,7 @@ def block_tokens_from_metrics(text: str) -> int | None:
 
 
 def kv_tokens_from_metrics(text: str) -> int | None:
-    """KV tokens the server holds: vLLM's num_gpu_blocks × block_size from ``vllm:cache_config_info``
+    """KV tokens the server holds: vLLM's usable blocks (num_gpu_blocks less its null block) × block_size from ``vllm:cache_config_info``
     (the override, ``--num-gpu-blocks-override``, when set), SGLang's ``max_total_num_tokens``. None
     when neither is published."""
     m = _INFO.search(text)
@@ -112,7 +112,7 @@ def kv_tokens_from_metrics(text: str) -> int | None:
     try:
         blocks = labels.get("num_gpu_blocks_override")
         blocks = int(blocks) if blocks not in (None, "", "None") else int(labels["num_gpu_blocks"])
-        return blocks * int(labels["block_size"])
+        return max(0, blocks - 1) * int(labels["block_size"])  # vLLM keeps its first block as the null block
     except (KeyError, ValueError):
         return None
 

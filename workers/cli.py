@@ -40,10 +40,13 @@ def worker(ctx: typer.Context) -> None:
 
     _setup_logging()
     s = get_settings()
+    inbox = None
     if s.upstream:  # an upstream instance: no model here, its server runs the rows
+        from workers.group_inbox import start_group_inbox
         from workers.upstream_start import start_upstream
 
         rt = runtime.set_current(start_upstream(s))
+        inbox = start_group_inbox(rt)  # an upstream-only pool's groups come on plain lists, not Celery
     else:
         rt = runtime.start(s)
     try:
@@ -52,6 +55,8 @@ def worker(ctx: typer.Context) -> None:
                                 "-n", f"{rt.name}@%h", "--loglevel=INFO", "--without-gossip",
                                 "--without-mingle", "--prefetch-multiplier=1"])
     finally:
+        if inbox is not None:
+            inbox.set()
         if rt.publisher is not None:  # a warm shutdown lets the running rows finish and be answered
             rt.publisher.drain(s.request_timeout_s)
         rt.deregister()

@@ -65,7 +65,7 @@ def execute(r: redis.Redis, fill: Fill, what: str, limit_s: float = REDIS_OUTAGE
 
 
 def completion_fill(rt: Outlet, event: CompletionEvent) -> Fill:
-    """The batch's end: its done marker (which alone answers a redelivery: ``tasks._claim`` and
+    """The batch's end: its done marker (which alone answers a redelivery: ``tasks.claim`` and
     the batcher read it first), its claim and admission markers gone, the batcher told."""
     def fill(pipe) -> None:
         pipe.set(bus.done_key(event.batch_id), event.outcome.value, ex=bus.marker_ttl_s(rt.settings.visibility_timeout_s))

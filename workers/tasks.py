@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # torch: an upstream worker, which runs these tasks too, neve
 log = logging.getLogger(__name__)
 
 
-def _claim(rt: runtime.Runtime, batch_id: str) -> bool:
+def claim(rt: runtime.Runtime, batch_id: str) -> bool:
     """True when this instance may run the batch (first claim, or its own earlier claim)."""
     r = rt.redis
     if r.exists(bus.done_key(batch_id)):
@@ -48,7 +48,7 @@ def run_batch_task(batch: dict[str, Any]) -> dict[str, Any]:
     heartbeat go and resumes the rows from their streams."""
     rt = runtime.get()
     b = Batch.from_dict(batch)
-    if not _claim(rt, b.id):
+    if not claim(rt, b.id):
         log.info("batch %s: already done, cancelled or claimed elsewhere; skipped", b.id)
         return {"batch_id": b.id, "skipped": True}
     if rt.publisher is None:

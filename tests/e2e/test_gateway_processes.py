@@ -42,8 +42,14 @@ def two_gateways(tmp_path_factory):
 
 def _gateway_children(stack: TestStack) -> list[psutil.Process]:
     """The gateway's serving processes (uvicorn's children; not its resource tracker)."""
-    parent = psutil.Process(stack.procs["gateway"].pid)
-    return [p for p in parent.children() if "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
+    out = []
+    for p in psutil.Process(stack.procs["gateway"].pid).children():
+        try:  # a killed one is a zombie until its parent reaps it: not serving
+            if p.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
 
 
 def _served(stack: TestStack) -> float:

@@ -51,14 +51,14 @@ def test_a_finished_batch_keeps_only_its_done_marker_for_two_visibility_timeouts
     from cohort.protocol import BatchOutcome, CompletionEvent
     from cohort.settings import Settings
     from workers.reporting import complete, mark_admitted
-    from workers.tasks import _claim
+    from workers.tasks import claim
 
     r = fakeredis.FakeRedis(decode_responses=True)
     rt = SimpleNamespace(redis=r, name="w1", settings=Settings(visibility_timeout_s=600))
-    assert _claim(rt, "b1")
+    assert claim(rt, "b1")
     mark_admitted(rt, "b1")
     assert 0 < r.ttl(bus.claim_key("b1")) <= 1200 and 0 < r.ttl(bus.admitted_key("b1")) <= 1200
     complete(rt, CompletionEvent(batch_id="b1", outcome=BatchOutcome.DONE))
     assert not r.exists(bus.claim_key("b1")) and not r.exists(bus.admitted_key("b1"))
     assert 1190 < r.ttl(bus.done_key("b1")) <= 1200
-    assert not _claim(rt, "b1")  # a redelivery of the finished batch's task is a no-op
+    assert not claim(rt, "b1")  # a redelivery of the finished batch's task is a no-op

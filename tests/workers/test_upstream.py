@@ -34,8 +34,8 @@ vllm:num_requests_running{engine="0",model_name="m"} 7.0
 
 
 def test_what_a_server_publishes_and_refuses():
-    assert kv_tokens_from_metrics(VLLM_METRICS) == 320 * 16
-    assert kv_tokens_from_metrics(VLLM_METRICS.replace('override="None"', 'override="40"')) == 40 * 16
+    assert kv_tokens_from_metrics(VLLM_METRICS) == (320 - 1) * 16  # less the null block
+    assert kv_tokens_from_metrics(VLLM_METRICS.replace('override="None"', 'override="40"')) == (40 - 1) * 16
     assert kv_tokens_from_metrics("# nothing here\n") is None
     assert block_tokens_from_metrics(VLLM_METRICS) == 16
     assert gauge(VLLM_METRICS, "vllm:num_requests_waiting") == 3.0

@@ -86,7 +86,7 @@ def test_metrics_parse_and_read_as_cohort_reads_vllm(sim) -> None:
                  "vllm:num_preemptions", "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                  "vllm:e2e_request_latency_seconds"):
         assert name in names, name
-    assert kv_tokens_from_metrics(text) == 300 * 32 and block_tokens_from_metrics(text) == 32
+    assert kv_tokens_from_metrics(text) == (300 - 1) * 32 and block_tokens_from_metrics(text) == 32
     assert queue_from_metrics(text) == 0.0
     assert 'model_name="sim-model"' in text
 
