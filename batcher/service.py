@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from batcher.intake import Intake
 from batcher.memory import KVMemory
 from batcher.oom import UnsplittableBatch, split_batch
 from batcher.placement import Placement
@@ -49,7 +50,7 @@ class Inflight:
 
 
 @dataclass
-class BatcherService:
+class BatcherService(Intake):
     """Owns one pool's policy. ``step`` does one round of work and is what tests drive."""
 
     settings: Settings
@@ -65,6 +66,7 @@ class BatcherService:
     _last_sweep: float = 0.0
     _last_lost_check: float = 0.0
     _waiting: dict[str, ProfiledRequest] = field(default_factory=dict)  # in the policy, not dispatched
+    _worst_sent: tuple = (None, -1)  # the least urgent priority last published, and when (whole seconds)
 
     def __post_init__(self) -> None:
         if self.settings.prefix_routing and self.placement is None:
@@ -153,32 +155,6 @@ class BatcherService:
         if n:
             log.warning("marked %d request record(s) failed that stayed queued past the timeout", n)
 
-    def _peek(self, *keys: str, limit: int = 1000) -> list[list[str]]:
-        """The oldest messages of each list (LPUSH'd), in one round trip, left in place until
-        ``_trim``: a crash in between re-reads them instead of losing them (only the one active
-        batcher reads these lists)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.lrange(key, -limit, -1)
-        return [list(reversed(msgs)) for msgs in pipe.execute()]
-
-    def _trim(self, key: str, n: int) -> None:
-        if n:
-            self.redis.ltrim(key, 0, -n - 1)
-
-    def _take_arrivals(self, now: float, msgs: list[str]) -> bool:
-        for js in msgs:
-            req = ProfiledRequest.from_dict(json.loads(js))
-            # hsetnx 0: already taken, before a crash (then ``_recover`` put it in ``_waiting``) or by
-            # this very call whose reply a dropped connection lost before the client retried it (then
-            # nothing holds it but ``pending``: it is taken now, never left there forever)
-            if self.redis.hsetnx(self.keys.pending, req.id, js) or req.id not in self._waiting:
-                self._add(req, now)
-        self._trim(self.keys.incoming, len(msgs))
-        if msgs:
-            self._shed()
-        return bool(msgs)
-
     def _add(self, req: ProfiledRequest, now: float) -> None:
         self.policy.add(req, now)
         self._waiting[req.id] = req
@@ -201,25 +177,13 @@ class BatcherService:
         self._publish_worst()
 
     def _publish_worst(self) -> None:
-        """The least urgent priority waiting, for the gateway's admission (absent: none waits)."""
+        """The least urgent priority waiting, for the gateway's admission (absent: none waits); sent
+        when it changed (and at least every second: a batcher that took over writes it anew)."""
         worst = max((r.priority for r in self._waiting.values()), default=None)
-        if worst is None:
-            self.redis.delete(self.keys.worst_priority)
-        else:
-            self.redis.set(self.keys.worst_priority, worst)
-
-    def _take_cancels(self, msgs: list[str]) -> bool:
-        """Requests whose client went away: out of the waiting set now, out of their batch at
-        dispatch (``_dispatch`` filters on the cancel keys), out of a running batch by the worker."""
-        if msgs:
-            for rid in msgs:
-                self._waiting.pop(rid, None)
-            gone = [rid for rid in msgs if self.redis.hdel(self.keys.pending, rid)]
-            if gone:
-                self.redis.hincrby(bus.STATS, "cancelled_waiting", len(gone))
-                log.info("dropped %d cancelled request(s) from the waiting queue", len(gone))
-        self._trim(self.keys.cancels, len(msgs))
-        return bool(msgs)
+        if (worst, int(time.monotonic())) == self._worst_sent:
+            return
+        self._worst_sent = (worst, int(time.monotonic()))
+        self.redis.delete(self.keys.worst_priority) if worst is None else self.redis.set(self.keys.worst_priority, worst)
 
     def _take_completions(self, now: float, msgs: list[str]) -> bool:
         for js in msgs:

@@ -52,6 +52,7 @@ class _Answer:
     run_tokens: int = 0           # generated in the current run
     skip: int = 0                 # tokens of a re-run from an earlier point, already sent: not sent again
     cached_tokens: int = 0
+    ready: int = 0                # characters of ``text`` that may go out (a possible stop string's start held)
 
 
 def stop_at(text: str, stops: list[str], start: int) -> int | None:
@@ -73,6 +74,7 @@ class DirectStreams:
         self._cancelled: dict[str, float] = {}
         self._reports: dict[str, list[StreamReport]] = {}  # by instance: the terminal ones, sent at once
         self._flush_handle: asyncio.Handle | None = None
+        self._unsent: set[str] = set()  # answers with text ready that waits for the next flush
         self._tasks: list[asyncio.Task] = []
         self._http: aiohttp.ClientSession | None = None
 
@@ -211,7 +213,11 @@ class DirectStreams:
             a.text = a.text[:cut]
             self._send(a, len(a.text))
             return True
-        self._send(a, len(a.text) - max(0, longest - 1))
+        a.ready = len(a.text) - max(0, longest - 1)
+        if a.sent == 0:  # the first text goes at once (the client's TTFT waits for it)
+            self._send(a, a.ready)
+        else:  # the rest as one delta a flush: each costs the relay, the SSE write and the client a round
+            self._unsent.add(a.rid)
         self._schedule_flush()
         return False
 
@@ -264,7 +270,12 @@ class DirectStreams:
         task.add_done_callback(self._tasks.remove)
 
     async def _flush(self) -> None:
-        """Every row's progress since the last flush and the reports waiting, one push per worker."""
+        """The text waiting for its client, every row's progress since the last flush and the
+        reports waiting (one push per worker)."""
+        unsent, self._unsent = self._unsent, set()
+        for rid in unsent:
+            if (a := self._answers.get(rid)) is not None:
+                self._send(a, a.ready)
         out, self._reports = self._reports, {}
         for a in self._answers.values():
             if a.unreported and a.release is not None:

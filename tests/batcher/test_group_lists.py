@@ -1,0 +1,61 @@
+"""An upstream-only pool's groups go on plain Redis lists, in the round trip that records them in
+flight (no Celery task); a pool with a built-in instance keeps Celery. A group popped by an
+instance that died before claiming it is re-queued, as an unclaimed Celery task is."""
+
+from __future__ import annotations
+
+import json
+
+import fakeredis
+
+from batcher.service import BatcherService
+from cohort import bus
+from cohort.release_bus import group_list
+from cohort.settings import Settings
+from cohort.types import Batch, InstanceInfo
+from predictor.estimator import AnalyticBatchTime
+from tests.batcher.test_service import KEYS, arrive
+
+
+def _register(r, name: str, upstream: bool) -> None:
+    info = InstanceInfo(name=name, pool="default", model="m", theta_bytes=10**6, delta_bytes=1,
+                        device="upstream:http://e/v1" if upstream else "cpu")
+    r.hset(bus.INSTANCES, name, json.dumps(info.to_dict()))
+    r.set(bus.alive_key(name), "1", ex=60)
+
+
+def _service(r, tmp_path, sent: list) -> BatcherService:
+    s = Settings(database_url=f"sqlite:///{tmp_path}/log.db", policy="magnus", wma_threshold=1e9,
+                 execution="continuous", instance_ttl_s=5)
+    return BatcherService(s, r, AnalyticBatchTime(), send_task=lambda batch, target=None: sent.append(batch))
+
+
+def test_an_upstream_only_pool_gets_its_groups_on_a_list(tmp_path):
+    r = fakeredis.FakeRedis(decode_responses=True)
+    _register(r, "u1", upstream=True)
+    sent: list = []
+    svc = _service(r, tmp_path, sent)
+    for i in range(3):
+        arrive(r, i)
+    svc.step(now=100.0)
+    listed = [Batch.from_dict(json.loads(js)) for js in r.lrange(group_list("default"), 0, -1)]
+    assert sent == [] and listed and {q.id for b in listed for q in b.requests} == {"q0", "q1", "q2"}
+    assert set(r.hkeys(KEYS.inflight)) == {b.id for b in listed} and r.llen(KEYS.incoming) == 0
+    # popped by an instance that died before claiming it: re-queued once unclaimed for two TTLs
+    r.delete(group_list("default"))
+    svc.step(now=100.5)
+    assert r.llen(group_list("default")) == 0
+    svc.step(now=111.0)
+    again = [Batch.from_dict(json.loads(js)) for js in r.lrange(group_list("default"), 0, -1)]
+    assert again and all(b.attempt == 1 for b in again)
+
+
+def test_a_pool_with_a_builtin_instance_keeps_celery(tmp_path):
+    r = fakeredis.FakeRedis(decode_responses=True)
+    _register(r, "u1", upstream=True)
+    _register(r, "b1", upstream=False)
+    sent: list = []
+    svc = _service(r, tmp_path, sent)
+    arrive(r, 0)
+    svc.step(now=100.0)
+    assert len(sent) == 1 and r.llen(group_list("default")) == 0
