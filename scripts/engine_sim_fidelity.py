@@ -15,7 +15,7 @@ capacity) and at each load fraction of that capacity, in A-B-A order: vLLM, simu
 condition and load: the per-request e2e and TTFT errors |sim − vLLM| / vLLM paired by request (against
 the mean of the two vLLM runs; the second vLLM run against the first is the noise floor), throughput
 and preemptions (``vllm:num_preemptions_total``) of every run. Every process it starts is stopped
-(its process group).
+(its process group); their logs are under var/bench/engine_sim_fidelity/.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def mean_run(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def condition(name: str, blocks: int | None, args, rows, files: list[str]) -> dict[str, Any]:
-    logs = args.out.parent / "logs"
+    logs = ROOT / "var" / "bench" / "engine_sim_fidelity"
     logs.mkdir(parents=True, exist_ok=True)
     vport, sport = args.port, args.port + 1
     vurl, surl = f"http://127.0.0.1:{vport}", f"http://127.0.0.1:{sport}"

@@ -137,6 +137,8 @@ def fit_cmd(
     max_prompt: int = typer.Option(1024, help="Longest prompt (tokens); keep it under the engine's token budget."),
     max_output: int = typer.Option(128, help="Largest max_tokens of a request."),
     seed: int = typer.Option(0),
+    relative: bool = typer.Option(False, help="Least squares of relative residuals (default: plain, unbiased)."),
+    traces: Path = typer.Option(None, help="Also write each request's token arrival times here (JSON)."),
 ) -> None:
     """Fit the step-time coefficients (--fit FILE) to the engine at --upstream: a replay of
     streamed completions at several concurrencies, its steps rebuilt from when each token arrived
@@ -144,7 +146,7 @@ def fit_cmd(
     from bench.engine_sim.fit_upstream import fit_upstream
 
     levels = tuple(int(x) for x in concurrency.split(",") if x.strip())
-    res = fit_upstream(upstream, duration, levels, max_prompt, max_output, seed)
+    res = fit_upstream(upstream, duration, levels, max_prompt, max_output, seed, relative, traces)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     e = res["fit_error"]["all"]

@@ -24,7 +24,7 @@ last (both forms are linear, so a run's time is the sum of its steps' and fits a
 Prompts stay below the engine's per-step token budget when ``--max-prompt`` does, so a prefill is
 one step (a chunked one's first part would go unseen).
 
-**The fit.** ``fit.fit_step_time`` on the samples, relative residuals; samples further than
+**The fit.** ``fit.fit_step_runs`` on the samples (plain least squares; ``robust_fit``); samples further than
 ``OUTLIER_MADS`` median absolute deviations from the first fit (a GC pause, a context switch on a
 shared core) are dropped and the form fitted again. The engine's ``engine_sim_speedup`` (the
 simulator's ``/metrics``) scales wall times to model times, so a sped-up simulator fits to its
@@ -39,7 +39,8 @@ import math
 import random
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -72,6 +73,11 @@ class FitRun:
     metrics_after: str
     model: str
     max_model_len: int
+
+
+def load_traces(path: Path) -> list[Trace]:
+    """The traces ``fit_upstream(traces_out=...)`` wrote."""
+    return [Trace(**d) for d in json.loads(Path(path).read_text())]
 
 
 # --- the replay --------------------------------------------------------------------------------
@@ -189,15 +195,18 @@ def _shape(traces: list[Trace], rows: dict[int, int]) -> StepShape:
 Run = tuple[tuple[StepShape, ...], float]
 
 
-def robust_fit(samples: list[Run], form: str) -> tuple[FittedStepTime, list[Run]]:
+def robust_fit(samples: list[Run], form: str, relative: bool = False) -> tuple[FittedStepTime, list[Run]]:
     """The form fitted, then again without the samples further than ``OUTLIER_MADS`` MADs (of the
-    relative residual) from the first fit; the fit and the samples it kept."""
-    fit = fit_step_runs(samples, form, relative=True)
+    relative residual) from the first fit; the fit and the samples it kept. Plain least squares
+    by default: it predicts the mean time of a shape, which is what a replay's latencies add up;
+    ``relative`` least squares predicts low where steps are noisy (by about the noise's squared
+    coefficient of variation)."""
+    fit = fit_step_runs(samples, form, relative=relative)
     res = np.array([(sum(map(fit.seconds, s)) - t) / t for s, t in samples])
     mid = float(np.median(res))
     mad = float(np.median(np.abs(res - mid))) or 1e-9
     kept = [smp for smp, r in zip(samples, res, strict=True) if abs(r - mid) <= OUTLIER_MADS * mad]
-    return fit_step_runs(kept, form, relative=True), kept
+    return fit_step_runs(kept, form, relative=relative), kept
 
 
 def metric_labels(text: str, name: str) -> dict[str, str]:
@@ -213,17 +222,20 @@ def metric_value(text: str, name: str) -> float | None:
 
 
 def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
-                 max_prompt: int = 1024, max_output: int = 128, seed: int = 0) -> dict[str, Any]:
+                 max_prompt: int = 1024, max_output: int = 128, seed: int = 0, relative: bool = False,
+                 traces_out: Path | None = None) -> dict[str, Any]:
     """The replay, the samples and both forms' fits; the JSON ``cohort engine-sim fit`` writes,
     linear-v2's coefficients at its top level (``step_time.load_fit`` reads it as ``--fit``), and
     in ``fit_error`` linear-v2's errors over every run of steps."""
     run = asyncio.run(replay(url, duration_s, concurrency, max_prompt, max_output, seed))
+    if traces_out is not None:   # what the client saw, to fit again offline (load_traces)
+        traces_out.write_text(json.dumps([asdict(t) for t in run.traces]))
     speedup = metric_value(run.metrics_after, "engine_sim_speedup") or 1.0
     samples, why = step_runs(run.traces, speedup)
     fits: dict[str, Any] = {}
     chosen: FittedStepTime | None = None
     for form in (FIT_FORM, FIT_FORM_V2):
-        fit, kept = robust_fit(samples, form)
+        fit, kept = robust_fit(samples, form, relative)
         fits[form] = {"coefficients": fit.to_json(), "samples_kept": len(kept),
                       "error_kept": fit_errors(fit, kept), "error_all": fit_errors(fit, samples)}
         chosen = fit
@@ -240,5 +252,5 @@ def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ..
             "replay": {"duration_s": duration_s, "wall_s": run.wall_s, "concurrency": list(concurrency),
                        "max_prompt": max_prompt, "max_output": max_output, "seed": seed,
                        "requests": len(run.traces), "done": len(done), "tokens": sum(len(t.times) for t in done)},
-            "samples": len(samples), "run_steps": RUN_STEPS, "steps": why, "fits": fits,
+            "samples": len(samples), "run_steps": RUN_STEPS, "least_squares": "relative" if relative else "plain", "steps": why, "fits": fits,
             "fit_error": fits[FIT_FORM_V2]["error_all"]}
