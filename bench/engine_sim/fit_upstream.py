@@ -110,7 +110,7 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
     return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
 
 
-async def replay(url: str, duration_s: float = 150.0, concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+async def fit_replay(url: str, duration_s: float = 150.0, concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
                  max_prompt: int = 1024, max_output: int = 128, seed: int = 0, vocab: tuple[int, int] = (1000, 8000),
                  timeout_s: float = 300.0) -> FitRun:
     """Closed-loop streamed completions at each concurrency in turn, for ``duration_s`` in all."""
@@ -227,7 +227,7 @@ def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ..
     """The replay, the samples and both forms' fits; the JSON ``cohort engine-sim fit`` writes,
     linear-v2's coefficients at its top level (``step_time.load_fit`` reads it as ``--fit``), and
     in ``fit_error`` linear-v2's errors over every run of steps."""
-    run = asyncio.run(replay(url, duration_s, concurrency, max_prompt, max_output, seed))
+    run = asyncio.run(fit_replay(url, duration_s, concurrency, max_prompt, max_output, seed))
     if traces_out is not None:   # what the client saw, to fit again offline (load_traces)
         traces_out.write_text(json.dumps([asdict(t) for t in run.traces]))
     speedup = metric_value(run.metrics_after, "engine_sim_speedup") or 1.0

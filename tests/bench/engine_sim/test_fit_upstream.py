@@ -12,10 +12,10 @@ import pytest
 from bench.engine_sim.config import SimConfig
 from bench.engine_sim.fit import fit_errors
 from bench.engine_sim.fit_upstream import (
+    fit_replay,
     fit_upstream,
     metric_labels,
     metric_value,
-    replay,
     robust_fit,
     step_runs,
 )
@@ -30,7 +30,7 @@ SPEEDUP = 2.0
 def fitted_run(token_table):
     cfg = SimConfig(num_gpu_blocks=4000, max_model_len=2048, speedup=SPEEDUP)
     with serving_sim(cfg, token_table) as s:
-        run = s.run(replay(s.url, duration_s=6.0, concurrency=(1, 4, 16), max_prompt=1024, max_output=64,
+        run = s.run(fit_replay(s.url, duration_s=6.0, concurrency=(1, 4, 16), max_prompt=1024, max_output=64,
                            vocab=(1000, 5000)), timeout_s=60)
     speedup = metric_value(run.metrics_after, "engine_sim_speedup")
     return run, speedup
