@@ -139,6 +139,7 @@ def fit_cmd(
     seed: int = typer.Option(0),
     relative: bool = typer.Option(False, help="Least squares of relative residuals (default: plain, unbiased)."),
     traces: Path = typer.Option(None, help="Also write each request's token arrival times here (JSON)."),
+    text_prompts: bool = typer.Option(False, help="Prompts of random words (tokenized by the server) instead of ids."),
 ) -> None:
     """Fit the step-time coefficients (--fit FILE) to the engine at --upstream: a replay of
     streamed completions at several concurrencies, its steps rebuilt from when each token arrived
@@ -146,7 +147,7 @@ def fit_cmd(
     from bench.engine_sim.fit_upstream import fit_upstream
 
     levels = tuple(int(x) for x in concurrency.split(",") if x.strip())
-    res = fit_upstream(upstream, duration, levels, max_prompt, max_output, seed, relative, traces)
+    res = fit_upstream(upstream, duration, levels, max_prompt, max_output, seed, relative, traces, text_prompts)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     e = res["fit_error"]["all"]

@@ -5,7 +5,9 @@ forms of ``step_time`` to them.
 **The replay.** Closed-loop clients at several concurrencies in turn (``--concurrency``, each level
 for its share of ``--duration``); each client sends one streamed completion after another, its
 prompt a list of random token ids (a random first id, so no two prompts share a cached prefix) of
-a log-uniform length, its ``max_tokens`` log-uniform too, with ``ignore_eos``, ``stream_interval``
+a log-uniform length (or, ``--text-prompts``, as many random common words: the server then
+tokenizes them as it does a client's text, and that per-request work, on the engine's core in
+vLLM's CPU build, is in what the steps are measured to take), its ``max_tokens`` log-uniform too, with ``ignore_eos``, ``stream_interval``
 1 and ``return_token_ids`` (a chunk then says how many tokens it carries). Requests start and end
 at different times, so steps mix prefills with decodes of every batch size.
 
@@ -51,6 +53,11 @@ from bench.engine_sim.step_time import FIT_FORM, FIT_FORM_V2, FittedStepTime, St
 
 OUTLIER_MADS = 5.0
 RUN_STEPS = 8
+WORDS = ("the of and to in is for on that with as it at by from this be are was or have an not but all "
+         "they we you he she one time year people way day man thing woman life child world school state "
+         "family student group country problem hand part place case week company system program question "
+         "work number night point home water room mother area money story fact month lot right study book "
+         "eye job word business issue side kind head house service friend father power hour game line end").split()
 
 
 @dataclass
@@ -97,6 +104,9 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], t
                 continue
             now = time.perf_counter() - t0
             d = json.loads(line[5:])
+            usage = d.get("usage")
+            if usage and usage.get("prompt_tokens"):   # the engine's own count (text prompts)
+                tr.prompt_tokens = int(usage["prompt_tokens"])
             ch = d.get("choices")
             if ch:
                 n = len(ch[0].get("token_ids") or ()) or 1
@@ -111,9 +121,11 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
 
 
 async def fit_replay(url: str, duration_s: float = 150.0, concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
-                 max_prompt: int = 1024, max_output: int = 128, seed: int = 0, vocab: tuple[int, int] = (1000, 8000),
-                 timeout_s: float = 300.0) -> FitRun:
-    """Closed-loop streamed completions at each concurrency in turn, for ``duration_s`` in all."""
+                     max_prompt: int = 1024, max_output: int = 128, seed: int = 0, vocab: tuple[int, int] = (1000, 8000),
+                     timeout_s: float = 300.0, text_prompts: bool = False) -> FitRun:
+    """Closed-loop streamed completions at each concurrency in turn, for ``duration_s`` in all.
+    ``text_prompts``: prompts of random common words (the server tokenizes them, as it does a
+    client's text; their length is the ``usage`` the server reports) instead of token ids."""
     base = _base(url)
     rng = random.Random(seed)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
@@ -131,10 +143,11 @@ async def fit_replay(url: str, duration_s: float = 150.0, concurrency: tuple[int
             await asyncio.sleep(rng.uniform(0, 0.05))
             while time.perf_counter() - t0 < end:
                 p = _log_uniform(rng, 2, max_prompt)
-                ids = [rng.randrange(*vocab) for _ in range(p)]
-                body = {"model": model, "prompt": ids, "max_tokens": _log_uniform(rng, 2, max_output),
+                prompt: str | list[int] = (" ".join(rng.choice(WORDS) for _ in range(p)) if text_prompts
+                                           else [rng.randrange(*vocab) for _ in range(p)])
+                body = {"model": model, "prompt": prompt, "max_tokens": _log_uniform(rng, 2, max_output),
                         "ignore_eos": True, "temperature": 0, "stream": True, "stream_interval": 1,
-                        "return_token_ids": True}
+                        "return_token_ids": True, "stream_options": {"include_usage": True}}
                 tr = Trace(p, 0.0)
                 traces.append(tr)
                 await _one(session, f"{base}/v1/completions", body, tr, t0)
@@ -223,11 +236,12 @@ def metric_value(text: str, name: str) -> float | None:
 
 def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
                  max_prompt: int = 1024, max_output: int = 128, seed: int = 0, relative: bool = False,
-                 traces_out: Path | None = None) -> dict[str, Any]:
+                 traces_out: Path | None = None, text_prompts: bool = False) -> dict[str, Any]:
     """The replay, the samples and both forms' fits; the JSON ``cohort engine-sim fit`` writes,
     linear-v2's coefficients at its top level (``step_time.load_fit`` reads it as ``--fit``), and
     in ``fit_error`` linear-v2's errors over every run of steps."""
-    run = asyncio.run(fit_replay(url, duration_s, concurrency, max_prompt, max_output, seed))
+    run = asyncio.run(fit_replay(url, duration_s, concurrency, max_prompt, max_output, seed,
+                                 text_prompts=text_prompts))
     if traces_out is not None:   # what the client saw, to fit again offline (load_traces)
         traces_out.write_text(json.dumps([asdict(t) for t in run.traces]))
     speedup = metric_value(run.metrics_after, "engine_sim_speedup") or 1.0
@@ -251,6 +265,7 @@ def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ..
                        "speedup": speedup, "preemptions_during_fit": post - pre},
             "replay": {"duration_s": duration_s, "wall_s": run.wall_s, "concurrency": list(concurrency),
                        "max_prompt": max_prompt, "max_output": max_output, "seed": seed,
+                       "prompts": "text" if text_prompts else "token ids",
                        "requests": len(run.traces), "done": len(done), "tokens": sum(len(t.times) for t in done)},
             "samples": len(samples), "run_steps": RUN_STEPS, "least_squares": "relative" if relative else "plain", "steps": why, "fits": fits,
             "fit_error": fits[FIT_FORM_V2]["error_all"]}

@@ -99,3 +99,14 @@ def test_runs_of_steps_recover_linear_v2() -> None:
     for got, want in zip((fit.a, fit.b, fit.c, fit.d, fit.a_p, fit.e),
                          (truth.a, truth.b, truth.c, truth.d, truth.a_p, truth.e), strict=True):
         assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_text_prompts_take_the_engines_token_count(token_table) -> None:
+    cfg = SimConfig(num_gpu_blocks=500, max_model_len=2048, speedup=SPEEDUP)
+    with serving_sim(cfg, token_table) as s:
+        run = s.run(fit_replay(s.url, duration_s=0.5, concurrency=(2,), max_prompt=200, max_output=8,
+                               text_prompts=True), timeout_s=30)
+    done = [t for t in run.traces if t.ok]
+    assert done and len(done) == len(run.traces)
+    # each prompt's length is the server's count of its tokens (the words, [CLS] and [SEP])
+    assert sum(t.prompt_tokens for t in done) == metric_value(run.metrics_after, "vllm:prompt_tokens_total")
