@@ -183,7 +183,8 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
                        code="queue_full")
     recorded = False
     try:
-        reqs = await _profile(app_state, served, subs, prompt_ids, ids, _owner(app_state, alive))
+        # a Batch API row (it names its request) stays relayed: its stream is what a restarted gateway re-attaches
+        reqs = await _profile(app_state, served, subs, prompt_ids, ids, None if given else _owner(app_state, alive))
         await run_in_threadpool(record_requests, app_state.db, [_row(served, r) for r in reqs])
         recorded = True
         await bus.enqueue(redis, served.pool, ids, [dumps(r.to_dict()) for r in reqs])
