@@ -193,6 +193,7 @@ class UpstreamServer:
         self.model = model
         self.caps = Capabilities()
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout_s = timeout_s
         # a read may wait timeout_s for the next bytes (a long prefill), not for the whole answer
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(timeout_s, 30.0), sock_read=timeout_s)
         self._max_connections = max_connections

@@ -26,6 +26,7 @@ from workers.step_outputs import RowResult
 from workers.upstream_rows import Row
 
 log = logging.getLogger(__name__)
+SILENCE_MARGIN_S = 10.0  # beyond the server's read timeout, before a released row nothing was heard of is handed back
 
 
 class ReleaseLink:
@@ -107,7 +108,7 @@ class Releasing:
 
     def _release(self, row: Row, priority: int | None) -> None:
         req = row.req
-        row.released = True
+        row.released, row.heard_at = True, time.monotonic()
         body = self.server.body(req, self._prompt(row), row.limit, priority)
         self.link.send(req.owner, Release(
             req.id, self.link.instance, self.server.base_url, self.server.payload(body), done_tokens=req.done_tokens,
@@ -120,6 +121,7 @@ class Releasing:
             row = self._rows.get(rep.request_id)
             if row is None or not row.released or row.ended:
                 continue
+            row.heard_at = time.monotonic()
             ids = rep.ids[:max(0, row.limit - len(row.new_ids))]
             row.new_ids += ids
             row.group.generated += len(ids)
@@ -149,10 +151,18 @@ class Releasing:
         self._evict(row)
 
     async def _check_owners(self) -> None:
-        """Rows whose gateway stopped heart-beating fail: their client went with it."""
-        owners = {r.req.owner for r in self._rows.values() if r.released and not r.ended}
-        if not owners or self.link is None:
+        """Rows whose gateway stopped heart-beating fail: their client went with it. A row nothing
+        was heard of for longer than its gateway's stream could be silent (the server's read timeout,
+        and a margin) continues elsewhere: its release or its reports were lost (Redis restarted)."""
+        released = [r for r in self._rows.values() if r.released and not r.ended]
+        if not released or self.link is None:
             return
+        silent = time.monotonic() - self.server.timeout_s - SILENCE_MARGIN_S
+        for row in [r for r in released if r.heard_at < silent]:
+            log.warning("row %s: no word from its gateway for %.0f s; it continues elsewhere", row.req.id,
+                        time.monotonic() - row.heard_at)
+            self._evict(row)
+        owners = {r.req.owner for r in released if not r.ended}
         with contextlib.suppress(Exception):  # Redis gone: asked again at the next watch
             for gone in await self.link.dead(owners):
                 for row in [r for r in self._rows.values() if r.released and r.req.owner == gone]:

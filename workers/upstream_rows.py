@@ -23,6 +23,7 @@ class Row:
     task: asyncio.Task | None = None
     ended: bool = False
     released: bool = False  # streamed by its gateway (``protocol.Release``), not by this worker
+    heard_at: float = 0.0   # released: when its gateway last reported on it (monotonic)
 
     @property
     def context(self) -> int:

@@ -1,0 +1,123 @@
+"""The upstream worker's side of direct streaming, against a scripted server and a stand-in link:
+an owned row is released (not streamed here) with its body; its gateway's reports give it its ids
+and its end (answered without a stream event of its own); a broken stream hands it back from the
+ids reported; a row nothing is heard of, or whose gateway died, does not hang."""
+
+from __future__ import annotations
+
+import time
+
+from cohort.protocol import FailureCode, FinishReason, ReportKind, StreamReport
+from cohort.tokenizer import load_tokenizer
+from cohort.types import Batch, ProfiledRequest
+from tests.workers.test_upstream import ScriptedServer
+from workers import upstream_release
+from workers.upstream_loop import UpstreamLoop
+
+
+class Server(ScriptedServer):
+    base_url = "http://engine/v1"
+    timeout_s = 0.2
+
+    def payload(self, body):
+        return {**body, "stream": True}
+
+
+class Link:
+    """Stands in for the Redis side: records releases; ``gone`` gateways are dead."""
+
+    instance = "inst"
+
+    def __init__(self, gone: set[str] = frozenset()) -> None:
+        self.sent: list = []
+        self.gone = set(gone)
+
+    async def start(self, on_reports) -> None:
+        self.on_reports = on_reports
+
+    def send(self, owner, rel) -> None:
+        self.sent.append((owner, rel))
+
+    async def dead(self, owners):
+        return owners & self.gone
+
+
+def _req(rid: str, n: int, owner: str | None = "gw") -> ProfiledRequest:
+    return ProfiledRequest(id=rid, prompt="hi", input_tokens=3, predicted_tokens=n, max_tokens=n, arrival=time.time(),
+                           owner=owner)
+
+
+def _loop(link: Link, poll_s: float = 60) -> UpstreamLoop:
+    return UpstreamLoop(Server(), load_tokenizer(), capacity_tokens=4000, page_tokens=16, poll_s=poll_s, link=link)
+
+
+def _updates(loop: UpstreamLoop, until, timeout_s: float = 10.0) -> list:
+    out, deadline = [], time.time() + timeout_s
+    while time.time() < deadline and not until(out):
+        out += [u for _, u in loop.updates(0.1)]
+    return out
+
+
+def _report(loop: UpstreamLoop, *reports: StreamReport) -> None:
+    loop._aloop.call_soon_threadsafe(loop.link.on_reports, list(reports))
+
+
+def test_an_owned_row_is_released_and_its_gateways_reports_answer_it():
+    link = Link()
+    loop = _loop(link)
+    try:
+        loop.submit(Batch("b1", [_req("r1", 5), _req("plain", 3, owner=None)], time.time()), [[1, 2, 3], [1, 2, 3]])
+        deadline = time.time() + 5
+        while time.time() < deadline and not link.sent:
+            time.sleep(0.01)
+        (owner, rel), = link.sent
+        assert owner == "gw" and rel.request_id == "r1" and rel.url == "http://engine/v1" and rel.instance == "inst"
+        assert rel.payload["prompt"] == [1, 2, 3] and rel.payload["stream"] and rel.limit == 5
+        assert [b["id"] for b in loop.server.bodies] == ["plain"]  # the other row streams here
+        _report(loop, StreamReport("r1", ReportKind.PROGRESS, ids=[7, 8]),
+                StreamReport("r1", ReportKind.FINISH, ids=[9, 10, 11], finish_reason="length", first_token_at=1.0))
+        ups = _updates(loop, lambda out: any(u.done for u in out))
+        finished = {res.request.id: res for u in ups for res in u.out.finished}
+        assert finished["r1"].tokens == 5 and finished["r1"].finish_reason is FinishReason.LENGTH
+        assert not finished["r1"].relayed and finished["plain"].relayed
+    finally:
+        loop.stop()
+
+
+def test_a_broken_stream_hands_the_row_back_from_the_ids_reported():
+    link = Link()
+    loop = _loop(link)
+    try:
+        loop.submit(Batch("b1", [_req("r1", 10)], time.time()), [[1, 2, 3]])
+        deadline = time.time() + 5
+        while time.time() < deadline and not link.sent:
+            time.sleep(0.01)
+        _report(loop, StreamReport("r1", ReportKind.BROKEN, ids=[7, 8, 9], error="reset"))
+        ups = _updates(loop, lambda out: any(u.done for u in out))
+        (cont,) = [c for u in ups for c in u.out.evicted]
+        assert cont.generated_ids == [7, 8, 9] and cont.max_tokens == 7 and cont.owner == "gw"
+    finally:
+        loop.stop()
+
+
+def _one_row_until_done(link: Link, server_timeout_s: float | None = None) -> list:
+    loop = _loop(link, poll_s=0.1)
+    try:
+        if server_timeout_s is not None:
+            loop.server.timeout_s = server_timeout_s
+        loop.submit(Batch("b1", [_req("r1", 10)], time.time()), [[1, 2, 3]])
+        return _updates(loop, lambda out: any(u.done for u in out))
+    finally:
+        loop.stop()
+
+
+def test_a_row_never_heard_of_continues_elsewhere(monkeypatch):
+    monkeypatch.setattr(upstream_release, "SILENCE_MARGIN_S", 0.3)  # its release was lost: no report comes
+    ups = _one_row_until_done(Link(), server_timeout_s=0.0)
+    assert [c.id for u in ups for c in u.out.evicted] == ["r1"]
+
+
+def test_a_row_whose_gateway_died_fails():
+    ups = _one_row_until_done(Link(gone={"gw"}))
+    (failed,) = [f for u in ups for f in u.out.failed]
+    assert failed[0].id == "r1" and failed[1] is FailureCode.BATCH_FAILED and "gateway" in failed[2]
