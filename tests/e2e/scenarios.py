@@ -27,3 +27,15 @@ def behind_a_blocker(stack, blocker: dict[str, Any], bodies: list[dict[str, Any]
             return await first, rest
 
     return asyncio.run(scenario())
+
+
+def leave_after_first_text(stream) -> str:
+    """Read a streamed completion until its first text, then close it (the client leaves); the
+    request's id."""
+    request_id = None
+    for chunk in stream:
+        request_id = chunk.id.removeprefix("cmpl-")
+        if chunk.choices and chunk.choices[0].text:
+            break
+    stream.close()
+    return request_id

@@ -17,6 +17,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from bench.front_bench import spawn_engine
 from cohort import bus
+from tests.e2e.scenarios import leave_after_first_text
 from tests.e2e.stack import TestStack
 
 pytestmark = pytest.mark.e2e
@@ -84,14 +85,8 @@ def _running(url: str) -> float:
 
 def test_a_client_that_leaves_closes_its_engine_stream(streaming_stack):
     stack, engines = streaming_stack
-    stream = _client(stack).completions.create(model=MODEL, prompt="Go on.", max_tokens=2000, stream=True,
-                                               extra_body={"ignore_eos": True})
-    rid = None
-    for chunk in stream:
-        rid = chunk.id.removeprefix("cmpl-")
-        if chunk.choices and chunk.choices[0].text:
-            break
-    stream.close()
+    rid = leave_after_first_text(_client(stack).completions.create(
+        model=MODEL, prompt="Go on.", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}))
     con = sqlite3.connect(stack.db_path)
     deadline = time.time() + 30
     while time.time() < deadline and (sum(_running(u) for _, u in engines) or con.execute(

@@ -22,6 +22,7 @@ from openai import OpenAI
 from cohort import bus
 from cohort.protocol import StreamEvent
 from procstack.stack import free_port
+from tests.e2e.scenarios import leave_after_first_text
 from tests.e2e.stack import TestStack, export_model, wait_for_server
 
 pytestmark = pytest.mark.e2e
@@ -129,14 +130,8 @@ def test_finish_reasons_are_the_servers(upstream_stack):
 
 def test_a_client_that_leaves_stops_its_upstream_row(upstream_stack):
     stack, _ = upstream_stack
-    stream = _client(stack).completions.create(model="cohort/tiny-random-llama", prompt="Tell me a story.", temperature=0,
-                                               max_tokens=2000, stream=True)
-    request_id = None
-    for chunk in stream:
-        request_id = chunk.id.removeprefix("cmpl-")
-        if chunk.choices and chunk.choices[0].text:
-            break
-    stream.close()
+    request_id = leave_after_first_text(_client(stack).completions.create(
+        model="cohort/tiny-random-llama", prompt="Tell me a story.", temperature=0, max_tokens=2000, stream=True))
     con = sqlite3.connect(stack.db_path)
     deadline = time.time() + 60
     while time.time() < deadline and (stack.redis.hlen(bus.pool_keys("default").inflight)
