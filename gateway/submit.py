@@ -30,12 +30,13 @@ from starlette.concurrency import run_in_threadpool
 
 from batcher.memory import KVMemory
 from cohort import bus
-from cohort.logdb import finish_request, record_requests
+from cohort.logdb import finish_request
 from cohort.protocol import dumps
 from cohort.settings import Settings
 from cohort.tokenizer import build_prompt, prompt_token_ids, vocab_size
 from cohort.types import ProfiledRequest, SamplingParams, new_id
 from gateway import reattach
+from gateway.admission_records import AdmissionRecords
 from gateway.errors import APIError
 from gateway.pools import PoolView, ServedModel
 from gateway.relay import Ticket
@@ -185,7 +186,7 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
     try:
         # a Batch API row (it names its request) stays relayed: its stream is what a restarted gateway re-attaches
         reqs = await _profile(app_state, served, subs, prompt_ids, ids, None if given else _owner(app_state, alive))
-        await run_in_threadpool(record_requests, app_state.db, [_row(served, r) for r in reqs])
+        await admission_records(app_state).write([_row(served, r) for r in reqs])
         recorded = True
         await bus.enqueue(redis, served.pool, ids, [dumps(r.to_dict()) for r in reqs])
     except BaseException:
@@ -202,6 +203,14 @@ async def admit_many(app_state, subs: list[Submission], endpoint: str, received:
     for req in reqs:
         app_state.metrics.predicted_tokens.observe(req.predicted_tokens)
     return [Ticket(req, endpoint, received, deadline, served.pool) for req in reqs]
+
+
+def admission_records(app_state) -> AdmissionRecords:
+    """The app's group-committing writer of admission records (made on first use, for its log DB)."""
+    writer = getattr(app_state, "admission_records", None)
+    if writer is None or writer.db is not app_state.db:
+        writer = app_state.admission_records = AdmissionRecords(app_state.db)
+    return writer
 
 
 def _owner(app_state, alive: list) -> str | None:
