@@ -46,11 +46,18 @@ def _litellm(binary: Path, engine: str, model: str, workdir: Path) -> Iterator[t
     cfg.write_text(f"model_list:\n  - model_name: {model}\n    litellm_params:\n      model: openai/{model}\n"
                    f"      api_base: {engine}\n      api_key: none\n")
     port = free_port()
+    # loopback only, no key: the client sends none, as to the engine and to cohort
+    env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true"}
     proc = subprocess.Popen([str(binary), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
                              "--num_workers", "1"], stdout=open(workdir / "litellm.log", "ab"),
-                            stderr=subprocess.STDOUT, env={**os.environ, "LITELLM_LOG": "ERROR"})
+                            stderr=subprocess.STDOUT, env=env)
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"LiteLLM exited: {(workdir / 'litellm.log').read_text()[-2000:]}")
+
     try:
-        if not wait_until_ok(f"http://127.0.0.1:{port}/health/liveliness", 180.0):
+        if not wait_until_ok(f"http://127.0.0.1:{port}/health/liveliness", 180.0, alive):
             raise TimeoutError(f"LiteLLM did not start: {(workdir / 'litellm.log').read_text()[-2000:]}")
         yield f"http://127.0.0.1:{port}/v1", {"litellm": [psutil.Process(proc.pid)]}
     finally:
