@@ -183,7 +183,10 @@ class BatcherService(Intake):
         if (worst, int(time.monotonic())) == self._worst_sent:
             return
         self._worst_sent = (worst, int(time.monotonic()))
-        self.redis.delete(self.keys.worst_priority) if worst is None else self.redis.set(self.keys.worst_priority, worst)
+        if worst is None:
+            self.redis.delete(self.keys.worst_priority)
+        else:
+            self.redis.set(self.keys.worst_priority, worst)
 
     def _take_completions(self, now: float, msgs: list[str]) -> bool:
         for js in msgs:

@@ -230,12 +230,11 @@ class ReportKind(str, Enum):
 @dataclass
 class StreamReport:
     """Owning gateway → upstream worker: what a row it streams did. ``ids``: the token ids streamed
-    since the previous report of the row (empty for a text-only server: ``tokens`` counts them)."""
+    since the previous report of the row (only servers that stream ids have their rows released)."""
 
     request_id: str
     kind: ReportKind
     ids: list[int] = field(default_factory=list)
-    tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
     first_token_at: float | None = None

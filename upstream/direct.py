@@ -177,8 +177,6 @@ class DirectStreams:
             if finish is None:
                 raise UpstreamDown("the stream ended without a finish reason")
             self._end(a, rel, finish)
-        except asyncio.CancelledError:
-            raise
         except UpstreamRefused as e:
             self._report(a, ReportKind.REFUSED, error=str(e))
         except UpstreamDown as e:
@@ -247,7 +245,7 @@ class DirectStreams:
         if rel is None:
             return
         ids, a.unreported = a.unreported, []
-        self._report_to(rel.instance, StreamReport(a.rid, kind, ids=ids, tokens=a.run_tokens,
+        self._report_to(rel.instance, StreamReport(a.rid, kind, ids=ids,
                                                    first_token_at=a.first_token_at, cached_tokens=a.cached_tokens, **kw))
 
     def _report_to(self, instance: str, rep: StreamReport) -> None:
@@ -281,7 +279,7 @@ class DirectStreams:
             if a.unreported and a.release is not None:
                 ids, a.unreported = a.unreported, []
                 out.setdefault(a.release.instance, []).insert(0, StreamReport(
-                    a.rid, ReportKind.PROGRESS, ids=ids, tokens=a.run_tokens, first_token_at=a.first_token_at))
+                    a.rid, ReportKind.PROGRESS, ids=ids, first_token_at=a.first_token_at))
         if not out:
             return
         try:

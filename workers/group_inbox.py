@@ -4,8 +4,8 @@ in the same round trip that records them in flight, instead of one Celery task e
 the batcher a publish and the worker a delivery, an ack and their bookkeeping: about half of an
 upstream worker's CPU per request at 30 req/s, measured with `cohort bench front`).
 
-A group is claimed (``tasks.claim``) before it runs, as a Celery task's batch is, so the batcher
-knows whose it is: a group popped by an instance that dies before claiming it is re-queued once
+A group is claimed and handed over by the Celery task's own body (``tasks.run_batch``), so the
+batcher knows whose it is: a group popped by an instance that dies before claiming it is re-queued once
 it has been unclaimed for two heartbeat TTLs (``BatcherService._check_lost``), one that dies after
 as any running batch. The instance keeps its Celery worker for pools that mix engines.
 """
@@ -22,7 +22,7 @@ import redis
 from cohort.release_bus import group_list
 from cohort.types import Batch
 from workers.runtime import Runtime
-from workers.tasks import claim
+from workers.tasks import run_batch
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,7 @@ def serve_groups(rt: Runtime, stop: threading.Event) -> None:
             backoff = 0.2
             if not got:
                 continue
-            b = Batch.from_dict(json.loads(got[1]))
-            if not claim(rt, b.id):
-                log.info("group %s: already done, cancelled or claimed elsewhere; skipped", b.id)
-                continue
-            if not rt.publisher.submit(b, [rt.engine.request_prompt_ids(r) for r in b.requests]):
-                log.info("group %s: already running on this instance; this copy is skipped", b.id)
+            run_batch(rt, Batch.from_dict(json.loads(got[1])))  # claimed, then handed to the engine loop
         except redis.RedisError as e:  # rides out an outage, as the Celery consumer does
             log.warning("reading groups failed (%s); retrying in %.1f s", e, backoff)
             time.sleep(backoff)

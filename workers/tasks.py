@@ -46,8 +46,12 @@ def run_batch_task(batch: dict[str, Any]) -> dict[str, Any]:
     engine and return, so the solo worker takes the next batch while this one runs. A worker that
     dies then loses the batch the way it loses a running padded batch: the batcher sees its
     heartbeat go and resumes the rows from their streams."""
-    rt = runtime.get()
-    b = Batch.from_dict(batch)
+    return run_batch(runtime.get(), Batch.from_dict(batch))
+
+
+def run_batch(rt: runtime.Runtime, b: Batch) -> dict[str, Any]:
+    """The task's work, whoever delivered the batch (Celery, or an upstream-only pool's list:
+    ``workers.group_inbox``): claim it, then run it here or hand it to the engine loop."""
     if not claim(rt, b.id):
         log.info("batch %s: already done, cancelled or claimed elsewhere; skipped", b.id)
         return {"batch_id": b.id, "skipped": True}
