@@ -11,19 +11,32 @@ from cohort import bus
 from cohort.types import ProfiledRequest
 
 log = logging.getLogger("cohort.batcher")
+ROUND_LIMIT = 1000  # messages of each list one round takes in
 
 
 class Intake:
     """The intake of ``BatcherService``: it owns the lists, the policy and the waiting set."""
 
-    def _peek(self, *keys: str, limit: int = 1000) -> list[list[str]]:
-        """The oldest messages of each list (LPUSH'd), in one round trip, left in place until
-        ``_trim``: a crash in between re-reads them instead of losing them (only the one active
-        batcher reads these lists)."""
+    def _read(self, wait_s: float = 0.0) -> tuple[list[str], list[str], list[str], bool]:
+        """The round's one round trip: the wait for a producer's wake (``bus.queue_wait``; 0: no
+        wait), then the oldest messages of the arrivals, cancels and completions lists (LPUSH'd;
+        left in place until ``_trim``: a crash in between re-reads them instead of losing them, and
+        only the one active batcher reads these lists), and, under continuous execution, which
+        in-flight batches their instance admitted since the last round. The last item: a list held
+        more than one round takes (the next round reads at once)."""
         pipe = self.redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.lrange(key, -limit, -1)
-        return [list(reversed(msgs)) for msgs in pipe.execute()]
+        bus.queue_wait(pipe, self.settings.pool, wait_s)
+        lists = (self.keys.incoming, self.keys.cancels, self.keys.completions)
+        for key in lists:
+            pipe.lrange(key, -ROUND_LIMIT, -1)
+        unknown = [bid for bid, fl in self.inflight.items() if not fl.admitted]
+        bus.queue_admitted(pipe, unknown)
+        replies = pipe.execute()
+        for bid, hit in zip(unknown, replies[1 + len(lists):], strict=True):
+            self.inflight[bid].admitted = bool(hit)
+        arrivals, cancels, completions = (list(reversed(msgs)) for msgs in replies[1:1 + len(lists)])
+        more = any(len(m) >= ROUND_LIMIT for m in (arrivals, cancels, completions))
+        return arrivals, cancels, completions, more
 
     def _trim(self, key: str, n: int) -> None:
         if n:

@@ -47,7 +47,7 @@ def run_batcher(settings: Settings, estimator: object, send_task: Callable[[Batc
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     svc: BatcherService | None = None
-    last_lock, backoff = 0.0, 0.2
+    last_lock, backoff, more = 0.0, 0.2, False
     try:
         while not stop:
             try:
@@ -66,8 +66,7 @@ def run_batcher(settings: Settings, estimator: object, send_task: Callable[[Batc
                     maybe = getattr(estimator, "maybe_reload", None)
                     if maybe:
                         maybe()
-                if not svc.step():
-                    bus.wait_for_work(r, s.pool, s.batcher_tick_s)
+                more = svc.step(wait_s=0.0 if more else s.batcher_tick_s)
                 backoff = 0.2
             except redis.RedisError as e:
                 log.warning("Redis unavailable (%s); retrying in %.1f s", e, backoff)

@@ -126,25 +126,33 @@ class BatcherService(Intake):
             log.info("recovered %d pending requests and %d in-flight batches", len(pending), len(self.inflight))
 
     # --- one round ------------------------------------------------------------------------
-    def step(self, now: float | None = None) -> bool:
-        """Take in arrivals and completions, check for lost batches, dispatch to idle instances.
-        Returns True when anything happened (the loop sleeps otherwise)."""
-        now = time.time() if now is None else now
-        if now - self._last_refresh > 1.0 or self.policy is None:
-            self.refresh_instances(now)
+    def step(self, now: float | None = None, wait_s: float = 0.0) -> bool:
+        """One round: wait for a producer's wake (at most ``wait_s``; a token left while the last
+        round ran ends it at once), take in arrivals, cancels and completions, check for lost
+        batches, dispatch to idle instances. The reads are one round trip (``_read``) and a round
+        that had nothing to do costs nothing more. True when a list held more than one round
+        takes: the next round should not wait."""
         if self.policy is None:
-            return False  # no instance has registered yet: requests wait in Redis
-        arrivals, cancels, completions = self._peek(self.keys.incoming, self.keys.cancels, self.keys.completions)
-        busy = self._take_arrivals(now, arrivals)
-        busy |= self._take_cancels(cancels)
-        busy |= self._take_completions(now, completions)
+            if wait_s > 0:
+                bus.wait_for_work(self.redis, self.settings.pool, wait_s)
+            self.refresh_instances(time.time() if now is None else now)
+            if self.policy is None:
+                return False  # no instance has registered yet: requests wait in Redis
+            wait_s = 0.0
+        arrivals, cancels, completions, more = self._read(wait_s)
+        now = time.time() if now is None else now
+        if now - self._last_refresh > 1.0:
+            self.refresh_instances(now)
+        self._take_arrivals(now, arrivals)
+        self._take_cancels(cancels)
+        self._take_completions(now, completions)
         if now - self._last_lost_check >= LOST_CHECK_EVERY_S:
             self._last_lost_check = now
-            busy |= self._check_lost(now)
-        busy |= self._dispatch(now)
+            self._check_lost(now)
+        self._dispatch(now)
         if now - self._last_sweep > SWEEP_EVERY_S:
             self._sweep(now)
-        return busy
+        return more
 
     def _sweep(self, now: float) -> None:
         """Fail log-DB rows left ``queued`` past the gateway's timeout (see logdb.fail_stale_queued)."""
@@ -304,15 +312,12 @@ class BatcherService(Intake):
         than ``continuous.lookahead`` batches per instance wait to be admitted (so a group is there
         at each step boundary where its plan fits: a dispatch round trip takes several steps) and
         running batches stay below ``continuous.max_groups`` per instance; the worker decides when
-        a group joins (``workers.continuous``)."""
+        a group joins (``workers.continuous``), and the round's read learnt which it admitted."""
         n = len(self.instances)
         if self.settings.execution != "continuous":
             return len(self.inflight) < n
         if len(self.inflight) >= n * self.settings.continuous.max_groups:
             return False
-        unknown = [bid for bid, fl in self.inflight.items() if not fl.admitted]
-        for bid, ok in zip(unknown, bus.admitted(self.redis, unknown), strict=True):
-            self.inflight[bid].admitted = ok
         return sum(not fl.admitted for fl in self.inflight.values()) < n * self.settings.continuous.lookahead
 
     def _dispatch(self, now: float) -> bool:

@@ -179,7 +179,20 @@ def wait_for_work(redis: redis.Redis, pool: str, timeout_s: float) -> bool:
     (its tick: heartbeats, lost batches and the gateway's timeouts are still checked by time).
     True when woken. A token pushed while the batcher was busy ends the next wait at once, so no
     message waits a tick unseen."""
-    return redis.blpop([pool_keys(pool).wake], timeout=max(timeout_s, 0.001)) is not None
+    pipe = redis.pipeline(transaction=False)
+    queue_wait(pipe, pool, timeout_s)
+    return pipe.execute()[0] is not None
+
+
+def queue_wait(pipe, pool: str, timeout_s: float) -> None:
+    """Queue the wait of ``wait_for_work`` in a plain (non-transaction) pipeline, first: Redis runs
+    a connection's commands in order, so the commands queued after it run when it ends and read
+    what the wake announced — the batcher's round reads in one round trip. ``timeout_s`` 0: take
+    a token left over without waiting (the batcher knows there is more to read)."""
+    if timeout_s > 0:
+        pipe.blpop([pool_keys(pool).wake], timeout=max(timeout_s, 0.001))
+    else:
+        pipe.lpop(pool_keys(pool).wake)
 
 
 async def release(redis: aioredis.Redis, pool: str, request_ids: list[str]) -> None:
@@ -236,9 +249,14 @@ def admitted(r: redis.Redis, batch_ids: list[str]) -> list[bool]:
     if not batch_ids:
         return []
     pipe = r.pipeline(transaction=False)
+    queue_admitted(pipe, batch_ids)
+    return [bool(x) for x in pipe.execute()]
+
+
+def queue_admitted(pipe, batch_ids: list[str]) -> None:
+    """Queue ``admitted``'s reads in ``pipe`` (one reply per batch, truthy when admitted)."""
     for bid in batch_ids:
         pipe.exists(admitted_key(bid))
-    return [bool(x) for x in pipe.execute()]
 
 
 def unfinished_claims(r: redis.Redis, batch_ids: list[str]) -> dict[str, str | None]:

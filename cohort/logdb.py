@@ -30,6 +30,8 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -132,7 +134,15 @@ def add_missing_columns(engine: Engine) -> list[str]:
 
 
 def _upsert(conn: Connection, table: Table, row: Mapping[str, Any]) -> None:
-    """Insert, or update the existing row with the same id (portable across SQLite/PostgreSQL)."""
+    """Insert, or update the existing row with the same id: one statement where the database has
+    INSERT ... ON CONFLICT (SQLite, PostgreSQL: a worker writes a batch row per group), else a
+    look-up first."""
+    dialect = {"sqlite": sqlite_insert, "postgresql": pg_insert}.get(conn.dialect.name)
+    if dialect is not None:
+        stmt = dialect(table).values(**row)
+        conn.execute(stmt.on_conflict_do_update(index_elements=[table.c.id],
+                                                set_={k: stmt.excluded[k] for k in row if k != "id"}))
+        return
     found = conn.execute(select(table.c.id).where(table.c.id == row["id"])).first()
     if found:
         conn.execute(update(table).where(table.c.id == row["id"]).values(**row))

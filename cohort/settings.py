@@ -207,6 +207,15 @@ class Settings(BaseSettings):
         "instance of the pool is an upstream (COHORT_CONTINUOUS__GROUP_FRAC for built-in ones): the server runs each "
         "row as its own stream in the group's order, so a group is only how rows travel, and each one costs a "
         "Celery task and a round of bookkeeping (measured in docs/notes/upstream.md).")
+    upstream_kv_overcommit: float = Field(
+        default=0.5, ge=0.0, le=4.0, description="How far past an upstream's KV capacity the running rows' plan "
+        "(contexts plus planned remaining tokens) may go before a group waits in cohort: the server queues what "
+        "does not fit in cohort's priority order and preempts the latest admitted row, while planned lengths "
+        "are upper bounds. 0: never past it (docs/fleet.md).")
+    upstream_take_wait_s: float = Field(
+        default=2.0, ge=0.0, description="An upstream worker whose last group still waits for room waits up to "
+        "this long before it takes the pool's next group, so that group goes to an instance with room "
+        "(docs/fleet.md). 0: take every group at once.")
     upstream_stream_interval: int = Field(
         default=8, ge=1, description="Ask an upstream that streams token ids to send a row's tokens in chunks of this "
         "many (vLLM's per-request `stream_interval`; the first token and the end still come at once): the worker "
@@ -278,8 +287,9 @@ class Settings(BaseSettings):
     def recompute_cost_file(self) -> Path:
         """Where the worker looks for the fitted recompute-cost model."""
         return self.recompute_cost_path or self.data_dir / "profile" / "recompute-cost.json"
-    batcher_tick_s: float = Field(default=0.02, description="The batcher's longest idle wait between rounds: a new "
-                                  "message wakes it at once (bus.wait_for_work); the tick bounds time-based checks.")
+    batcher_tick_s: float = Field(default=0.25, description="The batcher's longest idle wait between rounds: every "
+                                  "message wakes it at once (bus.wait_for_work) and policies never hold a batch back "
+                                  "for time, so the tick only bounds time-based checks (lost batches, heartbeats).")
     max_requeues: int = Field(default=3, description="Times a batch may be re-queued after a worker loss.")
     instance_ttl_s: float = Field(default=15.0, description="Worker heartbeat expiry: instance considered dead.")
 

@@ -40,6 +40,9 @@ from workers.reporting import (
 )
 
 log = logging.getLogger(__name__)
+# The engine's running totals are read by scrapes and soaks, seconds apart: written once a second,
+# not every round (a round per report at tens of requests a second)
+ENGINE_TOTALS_EVERY_S = 1.0
 
 
 @dataclass
@@ -59,6 +62,7 @@ class GroupPublisher:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._counted = (0, 0)  # prefix-cache counters already sent (``_prefix_counts``)
+        self._totals_sent = -ENGINE_TOTALS_EVERY_S  # when the engine's totals were last written (monotonic)
         self._thread = threading.Thread(target=self._run, name="group-publisher", daemon=True)
         self._thread.start()
 
@@ -129,16 +133,21 @@ class GroupPublisher:
 
     def _engine_counts(self) -> Fill:
         """The engine's counters: its prefix-cache lookups since the last round (the gateway's
-        ``cohort_prefix_cache_*_total``) and its running totals (``bus.ENGINE_STATS``: a soak
-        reads step time and rows per step from them)."""
+        ``cohort_prefix_cache_*_total``) and, once a second, its running totals (``bus.ENGINE_STATS``:
+        a soak reads step time and rows per step from them)."""
         c = self.loop.counters()
         queries, hits = int(c.get("prefix_queries", 0)), int(c.get("prefix_hits", 0))
         dq, dh = queries - self._counted[0], hits - self._counted[1]
         self._counted = (queries, hits)
+        now = time.monotonic()
+        totals = now - self._totals_sent >= ENGINE_TOTALS_EVERY_S
+        if totals:
+            self._totals_sent = now
 
         def fill(pipe) -> None:
             bus.count_prefix_cache(pipe, self.rt.name, dq, dh)
-            bus.engine_stats(pipe, self.rt.name, c)
+            if totals:
+                bus.engine_stats(pipe, self.rt.name, c)
         return fill
 
     def _end(self, done: list[_Group]) -> None:

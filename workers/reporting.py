@@ -123,6 +123,7 @@ class Staged:
     records: list[tuple[str, Mapping[str, Any]]]
     fill: Fill
     alive: list[str] = field(default_factory=list)
+    generated: int = 0  # tokens generated since the batch's last step (``send`` counts them, once a pipeline)
 
 
 def send(rt: Outlet, staged: Sequence[Staged], extra: Sequence[Fill] = (), what: str = "a step's events") -> None:
@@ -137,6 +138,7 @@ def send(rt: Outlet, staged: Sequence[Staged], extra: Sequence[Fill] = (), what:
             s.fill(pipe)
         for f in extra:
             f(pipe)
+        bus.count_generated(pipe, sum(s.generated for s in staged))
         bus.cancelled_flags(pipe, alive)
 
     replies = execute(rt.redis, fill, what)
@@ -179,13 +181,12 @@ class Reporter:
         def fill(pipe) -> None:
             for rid, ev in events:
                 bus.publish(pipe, rid, ev, renew=rid in renew)
-            bus.count_generated(pipe, count)
             if out.preempted:  # continuous: evicted rows resume on this instance, not via the batcher
                 pipe.hincrby(bus.STATS, "preemptions", len(out.preempted))
             if out.swapped:  # of those, the ones whose KV went to the host pool (the rest recompute)
                 pipe.hincrby(bus.STATS, "swaps", len(out.swapped))
 
-        return Staged(self, out, records, fill, alive)
+        return Staged(self, out, records, fill, alive, generated=count)
 
     def settle(self, staged: Staged, cancelled_flags: list[bool]) -> None:
         """After the step went out: remember what was answered, and drop the rows whose clients

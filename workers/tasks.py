@@ -32,12 +32,14 @@ log = logging.getLogger(__name__)
 
 def claim(rt: runtime.Runtime, batch_id: str) -> bool:
     """True when this instance may run the batch (first claim, or its own earlier claim)."""
-    r = rt.redis
-    if r.exists(bus.done_key(batch_id)):
-        return False
-    if r.set(bus.claim_key(batch_id), rt.name, nx=True, ex=bus.marker_ttl_s(rt.settings.visibility_timeout_s)):
-        return True
-    return r.get(bus.claim_key(batch_id)) == rt.name
+    # one round trip (a group per request at low load); a done batch's claim taken here is inert:
+    # the done marker is read first by every reader of claims, and the claim expires
+    pipe = rt.redis.pipeline(transaction=False)
+    pipe.exists(bus.done_key(batch_id))
+    pipe.set(bus.claim_key(batch_id), rt.name, nx=True, ex=bus.marker_ttl_s(rt.settings.visibility_timeout_s))
+    pipe.get(bus.claim_key(batch_id))
+    done, _taken, owner = pipe.execute()
+    return not done and owner == rt.name
 
 
 @celery_app.task(name=RUN_BATCH, acks_late=True)
