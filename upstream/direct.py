@@ -30,7 +30,13 @@ from typing import Any
 import aiohttp
 
 from cohort.protocol import Release, ReportKind, StreamEvent, StreamKind, StreamReport
-from cohort.release_bus import GATEWAY_ALIVE_TTL_S, gateway_alive_key, gateway_inbox, instance_inbox
+from cohort.release_bus import (
+    GATEWAY_ALIVE_TTL_S,
+    gateway_alive_key,
+    gateway_inbox,
+    instance_inbox,
+    take_inbox,
+)
 from upstream.api import UpstreamDown, UpstreamRefused, finish_reason, stream_completion
 
 log = logging.getLogger(__name__)
@@ -74,6 +80,7 @@ class DirectStreams:
         self._cancelled: dict[str, float] = {}
         self._reports: dict[str, list[StreamReport]] = {}  # by instance: the terminal ones, sent at once
         self._flush_handle: asyncio.Handle | None = None
+        self._pushing: asyncio.Task | None = None  # the one push of reports under way
         self._unsent: set[str] = set()  # answers with text ready that waits for the next flush
         self._tasks: list[asyncio.Task] = []
         self._http: aiohttp.ClientSession | None = None
@@ -123,17 +130,14 @@ class DirectStreams:
         try:
             while True:
                 try:
-                    got = await conn.blpop([key], timeout=1)
-                    if not got:
-                        continue
-                    more = await conn.lpop(key, 255) or []
+                    msgs = await take_inbox(conn, key)
                     backoff = 0.2
                 except Exception as e:  # Redis gone: wait for it, as every reader does
                     log.warning("direct streams: reading releases failed (%s); retrying in %.1f s", e, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(5.0, backoff * 2)
                     continue
-                for js in [got[1], *more]:
+                for js in msgs:
                     try:
                         self._take(Release.from_json(js))
                     except Exception:
@@ -262,33 +266,52 @@ class DirectStreams:
             self._flush_handle = loop.call_later(self.flush_s, self._flush_soon)
 
     def _flush_soon(self) -> None:
+        """Text waiting for its client goes out now; the reports go to their workers one push at a
+        time. A push that waits for Redis (its client retries for seconds) must not be overtaken by
+        a later one: the worker takes a row's end as final and drops progress that arrives after it,
+        so a row's count in the log DB came out short after a Redis restart."""
         self._flush_handle = None
-        task = asyncio.get_running_loop().create_task(self._flush())
-        self._tasks.append(task)
-        task.add_done_callback(self._tasks.remove)
+        self._collect()
+        if self._reports and self._pushing is None:
+            self._pushing = task = asyncio.get_running_loop().create_task(self._push())
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
 
-    async def _flush(self) -> None:
-        """The text waiting for its client, every row's progress since the last flush and the
-        reports waiting (one push per worker)."""
+    def _collect(self) -> None:
+        """The text waiting for its client is sent; every row's progress since the last flush joins
+        the reports waiting, after them (a row's ids must reach its worker in order)."""
         unsent, self._unsent = self._unsent, set()
         for rid in unsent:
             if (a := self._answers.get(rid)) is not None:
                 self._send(a, a.ready)
-        out, self._reports = self._reports, {}
         for a in self._answers.values():
             if a.unreported and a.release is not None:
                 ids, a.unreported = a.unreported, []
-                out.setdefault(a.release.instance, []).insert(0, StreamReport(
+                self._reports.setdefault(a.release.instance, []).append(StreamReport(
                     a.rid, ReportKind.PROGRESS, ids=ids, first_token_at=a.first_token_at))
-        if not out:
-            return
+
+    async def _push(self) -> None:
+        """Push the waiting reports (one push per worker) until none wait; what a failed push held
+        goes back before what came since and is pushed again a second later."""
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            for instance, reports in out.items():
-                pipe.rpush(instance_inbox(instance), json.dumps([r.to_dict() for r in reports], separators=(",", ":")))
-            await pipe.execute()
-        except Exception as e:  # Redis gone: the reports wait for the next flush
-            log.warning("direct streams: sending %d report batch(es) failed (%s)", len(out), e)
-            for instance, reports in out.items():
-                self._reports.setdefault(instance, [])[:0] = reports
-            asyncio.get_running_loop().call_later(1.0, self._schedule_flush)
+            while self._reports:
+                out, self._reports = self._reports, {}
+                try:
+                    pipe = self.redis.pipeline(transaction=False)
+                    for instance, reports in out.items():
+                        pipe.rpush(instance_inbox(instance),
+                                   json.dumps([r.to_dict() for r in reports], separators=(",", ":")))
+                    await pipe.execute()
+                except Exception as e:  # Redis gone: the reports wait for it
+                    log.warning("direct streams: sending %d report batch(es) failed (%s)", len(out), e)
+                    for instance, reports in out.items():
+                        self._reports.setdefault(instance, [])[:0] = reports
+                    await asyncio.sleep(1.0)
+        finally:
+            self._pushing = None
+
+    async def _flush(self) -> None:
+        """Everything waiting, now (the gateway is closing)."""
+        self._collect()
+        if self._pushing is None:
+            await self._push()

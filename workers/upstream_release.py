@@ -21,7 +21,7 @@ from typing import Any
 
 from cohort import bus
 from cohort.protocol import FinishReason, Release, ReportKind, StreamReport
-from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox
+from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox, take_inbox
 from workers.step_outputs import RowResult
 from workers.upstream_rows import Row
 
@@ -70,15 +70,14 @@ class ReleaseLink:
         conn, key, backoff = self.redis.client(), instance_inbox(self.instance), 0.2
         while True:
             try:
-                got = await conn.blpop([key], timeout=1)
-                more = (await conn.lpop(key, 255) or []) if got else []
+                msgs = await take_inbox(conn, key)
                 backoff = 0.2
             except Exception as e:
                 log.warning("reading stream reports failed (%s); retrying in %.1f s", e, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
                 continue
-            for js in ([got[1], *more] if got else []):
+            for js in msgs:
                 try:
                     on_reports([StreamReport.from_dict(d) for d in json.loads(js)])
                 except Exception:
