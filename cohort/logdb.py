@@ -133,21 +133,30 @@ def add_missing_columns(engine: Engine) -> list[str]:
     return added
 
 
+UPSERT_DIALECTS = {"sqlite": sqlite_insert, "postgresql": pg_insert}  # those with INSERT ... ON CONFLICT
+
+
 def _upsert(conn: Connection, table: Table, row: Mapping[str, Any]) -> None:
-    """Insert, or update the existing row with the same id: one statement where the database has
-    INSERT ... ON CONFLICT (SQLite, PostgreSQL: a worker writes a batch row per group), else a
-    look-up first."""
-    dialect = {"sqlite": sqlite_insert, "postgresql": pg_insert}.get(conn.dialect.name)
-    if dialect is not None:
-        stmt = dialect(table).values(**row)
-        conn.execute(stmt.on_conflict_do_update(index_elements=[table.c.id],
-                                                set_={k: stmt.excluded[k] for k in row if k != "id"}))
+    """Insert, or update the existing row with the same id: one prepared statement where the
+    database has INSERT ... ON CONFLICT (SQLite, PostgreSQL: a worker writes a batch row per group),
+    else a look-up first."""
+    if conn.dialect.name in UPSERT_DIALECTS:
+        conn.execute(_upsert_statement(conn.dialect.name, table.name, tuple(sorted(row))), dict(row))
         return
     found = conn.execute(select(table.c.id).where(table.c.id == row["id"])).first()
     if found:
         conn.execute(update(table).where(table.c.id == row["id"]).values(**row))
     else:
         conn.execute(table.insert().values(**row))
+
+
+@lru_cache(maxsize=32)
+def _upsert_statement(dialect: str, table_name: str, columns: tuple[str, ...]):
+    """The upsert of ``columns`` into a table (built once per column set, as ``_settle_statement``)."""
+    table = metadata.tables[table_name]
+    stmt = UPSERT_DIALECTS[dialect](table).values({c: bindparam(c) for c in columns})
+    return stmt.on_conflict_do_update(index_elements=[table.c.id],
+                                      set_={c: stmt.excluded[c] for c in columns if c != "id"})
 
 
 def record_request(engine: Engine, row: Mapping[str, Any]) -> None:
