@@ -37,12 +37,14 @@ class KVJudge:
 
     ``page_tokens``: its KV page (1 for a padded cache); ``max_rows``: most rows running at once
     (vLLM's max_num_seqs); ``marginal_cost``: a joining row must still pay for itself on the
-    instance's step cost (``batcher.row_cost.row_pays``; 0 = off)."""
+    instance's step cost (``batcher.row_cost.row_pays``; 0 = off); ``overcommit``: the share of
+    capacity a running set's plan may exceed it by (0 = none; see ``running_set_fits``)."""
 
     capacity_tokens: int
     page_tokens: int = 1
     max_rows: int = 1 << 30
     marginal_cost: float = 0.0
+    overcommit: float = 0.0
 
     def fits(self, size: int, input_len: int, gen_len: int) -> bool:
         """β·(L+G) tokens within capacity: the static rule, the gateway's "can it ever run here"
@@ -75,9 +77,18 @@ class KVJudge:
         and with shortest-first admission the rows kept out are the long ones (simulator,
         saturated Magnus trace: 0.73 -> 0.70x cb-fcfs mean latency on V100 / ChatGLM-6B, no change
         on H100 / Llama-7B; docs/notes/benchmarks.md). An empty instance is the callers' case: it takes
-        any group."""
+        any group.
+
+        ``overcommit`` lets the plan exceed the capacity by that share. Only an engine that queues
+        and preempts on its own should be judged so (an upstream server with priority scheduling):
+        a plan is a peak at planned lengths, which are upper bounds, so the pages are held less
+        than planned; a row that does not fit when it arrives waits in the engine's queue in
+        cohort's order, and one that outgrows it is the lowest-priority row, the latest admitted,
+        preempted and recomputed from its short context — cheaper than holding every row back
+        (docs/fleet.md). The built-in engine keeps 0: it has no queue of its own."""
         return (len(contexts) <= self.max_rows
-                and admission_kv_tokens(contexts, remaining, self.page_tokens) <= self.capacity_tokens
+                and admission_kv_tokens(contexts, remaining, self.page_tokens)
+                <= self.capacity_tokens * (1.0 + self.overcommit)
                 and row_pays(step_cost, len(contexts), sum(contexts), self.marginal_cost))
 
 

@@ -7,10 +7,12 @@ rows, metrics and completions as the built-in engine. What differs is who decode
 
 * **Admission.** Groups wait in the order the batcher sent them (the policy's order) and join
   while the running rows plus the group fit the server's KV capacity by the one running-set rule
-  (``batcher.kv_judge.KVJudge.running_set_fits``: contexts and planned remaining tokens) — so the engine
-  runs just under its KV capacity and is never held below it — and while the server reports no
-  queue of its own (vLLM's ``num_requests_waiting``, SGLang's ``num_queue_reqs``). An empty
-  instance takes any group.
+  (``batcher.kv_judge.KVJudge.running_set_fits``: contexts and planned remaining tokens, with the
+  server's own queue and preemption absorbing a bounded ``overcommit``: planned lengths are upper
+  bounds) and while the server reports no queue of its own (vLLM's ``num_requests_waiting``,
+  SGLang's ``num_queue_reqs``; looked at again as soon as a group is held by it). An empty
+  instance takes any group. While one waits, the instance takes no other group off the pool's
+  list (``take_wait_s``): the next one goes to an instance with room.
 * **Order.** Each row carries ``priority`` = its client priority, then its group's admission
   number, where the server takes one (vLLM, SGLang: ``upstream.api``).
 * **Failure.** A stream that breaks, times out or answers 5xx goes back to the batcher as a
@@ -62,12 +64,18 @@ class UpstreamLoop(Releasing):
 
     def __init__(self, server: UpstreamServer, tokenizer, capacity_tokens: int, *, page_tokens: int = 16,
                  max_rows: int = 256, use_priority: bool = True, poll_s: float = 2.0, flush_s: float = 0.02,
-                 link: ReleaseLink | None = None) -> None:
+                 overcommit: float = 0.0, take_wait_s: float = 0.0, link: ReleaseLink | None = None) -> None:
         self.server, self.tok, self.link = server, tokenizer, link
         self.capacity_tokens, self.page_tokens, self.max_rows = capacity_tokens, page_tokens, max_rows
         self.use_priority, self.poll_s, self.flush_s = use_priority, poll_s, flush_s
+        self.overcommit, self.take_wait_s = overcommit, take_wait_s
         self.down = False
         self.server_waiting = 0.0
+        self._submitted = self._taken = 0  # groups handed over (callers' thread) and queued (the loop's)
+        self._room = threading.Event()      # set while every group handed over has joined: room for another
+        self._room.set()
+        self._wake: asyncio.Event | None = None  # ends the watch's sleep
+        self._dozing = False
         self.outbox: queue.Queue[list[Update]] = queue.Queue()
         self._waiting: list[Group] = []
         self._groups: dict[str, Group] = {}
@@ -86,11 +94,18 @@ class UpstreamLoop(Releasing):
     def submit(self, batch: Batch, prompt_ids: Sequence[list[int]]) -> GroupHandle:
         """Queue a group for admission. While the server is down the group goes straight back to
         the batcher, and this (Celery) thread waits a moment before taking the next batch, so a
-        pool's other instances get it instead of a down one bouncing it."""
+        pool's other instances get it instead of a down one bouncing it. While a group waits here
+        for room, the thread waits too (up to ``take_wait_s``): the pool's next group stays on the
+        pool's list for an instance with room, instead of queueing behind this one's head group
+        (a fleet of KV-bound engines: docs/fleet.md)."""
         handle = GroupHandle(self, batch.id, TextStage(self.tok))
+        self._submitted += 1
+        self._room.clear()
         self._aloop.call_soon_threadsafe(self._take, batch, list(prompt_ids), handle)
         if self.down:
             time.sleep(1.0)
+        elif self.take_wait_s > 0:
+            self._room.wait(self.take_wait_s)
         return handle
 
     def counters(self) -> dict[str, float]:
@@ -129,6 +144,7 @@ class UpstreamLoop(Releasing):
                   for req, ids in zip(batch.requests, prompt_ids, strict=True)]
         self._groups[batch.id] = g
         self._waiting.append(g)
+        self._taken += 1
         self._admit()
 
     def _fits(self, g: Group) -> bool:
@@ -136,7 +152,7 @@ class UpstreamLoop(Releasing):
         if not running or self.server_waiting > 0:
             return not running
         rows = running + g.rows
-        judge = KVJudge(self.capacity_tokens, self.page_tokens, self.max_rows)
+        judge = KVJudge(self.capacity_tokens, self.page_tokens, self.max_rows, overcommit=self.overcommit)
         return judge.running_set_fits([r.context for r in rows], [r.remaining for r in rows])
 
     def _admit(self) -> None:
@@ -144,6 +160,7 @@ class UpstreamLoop(Releasing):
             for g in self._waiting:
                 self._hand_back(g)
             self._waiting.clear()
+            self._room.set()
             return
         while self._waiting and self._fits(self._waiting[0]):
             g = self._waiting.pop(0)
@@ -159,6 +176,10 @@ class UpstreamLoop(Releasing):
                 else:
                     row.task = self._aloop.create_task(self._stream(row, self._priority(row, rank)))
             self._schedule_flush()
+        if not self._waiting and self._taken >= self._submitted:
+            self._room.set()
+        elif self._waiting and self.server_waiting > 0 and self._dozing and self._wake is not None:
+            self._wake.set()  # held by the server's queue: look at it again now, not a poll_s later
 
     def _priority(self, row: Row, rank: int) -> int | None:
         """The server's ``priority`` (lower runs first): the client's priority, then the group's
@@ -339,9 +360,14 @@ class UpstreamLoop(Releasing):
         down here; a down one comes back when it answers), a vLLM server's KV capacity and queue
         from its /metrics; every ``QUEUE_POLL_S`` while the server reports a queue and groups wait
         here behind it (they join as soon as its queue is gone, not up to ``poll_s`` later)."""
+        self._wake = asyncio.Event()
         while True:
             held = self.server_waiting > 0 and bool(self._waiting)
-            await asyncio.sleep(min(self.poll_s, QUEUE_POLL_S) if held else self.poll_s)
+            self._dozing = not held  # a long sleep, which a group held by the server's queue cuts short
+            timer = self._aloop.call_later(min(self.poll_s, QUEUE_POLL_S) if held else self.poll_s, self._wake.set)
+            await self._wake.wait()
+            timer.cancel()
+            self._wake.clear()
             try:
                 await self._check_owners()
                 healthy = await self.server.healthy()

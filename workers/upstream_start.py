@@ -108,6 +108,7 @@ def start_upstream(settings: Settings) -> Runtime:
     name = s.instance_name or f"{socket.gethostname()}-{os.getpid()}-upstream"
     loop = UpstreamLoop(server, tok, capacity, page_tokens=block or s.continuous.page_tokens,
                         max_rows=s.continuous.max_rows, flush_s=s.upstream_flush_s,
+                        overcommit=s.upstream_kv_overcommit, take_wait_s=s.upstream_take_wait_s,
                         use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and server.caps.priority),
                         link=ReleaseLink(s.resolved_redis_url, name))  # rows whose gateway streams them
     delta = delta_bytes(s.model)

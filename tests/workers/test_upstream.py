@@ -215,3 +215,40 @@ def test_a_token_ids_server_is_asked_for_chunks_of_the_stream_interval():
     per_token = UpstreamServer("http://127.0.0.1:9/v1", stream_interval=1)
     per_token.caps = Capabilities(token_ids=True)
     assert "stream_interval" not in per_token.body(req, [1, 2, 3], 8, None)
+
+
+def test_an_engine_that_queues_may_be_planned_past_its_kv_by_the_overcommit():
+    from batcher.kv_judge import KVJudge
+    rows = ([60, 60], [40, 40])  # planned peak 200 tokens + half a page per row = 216
+    assert not KVJudge(200, 16).running_set_fits(*rows)
+    assert KVJudge(200, 16, overcommit=0.1).running_set_fits(*rows)
+    assert not KVJudge(200, 16, overcommit=0.05).running_set_fits(*rows)
+
+
+def test_an_overcommitted_loop_sends_the_next_group_beside_the_running_one(tok):
+    server = ScriptedServer(delay_s=0.02)
+    # the first test's KV: without overcommit b waits for a's rows; with 1.0 it joins beside them
+    loop = UpstreamLoop(server, tok, capacity_tokens=80, page_tokens=16, poll_s=60, overcommit=1.0)
+    a = Batch("ba", [_req("a1", 20), _req("a2", 12)], time.time())
+    b = Batch("bb", [_req("b1", 5)], time.time())
+    loop.submit(a, [[101, 7592, 2045]] * 2)
+    loop.submit(b, [[101, 7592, 2045]])
+    deadline = time.time() + 5
+    while len(server.bodies) < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(server.bodies) == 3 and len(server.closed) == 0  # all three stream at once
+    _run(loop, [])
+    loop.stop()
+
+
+def test_a_full_instance_waits_before_it_takes_the_next_group(tok):
+    server = ScriptedServer(delay_s=0.02)
+    loop = UpstreamLoop(server, tok, capacity_tokens=80, page_tokens=16, poll_s=60, take_wait_s=10.0)
+    t0 = time.time()
+    loop.submit(Batch("ba", [_req("a1", 40)], t0), [[101, 7592, 2045]])
+    took_a = time.time() - t0
+    loop.submit(Batch("bb", [_req("b1", 40)], t0), [[101, 7592, 2045]])  # waits until a1 has ended
+    took_b = time.time() - t0
+    assert took_a < 0.3  # room: a joined at once, the caller takes the next group
+    assert "a1" in server.closed and 0.5 < took_b < 5.0  # no room beside a1 until it ended (40 tokens x 20 ms)
+    loop.stop()
