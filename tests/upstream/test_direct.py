@@ -57,12 +57,14 @@ def _release(url: str, rid: str = "r1", **kw) -> Release:
                    **kw)
 
 
-async def _run(app: web.Application, releases, *, leave_after_s: float | None = None, settle_s: float = 0.4):
-    """Serve ``app``, feed the releases (a callable of the URL) to a gateway's DirectStreams; its
-    delivered events by request and the reports the worker got."""
+async def _run(app: web.Application, releases, *, leave_after_s: float | None = None, settle_s: float = 0.4,
+               wrap=lambda redis: redis):
+    """Serve ``app``, feed the releases (a callable of the URL) to a gateway's DirectStreams (its
+    Redis client: ``wrap`` of an in-memory one); its delivered events by request and the reports
+    the worker got."""
     redis = fakeredis.aioredis.FakeRedis(decode_responses=True)
     got: dict[str, list[StreamEvent]] = {}
-    direct = DirectStreams(redis, "gw1", lambda rid, evs: got.setdefault(rid, []).extend(evs), flush_s=0.02)
+    direct = DirectStreams(wrap(redis), "gw1", lambda rid, evs: got.setdefault(rid, []).extend(evs), flush_s=0.02)
     async with serving(app) as url:
         await direct.start()
         alive = await redis.exists(gateway_alive_key("gw1"))
@@ -92,6 +94,38 @@ def test_a_release_streams_to_its_client_and_reports_its_ids_and_end():
     assert end.batch_id == "b1" and end.timings["queued_s"] == 1.0
     assert [i for r in reports for i in r.ids] == [100, 101, 102, 103]
     assert reports[-1].kind is ReportKind.FINISH and reports[-1].finish_reason == "length"
+
+
+class _FirstPushWaits:
+    """A Redis client whose first pipeline takes 0.5 s to go through, as one retrying through a
+    Redis restart does."""
+
+    def __init__(self, redis) -> None:
+        self._redis, self._waited = redis, False
+
+    def __getattr__(self, name: str):
+        return getattr(self._redis, name)
+
+    def pipeline(self, *args, **kwargs):
+        pipe = self._redis.pipeline(*args, **kwargs)
+        if not self._waited:
+            self._waited, execute = True, pipe.execute
+
+            async def late(*a, **kw):
+                await asyncio.sleep(0.5)
+                return await execute(*a, **kw)
+
+            pipe.execute = late
+        return pipe
+
+
+def test_reports_reach_the_worker_in_order_while_a_push_waits_for_redis():
+    # the worker takes a row's end as final: progress that overtook it, or that it overtook, is lost
+    got, reports, _ = asyncio.run(_run(_engine(list("abcdefghij"), delay_s=0.03), lambda url: [_release(url)],
+                                       settle_s=0.9, wrap=_FirstPushWaits))
+    assert _text(got["r1"]) == "abcdefghij"
+    assert [i for r in reports for i in r.ids] == list(range(100, 110))
+    assert [r.kind for r in reports][-1] is ReportKind.FINISH and len(reports) > 2
 
 
 def test_an_emulated_length_ends_with_stop():
