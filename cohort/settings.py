@@ -232,6 +232,10 @@ class Settings(BaseSettings):
         "the first news, as one Redis round (a row's first token and its end go at once): longer means fewer, "
         "larger chunks for the gateway and the clients to relay and parse. With 8-token upstream chunks, 0.05 "
         "cut cohort's CPU per streamed request by a fifth against 0.02 and 4 (docs/notes/upstream.md).")
+    upstream_report_s: float = Field(
+        default=0.25, gt=0, le=5.0, description="With COHORT_UPSTREAM_STREAMING=gateway, how often a gateway "
+        "tells the upstream workers how far its rows have got (a row's end and a broken stream go at once). The "
+        "worker only plans its engine's KV with this progress, and each report costs it a publishing round.")
     upstream_timeout_s: float = Field(
         default=60.0, gt=0, description="An upstream that sends nothing on a stream this long is down: its "
         "unfinished rows continue elsewhere.")

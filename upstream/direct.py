@@ -3,7 +3,8 @@ streamed from their engine here, over one HTTP connection each, straight to thei
 
 The worker still decides (which group joins the engine's rows, in what order, with what priority,
 what happens to a row whose stream breaks); this gateway only streams and tells it what happened,
-in batches: ``PROGRESS`` (the token ids streamed since the last report, at most every ``flush_s``)
+in batches: ``PROGRESS`` (the token ids streamed since the last report, at most every ``report_s``:
+the worker only plans its engine's KV with them, and each costs it a publishing round)
 and, at once, ``FINISH``, ``BROKEN`` (a stream that broke, went silent past the read timeout or
 answered 5xx: the worker re-releases the continuation, to this gateway, on another engine where
 this one is down), ``REFUSED`` (4xx: the worker fails the row with the engine's reason) or
@@ -71,9 +72,11 @@ class DirectStreams:
     """The releases this gateway takes, the engine streams it runs and the reports it sends."""
 
     def __init__(self, redis: Any, gateway_id: str, deliver: Callable[[str, list[StreamEvent]], None], *,
-                 flush_s: float = 0.05, read_timeout_s: float = 60.0, max_connections: int = 4096) -> None:
+                 flush_s: float = 0.05, report_s: float = 0.25, read_timeout_s: float = 60.0,
+                 max_connections: int = 4096) -> None:
         self.redis, self.gateway_id, self.deliver = redis, gateway_id, deliver
-        self.flush_s = flush_s
+        self.flush_s, self.report_s = flush_s, max(flush_s, report_s)
+        self._reported_at = 0.0  # when progress last joined the reports (monotonic)
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(read_timeout_s, 30.0), sock_read=read_timeout_s)
         self._max_connections = max_connections
         self._answers: dict[str, _Answer] = {}
@@ -278,12 +281,19 @@ class DirectStreams:
             task.add_done_callback(self._tasks.remove)
 
     def _collect(self) -> None:
-        """The text waiting for its client is sent; every row's progress since the last flush joins
-        the reports waiting, after them (a row's ids must reach its worker in order)."""
+        """The text waiting for its client is sent; every row's progress since the last report joins
+        the reports waiting, after them (a row's ids must reach its worker in order), once a
+        ``report_s``. A terminal report carries its row's ids not yet reported (``_report``)."""
         unsent, self._unsent = self._unsent, set()
         for rid in unsent:
             if (a := self._answers.get(rid)) is not None:
                 self._send(a, a.ready)
+        now = time.monotonic()
+        if now - self._reported_at < self.report_s:  # progress every report_s, not every flush
+            if any(a.unreported for a in self._answers.values()):
+                self._schedule_flush()
+            return
+        self._reported_at = now
         for a in self._answers.values():
             if a.unreported and a.release is not None:
                 ids, a.unreported = a.unreported, []
