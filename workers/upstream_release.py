@@ -50,21 +50,29 @@ class ReleaseLink:
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush()))
 
     async def _flush(self) -> None:
-        self._flushing = False
-        out, self._out = self._out, {}
+        """Push the waiting releases until none wait, one push at a time: a push that waits for
+        Redis must not be overtaken by a later one, or a gateway could take a row's release after
+        its re-release (the continuation) and run the stale one. What a failed push held goes back
+        before what came since."""
         backoff = 0.2
-        while out:
-            try:
-                pipe = self.redis.pipeline(transaction=False)
-                for owner, releases in out.items():
-                    pipe.rpush(gateway_inbox(owner), *releases)
-                await pipe.execute()
-                return
-            except Exception as e:  # Redis gone: the releases wait for it (their gateways still wait)
-                log.warning("sending %d release(s) failed (%s); retrying in %.1f s", sum(map(len, out.values())), e,
-                            backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
+        try:
+            while self._out:
+                out, self._out = self._out, {}
+                try:
+                    pipe = self.redis.pipeline(transaction=False)
+                    for owner, releases in out.items():
+                        pipe.rpush(gateway_inbox(owner), *releases)
+                    await pipe.execute()
+                    backoff = 0.2
+                except Exception as e:  # Redis gone: the releases wait for it (their gateways still wait)
+                    log.warning("sending %d release(s) failed (%s); retrying in %.1f s",
+                                sum(map(len, out.values())), e, backoff)
+                    for owner, releases in out.items():
+                        self._out.setdefault(owner, [])[:0] = releases
+                    await asyncio.sleep(backoff)
+                    backoff = min(5.0, backoff * 2)
+        finally:
+            self._flushing = False
 
     async def _read(self, on_reports) -> None:
         conn, key, backoff = self.redis.client(), instance_inbox(self.instance), 0.2

@@ -1,13 +1,18 @@
 """The upstream worker's side of direct streaming, against a scripted server and a stand-in link:
 an owned row is released (not streamed here) with its body; its gateway's reports give it its ids
 and its end (answered without a stream event of its own); a broken stream hands it back from the
-ids reported; a row nothing is heard of, or whose gateway died, does not hang."""
+ids reported; a row nothing is heard of, or whose gateway died, does not hang; releases reach their
+gateway in order while Redis is slow."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
-from cohort.protocol import FailureCode, FinishReason, ReportKind, StreamReport
+import fakeredis
+
+from cohort.protocol import FailureCode, FinishReason, Release, ReportKind, StreamReport
+from cohort.release_bus import gateway_inbox
 from cohort.tokenizer import load_tokenizer
 from cohort.types import Batch, ProfiledRequest
 from tests.workers.test_upstream import ScriptedServer
@@ -121,3 +126,46 @@ def test_a_row_whose_gateway_died_fails():
     ups = _one_row_until_done(Link(gone={"gw"}))
     (failed,) = [f for u in ups for f in u.out.failed]
     assert failed[0].id == "r1" and failed[1] is FailureCode.BATCH_FAILED and "gateway" in failed[2]
+
+
+class _FirstPushWaits:
+    """An in-memory Redis whose first pipeline takes 0.3 s to go through, as a client retrying
+    through a Redis restart does."""
+
+    def __init__(self, redis) -> None:
+        self._redis, self._waited = redis, False
+
+    def __getattr__(self, name: str):
+        return getattr(self._redis, name)
+
+    def pipeline(self, *args, **kwargs):
+        pipe = self._redis.pipeline(*args, **kwargs)
+        if not self._waited:
+            self._waited, execute = True, pipe.execute
+
+            async def late(*a, **kw):
+                await asyncio.sleep(0.3)
+                return await execute(*a, **kw)
+
+            pipe.execute = late
+        return pipe
+
+
+def test_releases_reach_their_gateway_in_order_while_a_push_waits_for_redis():
+    # a gateway that took a row's first release after its continuation would run the stale one
+    def rel(rid: str, done: int) -> Release:
+        return Release(rid, "inst", "http://engine/v1", {"prompt": [1]}, done_tokens=done, limit=8, max_tokens=8)
+
+    async def scenario() -> list[tuple[str, int]]:
+        redis = fakeredis.aioredis.FakeRedis(decode_responses=True)
+        link = upstream_release.ReleaseLink("redis://unused", "inst")
+        link.redis = _FirstPushWaits(redis)
+        link.send("gw", rel("r1", 0))
+        await asyncio.sleep(0.1)  # its push waits for Redis
+        link.send("gw", rel("r1", 5))
+        link.send("gw", rel("r2", 0))
+        await asyncio.sleep(0.6)
+        listed = await redis.lrange(gateway_inbox("gw"), 0, -1)
+        return [(r.request_id, r.done_tokens) for r in map(Release.from_json, listed)]
+
+    assert asyncio.run(scenario()) == [("r1", 0), ("r1", 5), ("r2", 0)]
