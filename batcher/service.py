@@ -90,6 +90,8 @@ class BatcherService(Intake):
         infos = {name: InstanceInfo.from_dict(json.loads(js)) for name, js in self.redis.hgetall(bus.INSTANCES).items()}
         mine = {name: info for name, info in infos.items() if info.pool == self.settings.pool}
         beating = bus.alive(self.redis, mine)
+        if not all(beating.get(n) for n in mine) and self._redis_restarted():
+            beating = dict.fromkeys(mine, True)  # the silent ones get a TTL to beat again
         alive: dict[str, InstanceInfo] = {}
         for name, info in mine.items():
             if beating.get(name):
@@ -274,6 +276,8 @@ class BatcherService(Intake):
         lost, queued = [], None
         owners = bus.unfinished_claims(self.redis, list(self.inflight))  # one round trip each
         alive = bus.alive(self.redis, owners.values())
+        if not all(alive.values()) and self._redis_restarted():
+            alive = dict.fromkeys(alive, True)
         for bid, owner in owners.items():
             fl = self.inflight[bid]
             if self.placement is not None:
@@ -306,6 +310,13 @@ class BatcherService(Intake):
             self._requeue([Batch(id=new_id("b"), requests=rest, created=b.created,
                                  attempt=b.attempt + 1, splits=b.splits)], now, replaces=bid)
         return bool(lost)
+
+    def _redis_restarted(self) -> bool:
+        """Redis started less than a heartbeat TTL ago: a missing heartbeat proves nothing yet (the
+        instance's client may still be reconnecting), so no instance is declared dead — a batch
+        re-queued then would run twice and new requests would meet 503s. Asked only when a heartbeat
+        is missing; a real death is found at most one TTL later."""
+        return bus.redis_uptime_s(self.redis) < self.settings.instance_ttl_s
 
     def _has_room(self) -> bool:
         """Whether a batch may go out now. Static and elastic: an instance is idle. Continuous: fewer

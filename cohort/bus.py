@@ -16,6 +16,7 @@ batches), so a restarted batcher picks up where the old one stopped.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -271,6 +272,17 @@ def unfinished_claims(r: redis.Redis, batch_ids: list[str]) -> dict[str, str | N
         pipe.get(claim_key(bid))
     res = pipe.execute()
     return {bid: res[2 * i + 1] for i, bid in enumerate(batch_ids) if not res[2 * i]}
+
+
+def redis_uptime_s(r: redis.Redis) -> float:
+    """Seconds since the Redis server started: a server younger than an instance's heartbeat TTL
+    may have come back without the heartbeats (no persistence, or expired while it was down) of
+    instances that are alive and will beat again once their clients reconnect. Infinite where the
+    server does not say (a proxy or an emulation without INFO)."""
+    try:
+        return float(r.info("server")["uptime_in_seconds"])
+    except (redis.ResponseError, KeyError):
+        return math.inf
 
 
 def alive(r: redis.Redis, instances: Iterable[str | None]) -> dict[str, bool]:

@@ -261,6 +261,27 @@ def test_dead_instances_are_pruned_from_the_registry(r, tmp_path):
     assert set(svc.instances) == {"w1"} and set(r.hkeys(bus.INSTANCES)) == {"w1"}
 
 
+def test_a_missing_heartbeat_right_after_a_redis_restart_kills_nobody(r, tmp_path, monkeypatch):
+    """A Redis that came back younger than a heartbeat TTL may have lost the heartbeats of live
+    instances: their batches are not re-run elsewhere, their registrations stay; once Redis is
+    older than a TTL, a missing heartbeat is a death again."""
+    uptime = [1.0]
+    monkeypatch.setattr(bus, "redis_uptime_s", lambda _r: uptime[0])
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent, instance_ttl_s=15.0)
+    arrive(r, 0)
+    svc.step(now=1.0)
+    r.set(bus.claim_key(sent[-1].id), "w1")
+    r.delete(bus.alive_key("w1"))  # Redis restarted without it; w1 still runs the batch
+    svc.step(now=3.0)
+    assert len(sent) == 1 and r.get(bus.claim_key(sent[0].id)) == "w1" and set(r.hkeys(bus.INSTANCES)) == {"w1"}
+    uptime[0] = 20.0  # a TTL later w1 never beat again: it is dead
+    register(r, "w2")
+    svc.step(now=5.0)
+    assert len(sent) == 2 and r.get(bus.claim_key(sent[0].id)) == bus.CANCELLED
+
+
 def test_overload_sheds_the_least_urgent_newest_requests(r, tmp_path):
     register(r, "w1")
     sent: list = []
