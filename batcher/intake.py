@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from cohort import bus
 from cohort.types import ProfiledRequest
 
 log = logging.getLogger("cohort.batcher")
 ROUND_LIMIT = 1000  # messages of each list one round takes in
+CANCELLED_KEEP_S = 600.0  # how long a withdrawn request is remembered (``Intake._note_cancelled``)
 
 
 class Intake:
@@ -43,7 +45,11 @@ class Intake:
             self.redis.ltrim(key, 0, -n - 1)
 
     def _take_arrivals(self, now: float, msgs: list[str]) -> bool:
-        """Every arrival of the round into ``pending`` and off ``incoming`` in one round trip."""
+        """Every arrival of the round into ``pending`` and off ``incoming``, and the least urgent
+        priority now waiting, in one round trip. A request already waiting is not taken twice: its
+        message was read before a crash that came before the trim (``_recover`` put it back), or
+        by a call whose reply a dropped connection lost before the client retried it (the HSETNX
+        leaves ``pending`` as it is)."""
         if not msgs:
             return False
         reqs = [ProfiledRequest.from_dict(json.loads(js)) for js in msgs]
@@ -51,20 +57,33 @@ class Intake:
         for req, js in zip(reqs, msgs, strict=True):
             pipe.hsetnx(self.keys.pending, req.id, js)
         pipe.ltrim(self.keys.incoming, 0, -len(msgs) - 1)
-        # hsetnx 0: already taken, before a crash (then ``_recover`` put it in ``_waiting``) or by a
-        # call whose reply a dropped connection lost before the client retried it (then nothing holds
-        # it but ``pending``: it is taken now, never left there forever)
-        for req, fresh in zip(reqs, pipe.execute()[:-1], strict=True):
-            if fresh or req.id not in self._waiting:
+        for req in reqs:
+            if req.id not in self._waiting:
                 self._add(req, now)
-        self._shed()
+        if len(self._waiting) <= self.settings.max_pending:
+            self._publish_worst(pipe)  # nothing to shed: the priority rides along
+            pipe.execute()
+        else:
+            pipe.execute()  # in ``pending`` before the shed takes some out again
+            self._shed()
         return True
+
+    def _note_cancelled(self, ids: list[str]) -> None:
+        """Remember withdrawn requests until dispatch drops them from their batch (the policy still
+        holds them). A cancel that comes after the round's read reaches the worker instead, which
+        checks the cancel keys of the rows it runs. Bounded: ids of requests that had already left
+        are forgotten after ``CANCELLED_KEEP_S``."""
+        now = time.monotonic()
+        self._cancelled.update(dict.fromkeys(ids, now))
+        if len(self._cancelled) > 10_000:
+            self._cancelled = {k: t for k, t in self._cancelled.items() if now - t < CANCELLED_KEEP_S}
 
     def _take_cancels(self, msgs: list[str]) -> bool:
         """Requests whose client went away: out of the waiting set now, out of their batch at
-        dispatch (``_dispatch`` filters on the cancel keys), out of a running batch by the worker."""
+        dispatch (``_note_cancelled``), out of a running batch by the worker."""
         if not msgs:
             return False
+        self._note_cancelled(msgs)
         for rid in msgs:
             self._waiting.pop(rid, None)
         pipe = self.redis.pipeline(transaction=False)

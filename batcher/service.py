@@ -66,6 +66,7 @@ class BatcherService(Intake):
     _last_sweep: float = 0.0
     _last_lost_check: float = 0.0
     _waiting: dict[str, ProfiledRequest] = field(default_factory=dict)  # in the policy, not dispatched
+    _cancelled: dict[str, float] = field(default_factory=dict)  # withdrawn, maybe still in the policy
     _worst_sent: tuple = (None, -1)  # the least urgent priority last published, and when (whole seconds)
 
     def __post_init__(self) -> None:
@@ -177,8 +178,9 @@ class BatcherService(Intake):
         excess = len(self._waiting) - self.settings.max_pending
         if excess > 0:
             victims = sorted(self._waiting.values(), key=lambda r: (-r.priority, -r.arrival))[:excess]
+            self._note_cancelled([r.id for r in victims])  # out of their batch at dispatch
             pipe = self.redis.pipeline()
-            for r in victims:  # the cancel key keeps them out of their batch at dispatch
+            for r in victims:  # and out of a worker's, if one runs them after all
                 bus.cancel(pipe, r.id, self.settings.pool)
             pipe.execute()
             self.redis.hincrby(bus.STATS, "shed", len(victims))
@@ -186,17 +188,19 @@ class BatcherService(Intake):
                        "the room: this request was shed; retry later")
         self._publish_worst()
 
-    def _publish_worst(self) -> None:
+    def _publish_worst(self, pipe=None) -> None:
         """The least urgent priority waiting, for the gateway's admission (absent: none waits); sent
-        when it changed (and at least every second: a batcher that took over writes it anew)."""
+        when it changed (and at least every second: a batcher that took over writes it anew), in
+        ``pipe`` when the round has one going."""
         worst = max((r.priority for r in self._waiting.values()), default=None)
         if (worst, int(time.monotonic())) == self._worst_sent:
             return
         self._worst_sent = (worst, int(time.monotonic()))
+        target = self.redis if pipe is None else pipe
         if worst is None:
-            self.redis.delete(self.keys.worst_priority)
+            target.delete(self.keys.worst_priority)
         else:
-            self.redis.set(self.keys.worst_priority, worst)
+            target.set(self.keys.worst_priority, worst)
 
     def _take_completions(self, now: float, msgs: list[str]) -> bool:
         for js in msgs:
@@ -332,42 +336,46 @@ class BatcherService(Intake):
         return sum(not fl.admitted for fl in self.inflight.values()) < n * self.settings.continuous.lookahead
 
     def _dispatch(self, now: float) -> bool:
-        sent = False
+        """Every batch the instances have room for, recorded in flight in one transaction (with the
+        least urgent priority left waiting); then, for pools served through Celery, the tasks."""
+        sent: list[tuple[Batch, str | None]] = []
+        pipe = self.redis.pipeline()
         while self._has_room():
             batch = self.policy.pop(now)
             if batch is None:
                 break
-            gone = bus.cancelled_ids(self.redis, [r.id for r in batch.requests])
-            if gone:  # withdrawn while it waited: never reaches a worker
-                self.redis.hdel(self.keys.pending, *gone)
-                for rid in gone:
-                    self._waiting.pop(rid, None)
+            if gone := [r.id for r in batch.requests if self._cancelled.pop(r.id, None) is not None]:
+                pipe.hdel(self.keys.pending, *gone)  # withdrawn while it waited: never reaches a worker
                 batch.requests = [r for r in batch.requests if r.id not in gone]
                 if not batch.requests:
                     continue
             target = None if self.placement is None else self.placement.target(batch, list(self.inflight.values()))
-            self._send(batch, now, target)
-            sent = True
+            self._send(pipe, batch, now, target)
+            sent.append((batch, target))
         if sent:
-            self._publish_worst()  # what left changes the least urgent priority still waiting
-        return sent
+            self._publish_worst(pipe)  # what left changes the least urgent priority still waiting
+        if len(pipe):
+            pipe.execute()
+        listed = bool(self.instances) and all(i.upstream for i in self.instances.values())
+        for batch, target in sent:
+            if not listed:  # after the transaction: a worker's completion always finds its batch in flight
+                self.send_task(batch, target)
+            log.info("dispatched batch %s: β=%d L=%d G'=%d%s", batch.id, batch.size, batch.input_len,
+                     batch.predicted_gen_len, f" to {target} (its prefix is cached there)" if target else "")
+        return bool(sent)
 
-    def _send(self, batch: Batch, now: float, target: str | None = None) -> None:
+    def _send(self, pipe, batch: Batch, now: float, target: str | None = None) -> None:
+        """Queue a batch's dispatch in the round's transaction: in flight, out of ``pending``, on an
+        upstream-only pool's list (no Celery task)."""
         payload = batch.to_dict()
-        pipe = self.redis.pipeline()
         pipe.hset(self.keys.inflight, batch.id, dumps({"batch": payload, "dispatched": now, "target": target}))
         pipe.hdel(self.keys.pending, *[r.id for r in batch.requests])
         pipe.hincrby(bus.STATS, "batches_dispatched", 1)
-        if listed := bool(self.instances) and all(i.upstream for i in self.instances.values()):
-            pipe.rpush(group_list(self.settings.pool, target), dumps(payload))  # upstream-only: no Celery task
-        pipe.execute()
+        if bool(self.instances) and all(i.upstream for i in self.instances.values()):
+            pipe.rpush(group_list(self.settings.pool, target), dumps(payload))
         self.inflight[batch.id] = Inflight(batch, now, target=target)
         for r in batch.requests:
             self._waiting.pop(r.id, None)
-        if not listed:
-            self.send_task(batch, target)
-        log.info("dispatched batch %s: β=%d L=%d G'=%d%s", batch.id, batch.size, batch.input_len,
-                 batch.predicted_gen_len, f" to {target} (its prefix is cached there)" if target else "")
 
     def _fail(self, requests: list[ProfiledRequest], code: FailureCode, message: str) -> None:
         """Answer each request with an explicit error; nothing accepted is ever dropped silently."""

@@ -373,16 +373,6 @@ def cancel(pipe, request_id: str, pool: str) -> None:
     wake_batcher(pipe, pool)
 
 
-def cancelled_ids(redis, request_ids: Iterable[str]) -> set[str]:
-    """Which of these requests were cancelled (one round trip: ``cancelled_flags``)."""
-    ids = list(request_ids)
-    if not ids:
-        return set()
-    pipe = redis.pipeline()
-    cancelled_flags(pipe, ids)
-    return {rid for rid, hit in zip(ids, read_cancelled(pipe.execute()[0]), strict=True) if hit}
-
-
 def stream_progress(redis, request_ids: Iterable[str]) -> dict[str, tuple[bool, list[int]]]:
     """For each request: whether its stream already holds a final event, and the token ids its
     deltas carried (what a client has been sent). One round trip; streams are short."""
