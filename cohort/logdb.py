@@ -8,7 +8,7 @@ idempotent upserts keyed by id: a re-delivered batch never writes a record twice
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -184,12 +184,14 @@ def finish_request(engine: Engine, request_id: str, *, overrule: bool = False, *
 
 
 def finish_requests(engine: Engine, settlements: list[tuple[str, Mapping[str, Any]]], *,
-                    overrule: bool = False) -> int:
+                    overrule: bool = False, batch_rows: Sequence[Mapping[str, Any]] = ()) -> int:
     """Settle several records (``finish_request``'s rule) in one transaction: a worker step that
     answers rows of many batches pays for one commit, not one per row. Consecutive settlements
     that set the same columns go as one prepared statement with many parameter sets: building and
-    compiling an UPDATE per row was a tenth of an upstream worker's CPU. Returns how many changed."""
-    if not settlements:
+    compiling an UPDATE per row was a tenth of an upstream worker's CPU. ``batch_rows``: batch runs
+    that ended with these rows, recorded in the same transaction (``record_batches``). Returns how
+    many records changed."""
+    if not settlements and not batch_rows:
         return 0
     now = time.time()
     runs: list[tuple[tuple[str, ...], list[dict[str, Any]]]] = []
@@ -206,6 +208,8 @@ def finish_requests(engine: Engine, settlements: list[tuple[str, Mapping[str, An
         for columns, params in runs:
             res = conn.execute(_settle_statement(columns, overrule), params if len(params) > 1 else params[0])
             changed += max(0, int(res.rowcount or 0))
+        for row in batch_rows:
+            _upsert(conn, batches, row)
     return changed
 
 
@@ -245,11 +249,7 @@ def record_batch(engine: Engine, row: Mapping[str, Any]) -> None:
 
 def record_batches(engine: Engine, rows: list[Mapping[str, Any]]) -> None:
     """Batch rows (insert, or update the row with the same id) in one transaction."""
-    if not rows:
-        return
-    with engine.begin() as conn:
-        for row in rows:
-            _upsert(conn, batches, row)
+    finish_requests(engine, [], batch_rows=rows)
 
 
 def finished_requests(engine: Engine, since: float = 0.0, limit: int | None = None) -> list[dict[str, Any]]:

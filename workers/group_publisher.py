@@ -5,8 +5,9 @@ A batch task only claims its batch and hands it over (``submit``); the group the
 and no Redis round trip of its own. Each round takes every update the engine has made since the
 last (``ContinuousLoop.updates``: a publisher that fell behind catches up in one round), sends the
 steps together (``reporting.send``: records first, then events, admission markers and cancel
-checks), and ends the groups that finished: their completions in one pipeline, their batch rows in
-one transaction. Many small groups (the policy's plan at a small share of Θ) then cost about what
+checks), and ends the groups that finished with them: their batch rows in the records' transaction,
+their completions in the events' pipeline (a group per request at low load paid a round trip and a
+transaction more each). Many small groups (the policy's plan at a small share of Θ) then cost about what
 one large batch costs.
 
 A round that cannot be sent (Redis gone past ``reporting.REDIS_OUTAGE_S``, the log DB failing)
@@ -23,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cohort import bus
-from cohort.logdb import record_batches
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode
 from cohort.types import Batch
 from workers.continuous_loop import ContinuousLoop, Update
@@ -109,6 +109,7 @@ class GroupPublisher:
         extra: list[Fill] = []
         done: list[_Group] = []
         failed: dict[str, str] = {}
+        steps: dict[str, list[Staged]] = {}  # this round's steps of each group
         for i, (handle, upd) in enumerate(updates):
             g = self.groups.get(handle.batch_id)
             if g is None:  # failed in an earlier round: what the engine made since is dropped
@@ -120,13 +121,18 @@ class GroupPublisher:
                 failed[g.batch.id] = upd.error
                 continue
             # a group's rows are checked for cancellation once a round, with its latest alive list
-            staged.append(g.reporter.stage(upd.out, upd.alive if last[handle.batch_id] == i else [], upd.generated))
+            step = g.reporter.stage(upd.out, upd.alive if last[handle.batch_id] == i else [], upd.generated)
+            staged.append(step)
+            steps.setdefault(g.batch.id, []).append(step)
             if upd.done:
                 done.append(g)
         extra.append(self._engine_counts())
-        send(self.rt, staged, extra, f"a round of {len(staged)} step(s)")
+        ends, rows = self._ends(done, steps)
+        send(self.rt, staged, extra + ends, f"a round of {len(staged)} step(s)", batch_rows=rows)
         if done:
-            self._end(done)
+            with self._lock:
+                for g in done:
+                    self.groups.pop(g.batch.id, None)
         if failed:
             for bid, error in failed.items():
                 self._fail({bid}, f"the continuous engine failed: {error}")
@@ -150,29 +156,26 @@ class GroupPublisher:
                 bus.engine_stats(pipe, self.rt.name, c)
         return fill
 
-    def _end(self, done: list[_Group]) -> None:
-        """The groups' rows are all answered: tell the batcher, record the batch runs."""
+    def _ends(self, done: list[_Group], steps: dict[str, list[Staged]]) -> tuple[list[Fill], list[dict]]:
+        """The groups whose rows are all answered this round: the batcher's completions and the
+        batch runs' rows, sent with the round's steps (one transaction, one pipeline for all)."""
         fills, rows = [], []
         finished = time.time()
         for g in done:
-            b, rep = g.batch, g.reporter
+            b = g.batch
+            answered, tokens, back = g.reporter.ended(steps.get(b.id, []))
             seconds = time.perf_counter() - g.t0
-            generated = [rep.tokens.get(r.id, 0) for r in b.requests]
+            generated = [tokens.get(r.id, 0) for r in b.requests]
             fills.append(completion_fill(self.rt, CompletionEvent(
                 outcome=BatchOutcome.DONE, batch_id=b.id, instance=self.rt.name, size=b.size, started=g.submitted,
                 finished=finished, input_len=b.input_len, gen_len=max(generated, default=0), seconds=seconds,
-                generated_tokens=generated, answered=rep.answered, continuations=rep.continuations,
-                cancelled=rep.cancelled)))
+                generated_tokens=generated, answered=answered, continuations=back,
+                cancelled=g.reporter.cancelled)))
             rows.append({**batch_row(self.rt, b, g.submitted), "finished": finished,
                          "actual_gen_len": max(generated, default=0), "batch_time_s": seconds, "oom": False})
-            if rep.continuations:
-                log.info("batch %s: %d row(s) preempted and handed back with their tokens", b.id,
-                         len(rep.continuations))
-        execute(self.rt.redis, lambda pipe: [f(pipe) for f in fills], f"{len(fills)} completion(s)")
-        record_batches(self.rt.db, rows)
-        with self._lock:
-            for g in done:
-                self.groups.pop(g.batch.id, None)
+            if back:
+                log.info("batch %s: %d row(s) preempted and handed back with their tokens", b.id, len(back))
+        return fills, rows
 
     def _fail(self, batch_ids: set[str], error: str) -> None:
         """These groups fail explicitly: their rows leave the engine, each unanswered row gets an

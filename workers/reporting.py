@@ -126,11 +126,13 @@ class Staged:
     generated: int = 0  # tokens generated since the batch's last step (``send`` counts them, once a pipeline)
 
 
-def send(rt: Outlet, staged: Sequence[Staged], extra: Sequence[Fill] = (), what: str = "a step's events") -> None:
-    """Send steps of one or several batches together: every record in one log-DB transaction,
-    then one Redis pipeline (the steps' events, ``extra`` commands, every cancel check), then each
-    batch learns which of its rows the client withdrew (``Reporter.settle``)."""
-    finish_requests(rt.db, [rec for s in staged for rec in s.records])
+def send(rt: Outlet, staged: Sequence[Staged], extra: Sequence[Fill] = (), what: str = "a step's events",
+         batch_rows: Sequence[Mapping[str, Any]] = ()) -> None:
+    """Send steps of one or several batches together: every record (and the ``batch_rows`` of
+    batches that end with them) in one log-DB transaction, then one Redis pipeline (the steps'
+    events, ``extra`` commands, every cancel check), then each batch learns which of its rows the
+    client withdrew (``Reporter.settle``)."""
+    finish_requests(rt.db, [rec for s in staged for rec in s.records], batch_rows=batch_rows)
     alive = [rid for s in staged for rid in s.alive]
 
     def fill(pipe) -> None:
@@ -147,6 +149,16 @@ def send(rt: Outlet, staged: Sequence[Staged], extra: Sequence[Fill] = (), what:
     for s in staged:
         s.reporter.settle(s, flags[at:at + len(s.alive)])
         at += len(s.alive)
+
+
+def _answered_by(out: StepOutput, answered: list[str], tokens: dict[str, int],
+                 continuations: list[ProfiledRequest]) -> None:
+    """What a step answered (its finished rows with their tokens, its failed ones) and handed back."""
+    for res in out.finished:
+        answered.append(res.request.id)
+        tokens[res.request.id] = res.tokens
+    answered.extend(req.id for req, _code, _message in out.failed)
+    continuations.extend(out.evicted)
 
 
 class Reporter:
@@ -192,10 +204,7 @@ class Reporter:
         """After the step went out: remember what was answered, and drop the rows whose clients
         left (their cancel key was set)."""
         out = staged.out
-        for res in out.finished:
-            self.answered.append(res.request.id)
-            self.tokens[res.request.id] = res.tokens
-        self.answered.extend(req.id for req, _code, _message in out.failed)
+        _answered_by(out, self.answered, self.tokens, self.continuations)
         cancelled = [rid for rid, hit in zip(staged.alive, cancelled_flags, strict=True) if hit]
         if cancelled:
             if self.cancel is not None:
@@ -203,7 +212,14 @@ class Reporter:
             self.cancelled += len(cancelled)
             self.answered.extend(cancelled)
             log.info("batch %s: %d cancelled request(s) dropped", self.batch.id, len(cancelled))
-        self.continuations.extend(out.evicted)
+
+    def ended(self, staged: Sequence[Staged]) -> tuple[list[str], dict[str, int], list[ProfiledRequest]]:
+        """What the batch will have answered (its rows' tokens) and handed back once its last steps,
+        ``staged``, are settled: its completion goes out with them. Nothing is left to cancel then."""
+        answered, tokens, back = list(self.answered), dict(self.tokens), list(self.continuations)
+        for s in staged:
+            _answered_by(s.out, answered, tokens, back)
+        return answered, tokens, back
 
     def step(self, out: StepOutput, alive: list[str], generated: int) -> None:
         """Send one step of this batch alone (the padded path)."""
