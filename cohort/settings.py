@@ -209,9 +209,10 @@ class Settings(BaseSettings):
         "Celery task and a round of bookkeeping (measured in docs/notes/upstream.md).")
     upstream_kv_overcommit: float = Field(
         default=0.5, ge=0.0, le=4.0, description="How far past an upstream's KV capacity the running rows' plan "
-        "(contexts plus planned remaining tokens) may go before a group waits in cohort: the server queues what "
-        "does not fit in cohort's priority order and preempts the latest admitted row, while planned lengths "
-        "are upper bounds. 0: never past it (docs/fleet.md).")
+        "(contexts plus planned remaining tokens) may go at most before a group waits in cohort: as far as plans "
+        "have reached past what the instance's rows then generated, up to this share (exact plans: not at all). "
+        "The server queues what does not fit in cohort's priority order and preempts the latest admitted row. "
+        "0: never past it (docs/fleet.md).")
     upstream_take_wait_s: float = Field(
         default=2.0, ge=0.0, description="An upstream worker whose last group still waits for room waits up to "
         "this long before it takes the pool's next group, so that group goes to an instance with room "

@@ -7,9 +7,9 @@ rows, metrics and completions as the built-in engine. What differs is who decode
 
 * **Admission.** Groups wait in the order the batcher sent them (the policy's order) and join
   while the running rows plus the group fit the server's KV capacity by the one running-set rule
-  (``batcher.kv_judge.KVJudge.running_set_fits``: contexts and planned remaining tokens, with the
-  server's own queue and preemption absorbing a bounded ``overcommit``: planned lengths are upper
-  bounds) and while the server reports no queue of its own (vLLM's ``num_requests_waiting``,
+  (``batcher.kv_judge.KVJudge.running_set_fits``: contexts and planned remaining tokens, past the
+  server's KV by as far as plans have reached past what rows generated, up to ``overcommit``
+  (``upstream_rows.PlanReach``): the server's own queue and preemption absorb the rest) and while the server reports no queue of its own (vLLM's ``num_requests_waiting``,
   SGLang's ``num_queue_reqs``; looked at again as soon as a group is held by it). An empty
   instance takes any group. While one waits, the instance takes no other group off the pool's
   list (``take_wait_s``): the next one goes to an instance with room.
@@ -50,7 +50,7 @@ from workers.continuous_loop import GroupHandle, GroupUpdate, Update, drain
 from workers.row_text import TextStage
 from workers.step_outputs import StepOutput, TokenEvent
 from workers.upstream_release import ReleaseLink, Releasing
-from workers.upstream_rows import Group, Row
+from workers.upstream_rows import Group, PlanReach, Row
 
 log = logging.getLogger(__name__)
 PRIORITY_SPAN = 1_000_000_000  # admission ranks within one client priority
@@ -68,7 +68,8 @@ class UpstreamLoop(Releasing):
         self.server, self.tok, self.link = server, tokenizer, link
         self.capacity_tokens, self.page_tokens, self.max_rows = capacity_tokens, page_tokens, max_rows
         self.use_priority, self.poll_s, self.flush_s = use_priority, poll_s, flush_s
-        self.overcommit, self.take_wait_s = overcommit, take_wait_s
+        self.overcommit, self.take_wait_s = overcommit, take_wait_s  # overcommit: the cap of ``reach``'s
+        self.reach = PlanReach()
         self.down = False
         self.server_waiting = 0.0
         self._submitted = self._taken = 0  # groups handed over (callers' thread) and queued (the loop's)
@@ -152,7 +153,8 @@ class UpstreamLoop(Releasing):
         if not running or self.server_waiting > 0:
             return not running
         rows = running + g.rows
-        judge = KVJudge(self.capacity_tokens, self.page_tokens, self.max_rows, overcommit=self.overcommit)
+        judge = KVJudge(self.capacity_tokens, self.page_tokens, self.max_rows,
+                        overcommit=self.reach.overcommit(self.overcommit))
         return judge.running_set_fits([r.context for r in rows], [r.remaining for r in rows])
 
     def _admit(self) -> None:
@@ -288,11 +290,12 @@ class UpstreamLoop(Releasing):
         req = row.req if row.req.prompt_ids is not None else replace(row.req, prompt_ids=row.prompt_ids)
         row.group.out.evicted.append(req.continuation(list(row.new_ids), row.first_token_at)
                                      if row.new_ids else req)
-        row.ended = True
+        row.ended = row.handed_back = True
         self._row_ended(row)
 
     def _row_ended(self, row: Row) -> None:
-        self._rows.pop(row.req.id, None)
+        if self._rows.pop(row.req.id, None) is not None and row.new_ids and not row.handed_back:
+            self.reach.add(row)  # it ended here: how far its plan reached past it
         row.group.dirty = True
         self._schedule_flush(now=True)  # its client's answer (and e2e) waits for this news
         self._admit()

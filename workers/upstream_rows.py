@@ -23,6 +23,7 @@ class Row:
     task: asyncio.Task | None = None
     ended: bool = False
     released: bool = False  # streamed by its gateway (``protocol.Release``), not by this worker
+    handed_back: bool = False  # evicted: it continues elsewhere, so it did not show its length here
     heard_at: float = 0.0   # released: when its gateway last reported on it (monotonic)
 
     @property
@@ -32,7 +33,12 @@ class Row:
     @property
     def remaining(self) -> int:
         """Tokens planning still reserves for it (``workers.rows.RowState.planned_remaining``)."""
-        return max(1, min(self.req.planned_tokens, self.req.max_tokens) - len(self.new_ids))
+        return max(1, self.planned - len(self.new_ids))
+
+    @property
+    def planned(self) -> int:
+        """Tokens planning reserved for this run of it."""
+        return max(1, min(self.req.planned_tokens, self.req.max_tokens))
 
     @property
     def limit(self) -> int:
@@ -57,3 +63,23 @@ class Group:
     @property
     def alive(self) -> list[str]:
         return [r.req.id for r in self.rows if not r.ended]
+
+
+@dataclass
+class PlanReach:
+    """How far planned lengths ran past what rows then generated, over the rows that ended here
+    (older rows fading): the overcommit an engine that queues and preempts may be judged with
+    (``batcher.kv_judge.KVJudge.overcommit``), up to a cap. Plans are upper bounds, so rows hold
+    less KV than planned, by as much as this measures; where plans are exact it stays 0 and the
+    engine is never planned past its KV."""
+
+    planned: float = 0.0
+    generated: float = 0.0
+    keep: float = 0.98  # each ended row's weight decays by this per later row: about the last 50 rows count
+
+    def add(self, row: Row) -> None:
+        self.planned = self.planned * self.keep + row.planned
+        self.generated = self.generated * self.keep + len(row.new_ids)
+
+    def overcommit(self, cap: float) -> float:
+        return max(0.0, min(cap, self.planned / self.generated - 1.0)) if self.generated > 0 else 0.0

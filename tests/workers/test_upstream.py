@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -24,6 +25,7 @@ from upstream.api import (
     refused_fields,
 )
 from workers.upstream_loop import GROUP_SPAN, PRIORITY_SPAN, UpstreamLoop
+from workers.upstream_rows import PlanReach
 
 VLLM_METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
@@ -229,6 +231,7 @@ def test_an_overcommitted_loop_sends_the_next_group_beside_the_running_one(tok):
     server = ScriptedServer(delay_s=0.02)
     # the first test's KV: without overcommit b waits for a's rows; with 1.0 it joins beside them
     loop = UpstreamLoop(server, tok, capacity_tokens=80, page_tokens=16, poll_s=60, overcommit=1.0)
+    loop.reach = PlanReach(planned=300.0, generated=100.0)  # plans have been 3x what rows generated: capped at 1.0
     a = Batch("ba", [_req("a1", 20), _req("a2", 12)], time.time())
     b = Batch("bb", [_req("b1", 5)], time.time())
     loop.submit(a, [[101, 7592, 2045]] * 2)
@@ -251,4 +254,16 @@ def test_a_full_instance_waits_before_it_takes_the_next_group(tok):
     took_b = time.time() - t0
     assert took_a < 0.3  # room: a joined at once, the caller takes the next group
     assert "a1" in server.closed and 0.5 < took_b < 5.0  # no room beside a1 until it ended (40 tokens x 20 ms)
+    loop.stop()
+
+
+def test_the_overcommit_follows_how_far_plans_reached_past_the_rows(tok):
+    loop = UpstreamLoop(ScriptedServer(), tok, capacity_tokens=80, page_tokens=16, poll_s=60, overcommit=0.5)
+    exact = [_req(f"e{i}", 10) for i in range(3)]  # planned = max_tokens = what each generates
+    _run(loop, [Batch("be", exact, time.time())])
+    assert loop.reach.overcommit(0.5) == 0.0  # exact plans: never past the engine's KV
+    # planned 40 (its bound and max_tokens), streams 4
+    far = [replace(_req(f"f{i}", 4, predicted_upper=40), max_tokens=40, emulated_tokens=4) for i in range(30)]
+    _run(loop, [Batch("bf", far, time.time())])
+    assert loop.reach.overcommit(0.5) == 0.5  # plans ran far past the rows: up to the cap
     loop.stop()
