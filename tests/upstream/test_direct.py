@@ -58,13 +58,14 @@ def _release(url: str, rid: str = "r1", **kw) -> Release:
 
 
 async def _run(app: web.Application, releases, *, leave_after_s: float | None = None, settle_s: float = 0.4,
-               wrap=lambda redis: redis):
+               wrap=lambda redis: redis, report_s: float = 0.25):
     """Serve ``app``, feed the releases (a callable of the URL) to a gateway's DirectStreams (its
     Redis client: ``wrap`` of an in-memory one); its delivered events by request and the reports
     the worker got."""
     redis = fakeredis.aioredis.FakeRedis(decode_responses=True)
     got: dict[str, list[StreamEvent]] = {}
-    direct = DirectStreams(wrap(redis), "gw1", lambda rid, evs: got.setdefault(rid, []).extend(evs), flush_s=0.02)
+    direct = DirectStreams(wrap(redis), "gw1", lambda rid, evs: got.setdefault(rid, []).extend(evs), flush_s=0.02,
+                           report_s=report_s)
     async with serving(app) as url:
         await direct.start()
         alive = await redis.exists(gateway_alive_key("gw1"))
@@ -94,6 +95,16 @@ def test_a_release_streams_to_its_client_and_reports_its_ids_and_end():
     assert end.batch_id == "b1" and end.timings["queued_s"] == 1.0
     assert [i for r in reports for i in r.ids] == [100, 101, 102, 103]
     assert reports[-1].kind is ReportKind.FINISH and reports[-1].finish_reason == "length"
+
+
+def test_progress_goes_to_the_worker_every_report_s_while_text_flows_every_flush():
+    got, reports, _ = asyncio.run(_run(_engine(list("abcdefghijklmnopqrst"), delay_s=0.02),
+                                       lambda url: [_release(url)], settle_s=0.6, report_s=0.2))
+    deltas = [e for e in got["r1"] if e.kind is StreamKind.DELTA]
+    progress = [r for r in reports if r.kind is ReportKind.PROGRESS]
+    assert _text(got["r1"]) == "abcdefghijklmnopqrst" and len(deltas) >= 8  # ~0.4 s of text, a flush each 0.02 s
+    assert 1 <= len(progress) <= 3 and reports[-1].kind is ReportKind.FINISH
+    assert [i for r in reports for i in r.ids] == list(range(100, 120))  # every id once, in order
 
 
 class _FirstPushWaits:
