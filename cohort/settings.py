@@ -207,16 +207,10 @@ class Settings(BaseSettings):
         "instance of the pool is an upstream (COHORT_CONTINUOUS__GROUP_FRAC for built-in ones): the server runs each "
         "row as its own stream in the group's order, so a group is only how rows travel, and each one costs a "
         "Celery task and a round of bookkeeping (measured in docs/notes/upstream.md).")
-    upstream_kv_overcommit: float = Field(
-        default=0.5, ge=0.0, le=4.0, description="How far past an upstream's KV capacity the running rows' plan "
-        "(contexts plus planned remaining tokens) may go at most before a group waits in cohort: as far as plans "
-        "have reached past what the instance's rows then generated, up to this share (exact plans: not at all). "
-        "The server queues what does not fit in cohort's priority order and preempts the latest admitted row. "
-        "0: never past it (docs/fleet.md).")
-    upstream_take_wait_s: float = Field(
-        default=2.0, ge=0.0, description="An upstream worker whose last group still waits for room waits up to "
-        "this long before it takes the pool's next group, so that group goes to an instance with room "
-        "(docs/fleet.md). 0: take every group at once.")
+    upstream_kv_overcommit: float = Field(default=0.5, ge=0.0, le=4.0, description="The most an upstream's rows' "
+        "KV plan may pass its KV: as far as plans passed what rows generated, up to this share (docs/fleet.md).")
+    upstream_take_wait_s: float = Field(default=2.0, ge=0.0, description="An upstream worker whose group waits for "
+        "room waits up to this long before it takes the pool's next one (docs/fleet.md). 0: at once.")
     upstream_stream_interval: int = Field(
         default=8, ge=1, description="Ask an upstream that streams token ids to send a row's tokens in chunks of this "
         "many (vLLM's per-request `stream_interval`; the first token and the end still come at once): the worker "

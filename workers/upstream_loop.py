@@ -9,9 +9,10 @@ rows, metrics and completions as the built-in engine. What differs is who decode
   while the running rows plus the group fit the server's KV capacity by the one running-set rule
   (``batcher.kv_judge.KVJudge.running_set_fits``: contexts and planned remaining tokens, past the
   server's KV by as far as plans have reached past what rows generated, up to ``overcommit``
-  (``upstream_rows.PlanReach``): the server's own queue and preemption absorb the rest) and while the server reports no queue of its own (vLLM's ``num_requests_waiting``,
-  SGLang's ``num_queue_reqs``; looked at again as soon as a group is held by it). An empty
-  instance takes any group. While one waits, the instance takes no other group off the pool's
+  (``upstream_rows.PlanReach``): the server's own queue and preemption absorb the rest) and
+  while the server reports no queue of its own (vLLM's ``num_requests_waiting``, SGLang's
+  ``num_queue_reqs``; looked at again as soon as a group is held by it). An empty instance takes
+  any group. While one waits, the instance takes no other group off the pool's
   list (``take_wait_s``): the next one goes to an instance with room.
 * **Order.** Each row carries ``priority`` = its client priority, then its group's admission
   number, where the server takes one (vLLM, SGLang: ``upstream.api``).
@@ -68,7 +69,7 @@ class UpstreamLoop(Releasing):
         self.server, self.tok, self.link = server, tokenizer, link
         self.capacity_tokens, self.page_tokens, self.max_rows = capacity_tokens, page_tokens, max_rows
         self.use_priority, self.poll_s, self.flush_s = use_priority, poll_s, flush_s
-        self.overcommit, self.take_wait_s = overcommit, take_wait_s  # overcommit: the cap of ``reach``'s
+        self.overcommit, self.take_wait_s = overcommit, take_wait_s  # overcommit: the most ``reach`` may grant
         self.reach = PlanReach()
         self.down = False
         self.server_waiting = 0.0
