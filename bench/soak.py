@@ -45,7 +45,7 @@ from bench.soak_stats import (
     summarize,
     windows,
 )
-from cohort import bus
+from cohort import bus, engine_counters
 from cohort.logdb import get_db_engine, log_counts, requests
 from procstack.embedded_redis import EmbeddedRedis
 from procstack.stack import Stack, free_port
@@ -162,7 +162,7 @@ class Sampler:
         info = self.redis.info("memory")
         prefixes = key_prefix_counts(self.redis)
         keys = bus.pool_keys("default")
-        engines = {k: json.loads(v) for k, v in self.redis.hgetall(bus.ENGINE_STATS).items()}
+        engines = {k: json.loads(v) for k, v in self.redis.hgetall(engine_counters.ENGINE_STATS).items()}
         s = {"t": round(t, 1), "rss_mb": rss, "cpu_pct": cpu, "host_steal_pct": self._steal_pct(),
              "gateway_thread_cpu_s": threads,
              "redis_used_mb": info["used_memory"] / 2**20,

@@ -15,7 +15,6 @@ batches), so a restarted batcher picks up where the old one stopped.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -390,30 +389,3 @@ def stream_progress(redis, request_ids: Iterable[str]) -> dict[str, tuple[bool, 
                 tokens.extend(ev.ids)
         out[rid] = (final, tokens)
     return out
-
-
-PREFIX_QUERIES = f"{PREFIX}:prefix_cache:queries"  # hash: instance -> prompt tokens looked up in its prefix cache
-PREFIX_HITS = f"{PREFIX}:prefix_cache:hits"        # hash: instance -> of them, found cached
-
-
-def count_prefix_cache(pipe, instance: str, queries: int, hits: int) -> None:
-    """Add an instance's new prefix-cache lookups (``cohort_prefix_cache_*_total``, vLLM's counters)."""
-    if queries:
-        pipe.hincrby(PREFIX_QUERIES, instance, queries)
-    if hits:
-        pipe.hincrby(PREFIX_HITS, instance, hits)
-
-
-ENGINE_STATS = f"{PREFIX}:engine"  # hash: instance -> JSON of its engine's running totals
-
-
-def engine_stats(pipe, instance: str, counters: dict[str, float]) -> None:
-    """An instance's engine totals (steps, seconds, rows per step, rows resident, groups waiting)."""
-    pipe.hset(ENGINE_STATS, instance, json.dumps(counters))
-
-
-def count_generated(pipe, tokens: int) -> None:
-    """Count tokens as a worker generates them — in the pipeline that publishes them, so a row
-    cancelled or failed later still counts what it cost (``cohort_generated_tokens_total``)."""
-    if tokens:
-        pipe.hincrby(STATS, GENERATED_TOKENS, tokens)

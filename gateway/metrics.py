@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy import and_, case, func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cohort import bus
+from cohort import bus, engine_counters
 from cohort.logdb import requests as request_rows
 from cohort.types import InstanceInfo
 from gateway.metrics_processes import exposition
@@ -99,8 +99,8 @@ class GatewayMetrics:
         self.pending.set(await redis.llen(keys.incoming) + await redis.hlen(keys.pending))
         self.inflight.set(await redis.hlen(keys.inflight))
         self.instances.set(alive_instances)
-        self.prefix_queries.values = {k: float(v) for k, v in (await redis.hgetall(bus.PREFIX_QUERIES)).items()}
-        self.prefix_hits.values = {k: float(v) for k, v in (await redis.hgetall(bus.PREFIX_HITS)).items()}
+        self.prefix_queries.values = {k: float(v) for k, v in (await redis.hgetall(engine_counters.PREFIX_QUERIES)).items()}
+        self.prefix_hits.values = {k: float(v) for k, v in (await redis.hgetall(engine_counters.PREFIX_HITS)).items()}
         for k, v in (await redis.hgetall(bus.STATS)).items():
             if k == bus.GENERATED_TOKENS:
                 self.generated_tokens.value = float(v)
@@ -211,7 +211,7 @@ class PoolGauges:
             self.kv_planned.labels(pool).set(planned)
             self.kv_capacity.labels(pool).set(capacity)
             self.kv_usage.labels(pool).set(planned / capacity if capacity else 0.0)
-        for name, js in (await redis.hgetall(bus.ENGINE_STATS)).items():
+        for name, js in (await redis.hgetall(engine_counters.ENGINE_STATS)).items():
             if not any(i.name == name for i in infos):
                 continue  # a stopped instance's last totals stay in the hash
             try:
@@ -282,7 +282,7 @@ class RecentOutcomes:
 
 
 class RedisCounter:
-    """A counter whose truth lives in Redis (the workers increment it: ``bus.count_generated``),
+    """A counter whose truth lives in Redis (the workers increment it: ``engine_counters.count_generated``),
     exported as a Prometheus counter with the value read at the latest scrape."""
 
     def __init__(self, name: str, documentation: str, label: str | None = None) -> None:

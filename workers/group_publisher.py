@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cohort import bus
+from cohort import engine_counters
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode
 from cohort.types import Batch
 from workers.continuous_loop import ContinuousLoop, Update
@@ -139,7 +139,7 @@ class GroupPublisher:
 
     def _engine_counts(self) -> Fill:
         """The engine's counters: its prefix-cache lookups since the last round (the gateway's
-        ``cohort_prefix_cache_*_total``) and, once a second, its running totals (``bus.ENGINE_STATS``:
+        ``cohort_prefix_cache_*_total``) and, once a second, its running totals (``engine_counters.ENGINE_STATS``:
         a soak reads step time and rows per step from them)."""
         c = self.loop.counters()
         queries, hits = int(c.get("prefix_queries", 0)), int(c.get("prefix_hits", 0))
@@ -151,9 +151,9 @@ class GroupPublisher:
             self._totals_sent = now
 
         def fill(pipe) -> None:
-            bus.count_prefix_cache(pipe, self.rt.name, dq, dh)
+            engine_counters.count_prefix_cache(pipe, self.rt.name, dq, dh)
             if totals:
-                bus.engine_stats(pipe, self.rt.name, c)
+                engine_counters.engine_stats(pipe, self.rt.name, c)
         return fill
 
     def _ends(self, done: list[_Group], steps: dict[str, list[Staged]]) -> tuple[list[Fill], list[dict]]:

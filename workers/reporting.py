@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import redis
 
-from cohort import bus
+from cohort import bus, engine_counters
 from cohort.logdb import finish_requests
 from cohort.protocol import CompletionEvent, FailureCode, ScoredIds, StreamEvent, StreamKind
 from cohort.settings import Settings
@@ -140,7 +140,7 @@ def send(rt: Outlet, staged: Sequence[Staged], extra: Sequence[Fill] = (), what:
             s.fill(pipe)
         for f in extra:
             f(pipe)
-        bus.count_generated(pipe, sum(s.generated for s in staged))
+        engine_counters.count_generated(pipe, sum(s.generated for s in staged))
         bus.cancelled_flags(pipe, alive)
 
     replies = execute(rt.redis, fill, what)

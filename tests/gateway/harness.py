@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from fakeredis import aioredis
 
-from cohort import bus
+from cohort import bus, engine_counters
 from cohort.logdb import get_db_engine
 from cohort.protocol import FinishReason, StreamEvent, StreamKind
 from cohort.settings import Settings
@@ -105,7 +105,7 @@ async def publish(redis, request_id: str, event: StreamEvent) -> None:
     pipe = redis.pipeline()
     bus.publish(pipe, request_id, event)
     if event.kind is StreamKind.DELTA:
-        bus.count_generated(pipe, len(event.ids))
+        engine_counters.count_generated(pipe, len(event.ids))
     await pipe.execute()
 
 

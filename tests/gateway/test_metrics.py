@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cohort import bus
+from cohort import engine_counters
 from tests.gateway.harness import end, gateway, sse_data, worker
 
 
@@ -63,14 +63,14 @@ def test_per_request_series_count_a_request_once_and_per_choice_series_each_choi
 
 
 def test_prefix_cache_counters_and_cached_tokens_in_usage(tmp_path):
-    """Instances count prefix-cache lookups in Redis (``bus.count_prefix_cache``); the gateway exports
+    """Instances count prefix-cache lookups in Redis (``engine_counters.count_prefix_cache``); the gateway exports
     them per instance, and a request's answer carries the prompt tokens the cache served."""
     async def scenario():
         async with gateway(tmp_path) as (_, client, redis):
             pipe = redis.pipeline()
-            bus.count_prefix_cache(pipe, "i0", 300, 192)
-            bus.count_prefix_cache(pipe, "i0", 20, 0)
-            bus.count_prefix_cache(pipe, "i1", 50, 16)
+            engine_counters.count_prefix_cache(pipe, "i0", 300, 192)
+            engine_counters.count_prefix_cache(pipe, "i0", 20, 0)
+            engine_counters.count_prefix_cache(pipe, "i1", 50, 16)
             await pipe.execute()
             w = asyncio.create_task(worker(redis, ["a", "b"], final=replace(end("ab", 2), cached_tokens=32)))
             r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
