@@ -216,21 +216,15 @@ class Settings(BaseSettings):
         "many (vLLM's per-request `stream_interval`; the first token and the end still come at once): the worker "
         "coalesces tokens for its flush anyway, and each chunk costs both processes a parse (docs/notes/upstream.md). "
         "1: a chunk per token.")
-    upstream_streaming: Literal["worker", "gateway"] = Field(
-        default="worker", description="Who streams an upstream pool's rows from the engine. worker: the upstream "
-        "worker, whose tokens reach the gateway through Redis. gateway: the gateway that took the request streams "
-        "it from the engine over one HTTP connection and reports progress to the worker in batches (no Redis "
-        "traffic per token); the worker still admits, orders and recovers rows. Requests asking for logprobs "
-        "are relayed either way.")
-    upstream_flush_s: float = Field(
-        default=0.05, gt=0, le=1.0, description="An upstream worker sends what its rows streamed this long after "
-        "the first news, as one Redis round (a row's first token and its end go at once): longer means fewer, "
-        "larger chunks for the gateway and the clients to relay and parse. With 8-token upstream chunks, 0.05 "
-        "cut cohort's CPU per streamed request by a fifth against 0.02 and 4 (docs/notes/upstream.md).")
-    upstream_report_s: float = Field(
-        default=0.25, gt=0, le=5.0, description="With COHORT_UPSTREAM_STREAMING=gateway, how often a gateway "
-        "tells the upstream workers how far its rows have got (a row's end and a broken stream go at once). The "
-        "worker only plans its engine's KV with this progress, and each report costs it a publishing round.")
+    upstream_streaming: Literal["worker", "gateway"] = Field(default="gateway", description="Who streams an "
+        "upstream pool's rows from the engine. gateway: the gateway that took the request, over one HTTP connection "
+        "(no Redis traffic per token; the worker still admits, orders and recovers rows). worker: the upstream "
+        "worker relays the tokens through Redis, as it does for logprobs and text-only servers either way.")
+    upstream_flush_s: float = Field(default=0.05, gt=0, le=1.0, description="Rows' text goes to the client this "
+        "long after the first news, as one chunk (a first token and an end at once): 0.05 cut CPU per streamed "
+        "request by a fifth against 0.02 (docs/notes/upstream.md).")
+    upstream_report_s: float = Field(default=0.25, gt=0, le=5.0, description="How often a gateway that streams "
+        "rows itself tells their worker how far they got (ends at once): it only plans its engine's KV with it.")
     upstream_timeout_s: float = Field(
         default=60.0, gt=0, description="An upstream that sends nothing on a stream this long is down: its "
         "unfinished rows continue elsewhere.")
@@ -286,9 +280,8 @@ class Settings(BaseSettings):
     def recompute_cost_file(self) -> Path:
         """Where the worker looks for the fitted recompute-cost model."""
         return self.recompute_cost_path or self.data_dir / "profile" / "recompute-cost.json"
-    batcher_tick_s: float = Field(default=0.25, description="The batcher's longest idle wait between rounds: every "
-                                  "message wakes it at once (bus.wait_for_work) and policies never hold a batch back "
-                                  "for time, so the tick only bounds time-based checks (lost batches, heartbeats).")
+    batcher_tick_s: float = Field(default=0.25, description="The batcher's longest idle wait: every message wakes "
+                                  "it at once, so the tick only bounds time-based checks (lost batches, heartbeats).")
     max_requeues: int = Field(default=3, description="Times a batch may be re-queued after a worker loss.")
     instance_ttl_s: float = Field(default=15.0, description="Worker heartbeat expiry: instance considered dead.")
 

@@ -28,6 +28,8 @@ def cohort_fleet(folder: Path, n: int, spec: EngineSpec, per_engine=(), **env: s
                  ) -> Iterator[tuple[TestStack, list[str]]]:
     """``n`` engines with priority scheduling and a cohort stack in front of all of them."""
     with engine_fleet(n, spec, "priority", folder / "engines", per_engine=per_engine) as urls:
+        # the relaying worker: tests/e2e/test_gateway_streaming.py runs these against the gateway's own streams
+        env = {"COHORT_UPSTREAM_STREAMING": "worker", **env}
         stack = TestStack(folder / "stack", COHORT_UPSTREAMS=",".join(urls), COHORT_UPSTREAM_TIMEOUT_S="10", **env)
         try:
             stack.start()
