@@ -212,12 +212,14 @@ def _plot(runs: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     roles = sorted({r for lb in fronts for m in runs[lb]["rates"].values() for r in m["cpu_ms_per_request"]
                     if r != "client"})
+    colors = {role: f"C{i}" for i, role in enumerate(roles)}  # a role's colour at every rate (lighter: later rates)
     for k, rate in enumerate(rates):
         bottom = [0.0] * len(fronts)
         for role in roles:
             vals = [runs[lb]["rates"][rate]["cpu_ms_per_request"].get(role, 0.0) for lb in fronts]
             xs = [i + 0.4 * k for i in range(len(fronts))]
-            axes[0].bar(xs, vals, 0.38, bottom=bottom, label=role if k == 0 else None)
+            axes[0].bar(xs, vals, 0.38, bottom=bottom, color=colors[role], alpha=1.0 if k == 0 else 0.55,
+                        label=role if k == 0 else None)
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     axes[0].set_xticks([i + 0.2 for i in range(len(fronts))], fronts)
     axes[0].set_ylabel(f"front CPU ms per request (bars: {', '.join(rates)} req/s)")
