@@ -14,6 +14,7 @@ from aiohttp import web
 from cohort.protocol import Release, ReportKind, StreamEvent, StreamKind, StreamReport
 from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox
 from tests.loopback import serving
+from tests.redis_stalls import FirstPushWaits
 from upstream.direct import DirectStreams, stop_at
 
 CLOSED = web.AppKey("closed", list)
@@ -107,33 +108,10 @@ def test_progress_goes_to_the_worker_every_report_s_while_text_flows_every_flush
     assert [i for r in reports for i in r.ids] == list(range(100, 120))  # every id once, in order
 
 
-class _FirstPushWaits:
-    """A Redis client whose first pipeline takes 0.5 s to go through, as one retrying through a
-    Redis restart does."""
-
-    def __init__(self, redis) -> None:
-        self._redis, self._waited = redis, False
-
-    def __getattr__(self, name: str):
-        return getattr(self._redis, name)
-
-    def pipeline(self, *args, **kwargs):
-        pipe = self._redis.pipeline(*args, **kwargs)
-        if not self._waited:
-            self._waited, execute = True, pipe.execute
-
-            async def late(*a, **kw):
-                await asyncio.sleep(0.5)
-                return await execute(*a, **kw)
-
-            pipe.execute = late
-        return pipe
-
-
 def test_reports_reach_the_worker_in_order_while_a_push_waits_for_redis():
     # the worker takes a row's end as final: progress that overtook it, or that it overtook, is lost
     got, reports, _ = asyncio.run(_run(_engine(list("abcdefghij"), delay_s=0.03), lambda url: [_release(url)],
-                                       settle_s=0.9, wrap=_FirstPushWaits))
+                                       settle_s=0.9, wrap=FirstPushWaits))
     assert _text(got["r1"]) == "abcdefghij"
     assert [i for r in reports for i in r.ids] == list(range(100, 110))
     assert [r.kind for r in reports][-1] is ReportKind.FINISH and len(reports) > 2

@@ -15,6 +15,7 @@ from cohort.protocol import FailureCode, FinishReason, Release, ReportKind, Stre
 from cohort.release_bus import gateway_inbox
 from cohort.tokenizer import load_tokenizer
 from cohort.types import Batch, ProfiledRequest
+from tests.redis_stalls import FirstPushWaits
 from tests.workers.test_upstream import ScriptedServer
 from workers import upstream_release
 from workers.upstream_loop import UpstreamLoop
@@ -128,29 +129,6 @@ def test_a_row_whose_gateway_died_fails():
     assert failed[0].id == "r1" and failed[1] is FailureCode.BATCH_FAILED and "gateway" in failed[2]
 
 
-class _FirstPushWaits:
-    """An in-memory Redis whose first pipeline takes 0.3 s to go through, as a client retrying
-    through a Redis restart does."""
-
-    def __init__(self, redis) -> None:
-        self._redis, self._waited = redis, False
-
-    def __getattr__(self, name: str):
-        return getattr(self._redis, name)
-
-    def pipeline(self, *args, **kwargs):
-        pipe = self._redis.pipeline(*args, **kwargs)
-        if not self._waited:
-            self._waited, execute = True, pipe.execute
-
-            async def late(*a, **kw):
-                await asyncio.sleep(0.3)
-                return await execute(*a, **kw)
-
-            pipe.execute = late
-        return pipe
-
-
 def test_releases_reach_their_gateway_in_order_while_a_push_waits_for_redis():
     # a gateway that took a row's first release after its continuation would run the stale one
     def rel(rid: str, done: int) -> Release:
@@ -159,7 +137,7 @@ def test_releases_reach_their_gateway_in_order_while_a_push_waits_for_redis():
     async def scenario() -> list[tuple[str, int]]:
         redis = fakeredis.aioredis.FakeRedis(decode_responses=True)
         link = upstream_release.ReleaseLink("redis://unused", "inst")
-        link.redis = _FirstPushWaits(redis)
+        link.redis = FirstPushWaits(redis, delay_s=0.3)
         link.send("gw", rel("r1", 0))
         await asyncio.sleep(0.1)  # its push waits for Redis
         link.send("gw", rel("r1", 5))
