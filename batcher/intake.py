@@ -31,7 +31,8 @@ class Intake:
         lists = (self.keys.incoming, self.keys.cancels, self.keys.completions)
         for key in lists:
             pipe.lrange(key, -ROUND_LIMIT, -1)
-        unknown = [bid for bid, fl in self.inflight.items() if not fl.admitted]
+        continuous = self.settings.execution == "continuous"  # the only execution that waits for admission
+        unknown = [bid for bid, fl in self.inflight.items() if not fl.admitted] if continuous else []
         bus.queue_admitted(pipe, unknown)
         replies = pipe.execute()
         for bid, hit in zip(unknown, replies[1 + len(lists):], strict=True):

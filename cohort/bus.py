@@ -244,17 +244,9 @@ def admitted_key(batch_id: str) -> str:
     return f"{PREFIX}:batch:{batch_id}:admitted"
 
 
-def admitted(r: redis.Redis, batch_ids: list[str]) -> list[bool]:
-    """Which of these batches a worker has admitted (one round trip)."""
-    if not batch_ids:
-        return []
-    pipe = r.pipeline(transaction=False)
-    queue_admitted(pipe, batch_ids)
-    return [bool(x) for x in pipe.execute()]
-
-
 def queue_admitted(pipe, batch_ids: list[str]) -> None:
-    """Queue ``admitted``'s reads in ``pipe`` (one reply per batch, truthy when admitted)."""
+    """Queue the reads of which of these batches a worker has admitted in ``pipe`` (one reply per
+    batch, truthy when admitted): the batcher reads them with its round (``Intake._read``)."""
     for bid in batch_ids:
         pipe.exists(admitted_key(bid))
 
