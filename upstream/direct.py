@@ -280,16 +280,17 @@ class DirectStreams:
             self._tasks.append(task)
             task.add_done_callback(self._tasks.remove)
 
-    def _collect(self) -> None:
+    def _collect(self, all_progress: bool = False) -> None:
         """The text waiting for its client is sent; every row's progress since the last report joins
         the reports waiting, after them (a row's ids must reach its worker in order), once a
-        ``report_s``. A terminal report carries its row's ids not yet reported (``_report``)."""
+        ``report_s`` (``all_progress``: now). A terminal report carries its row's ids not yet
+        reported (``_report``)."""
         unsent, self._unsent = self._unsent, set()
         for rid in unsent:
             if (a := self._answers.get(rid)) is not None:
                 self._send(a, a.ready)
         now = time.monotonic()
-        if now - self._reported_at < self.report_s:  # progress every report_s, not every flush
+        if not all_progress and now - self._reported_at < self.report_s:  # every report_s, not every flush
             if any(a.unreported for a in self._answers.values()):
                 self._schedule_flush()
             return
@@ -322,6 +323,6 @@ class DirectStreams:
 
     async def _flush(self) -> None:
         """Everything waiting, now (the gateway is closing)."""
-        self._collect()
+        self._collect(all_progress=True)
         if self._pushing is None:
             await self._push()
