@@ -17,6 +17,7 @@ import redis
 
 from batcher.service import BatcherService
 from cohort import bus
+from cohort.heap import freeze_startup_heap
 from cohort.settings import Settings
 from cohort.types import Batch
 
@@ -42,6 +43,7 @@ def run_batcher(settings: Settings, estimator: object, send_task: Callable[[Batc
     """
     s = settings
     r = bus.connect(s.resolved_redis_url)
+    freeze_startup_heap()  # a full collection walking the start-up heap would stall a round
     lock = bus.pool_keys(s.pool).batcher_lock
     me = f"{socket.gethostname()}-{os.getpid()}"
     stop: list[int] = []

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from cohort import bus
+from cohort.heap import freeze_startup_heap
 from cohort.jobdb import jobs_engine
 from cohort.settings import Settings, get_settings
 from cohort.tokenizer import prompt_token_counts
@@ -49,6 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await run_in_threadpool(prompt_token_counts, ["warm up"], s.model)
         st.direct = await start_direct_streams(st) if s.upstream_streaming == "gateway" else None
         reloader = asyncio.create_task(_reload_loop(st.predictor))
+        freeze_startup_heap()
         log.info("gateway ready: policy=%s predictor=%s version=%s", s.policy, s.predictor_kind,
                  st.predictor.version)
         yield
@@ -102,6 +104,7 @@ async def _reload_loop(predictor) -> None:
     while True:
         await asyncio.sleep(1.0)
         try:
-            await run_in_threadpool(predictor.maybe_reload)
+            if await run_in_threadpool(predictor.maybe_reload):
+                freeze_startup_heap(collect=False)  # the new version's objects live as long as it does
         except Exception:
             log.exception("predictor reload failed; keeping the current version")

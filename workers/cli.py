@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from cohort.bus import queue_for_instance, queue_for_pool
+from cohort.heap import freeze_startup_heap
 from cohort.settings import get_settings
 from predictor.learning import profile_samples_path
 from taskq.celery_app import celery_app
@@ -49,6 +50,7 @@ def worker(ctx: typer.Context) -> None:
         inbox = start_group_inbox(rt)  # an upstream-only pool's groups come on plain lists, not Celery
     else:
         rt = runtime.start(s)
+    freeze_startup_heap()  # the model's and the libraries' objects: never walked by a full collection
     try:
         queues = f"{queue_for_pool(s.pool)},{queue_for_instance(rt.name)}"  # its pool's, and batches routed to it
         celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queues,
