@@ -48,24 +48,60 @@ def pinned(cores: set[int]) -> Iterator[None]:
 
 
 def spawn_engine(ttft_ms: float, itl_ms: float, log: Path, model_name: str = "sim") -> tuple[subprocess.Popen, str]:
-    """The fixed-delay engine on a free port (in the caller's CPU set); its base URL ending in /v1."""
+    """The fixed-delay engine on a free port (in the caller's CPU set); its base URL ending in /v1.
+    One that does not come up is stopped before the error is raised: the caller never got it, so
+    nothing else would. Prefer ``fixed_delay_engines``, which also stops it once started."""
     port = free_port()
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "engine-sim", "serve", "--port", str(port),
-                             "--model-name", model_name, "--ttft-ms", f"{ttft_ms:g}", "--itl-ms", f"{itl_ms:g}",
-                             "--log-level", "WARNING"],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    with open(log, "ab") as out:  # the child writes to its own copy; this one is closed here
+        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "engine-sim", "serve", "--port", str(port),
+                                 "--model-name", model_name, "--ttft-ms", f"{ttft_ms:g}", "--itl-ms", f"{itl_ms:g}",
+                                 "--log-level", "WARNING"],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
 
     def alive() -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"the engine exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
 
-    if not wait_until_ok(f"{url}/health", 120.0, alive):
-        proc.kill()
-        raise TimeoutError(f"the engine at {url} did not answer /health:\n{log.read_text()[-2000:]}")
+    try:
+        if not wait_until_ok(f"{url}/health", 120.0, alive):
+            raise TimeoutError(f"the engine at {url} did not answer /health:\n{log.read_text()[-2000:]}")
+    except BaseException:  # Ctrl-C included
+        stop_processes([proc])
+        raise
     return proc, f"{url}/v1"
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM all, then SIGKILL what has not exited ``grace_s`` later (all of them waited for:
+    no zombie, no port left taken by an engine stuck in its shutdown)."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@contextlib.contextmanager
+def fixed_delay_engines(n: int, ttft_ms: float, itl_ms: float, log_dir: Path,
+                        model_name: str = "sim") -> Iterator[list[tuple[subprocess.Popen, str]]]:
+    """``n`` fixed-delay engines (``spawn_engine``; logs ``log_dir/engine-{i}.log``), as
+    ``(process, base URL)`` pairs, stopped when the block ends however it ends: an engine that
+    fails to start, or a set-up after them that fails (a stack in front of them), leaves none of
+    them running to hold its port and core into the next test or run."""
+    engines: list[tuple[subprocess.Popen, str]] = []
+    try:
+        for i in range(n):
+            engines.append(spawn_engine(ttft_ms, itl_ms, log_dir / f"engine-{i}.log", model_name))
+        yield engines
+    finally:
+        stop_processes([proc for proc, _ in engines])
 
 
 def cohort_processes(redis_url: str | None = None) -> dict[str, list[psutil.Process]]:

@@ -26,9 +26,9 @@ from bench.front_bench import (
     against_direct,
     closed_loop,
     cohort_processes,
+    fixed_delay_engines,
     measure,
     pinned,
-    spawn_engine,
 )
 from bench.live_stack import parse_env, spawned_stack
 from bench.upstream_bench import direct_body, replay_streams, served_model
@@ -137,8 +137,7 @@ def front(
             raise typer.BadParameter(f"unknown target {t!r}: direct, cohort[:N], cohort-relay[:N] or litellm")
     os.sched_setaffinity(0, client)  # this thread is the client; what it starts inherits its cores
     runs: dict[str, Any] = {}
-    engine_proc, engine = spawn_engine(ttft_ms, itl_ms, workdir / "engine.log")
-    try:
+    with fixed_delay_engines(1, ttft_ms, itl_ms, workdir) as [(_, engine)]:  # stopped however the runs end
         model = served_model(engine)
         for i, target in enumerate(names):
             label = target if target not in runs else f"{target}#{i + 1}"
@@ -159,9 +158,6 @@ def front(
                     url, roles = f"{stack_url}/v1", cohort_processes()
                     served = served_model(url)
                 runs[label] = _run_target(label, wls, warm, closed, url, served, roles, concurrency)
-    finally:
-        engine_proc.terminate()
-        engine_proc.wait(timeout=20)
     base = next((lb for lb in runs if lb.startswith("direct")), None)
     for run in runs.values():
         for rate, m in run["rates"].items():

@@ -6,7 +6,15 @@ Everything else crosses on ``cohort.bus``."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 from cohort.bus import PREFIX
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GATEWAY_ALIVE_TTL_S = 10  # a gateway that stopped refreshing this long ago is gone: its rows have no reader
 INBOX_TAKE = 256  # messages one read of an inbox takes at most
@@ -43,3 +51,35 @@ async def take_inbox(conn, key: str, timeout_s: float = 1.0) -> list[str]:
     pipe.lpop(key, INBOX_TAKE - 1)
     got, more = await pipe.execute()
     return ([got[1]] if got else []) + (more or [])
+
+
+async def push_in_order(redis: Any, waiting: dict[str, list[T]], key: Callable[[str], str],
+                        encode: Callable[[list[T]], list[str]], what: str,
+                        pause_s: float = 0.2, max_pause_s: float = 5.0) -> None:
+    """Push the messages ``waiting`` (destination -> messages, in the order they must arrive) until
+    none wait: one pipeline of an RPUSH of ``encode(messages)`` onto ``key(destination)`` each, one
+    push at a time. A push that waits for Redis (its client retries for seconds) must not be
+    overtaken by a later one: a gateway would run a row's stale release after its continuation's,
+    a worker would take a row's end and drop the progress that came after it. What a failed push
+    held goes back in front of what arrived since, and is pushed again after a pause (``pause_s``,
+    doubling up to ``max_pause_s``; back to ``pause_s`` after a push that went through).
+
+    ``waiting`` is emptied in place: its owner adds to the same dict while a push is under way. The
+    owner runs one of these at a time (a second would overtake the first's retry)."""
+    pause = pause_s
+    while waiting:
+        out = dict(waiting)
+        waiting.clear()
+        try:
+            pipe = redis.pipeline(transaction=False)
+            for dest, msgs in out.items():
+                pipe.rpush(key(dest), *encode(msgs))
+            await pipe.execute()
+            pause = pause_s
+        except Exception as e:  # Redis gone: the messages wait for it (their readers still wait)
+            log.warning("sending %d %s failed (%s); retrying in %.1f s",
+                        sum(map(len, out.values())), what, e, pause)
+            for dest, msgs in out.items():
+                waiting.setdefault(dest, [])[:0] = msgs
+            await asyncio.sleep(pause)
+            pause = min(max_pause_s, pause * 2)

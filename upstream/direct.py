@@ -36,6 +36,7 @@ from cohort.release_bus import (
     gateway_alive_key,
     gateway_inbox,
     instance_inbox,
+    push_in_order,
     take_inbox,
 )
 from upstream.api import UpstreamDown, UpstreamRefused, finish_reason, stream_completion
@@ -60,6 +61,11 @@ class _Answer:
     skip: int = 0                 # tokens of a re-run from an earlier point, already sent: not sent again
     cached_tokens: int = 0
     ready: int = 0                # characters of ``text`` that may go out (a possible stop string's start held)
+
+
+def _encode_reports(reports: list[StreamReport]) -> list[str]:
+    """A worker's reports as one message of its inbox (``release_bus.instance_inbox``)."""
+    return [json.dumps([r.to_dict() for r in reports], separators=(",", ":"))]
 
 
 def stop_at(text: str, stops: list[str], start: int) -> int | None:
@@ -302,22 +308,11 @@ class DirectStreams:
                     a.rid, ReportKind.PROGRESS, ids=ids, first_token_at=a.first_token_at))
 
     async def _push(self) -> None:
-        """Push the waiting reports (one push per worker) until none wait; what a failed push held
-        goes back before what came since and is pushed again a second later."""
+        """Push the waiting reports (one JSON array per worker a push) until none wait, in order
+        (``push_in_order``); a failed push is tried again a second later."""
         try:
-            while self._reports:
-                out, self._reports = self._reports, {}
-                try:
-                    pipe = self.redis.pipeline(transaction=False)
-                    for instance, reports in out.items():
-                        pipe.rpush(instance_inbox(instance),
-                                   json.dumps([r.to_dict() for r in reports], separators=(",", ":")))
-                    await pipe.execute()
-                except Exception as e:  # Redis gone: the reports wait for it
-                    log.warning("direct streams: sending %d report batch(es) failed (%s)", len(out), e)
-                    for instance, reports in out.items():
-                        self._reports.setdefault(instance, [])[:0] = reports
-                    await asyncio.sleep(1.0)
+            await push_in_order(self.redis, self._reports, instance_inbox, _encode_reports,
+                                "direct streams' report(s)", pause_s=1.0, max_pause_s=1.0)
         finally:
             self._pushing = None
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from cohort import bus
 from cohort.protocol import FinishReason, Release, ReportKind, StreamReport
-from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox, take_inbox
+from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox, push_in_order, take_inbox
 from workers.step_outputs import RowResult
 from workers.upstream_rows import Row
 
@@ -50,27 +50,10 @@ class ReleaseLink:
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush()))
 
     async def _flush(self) -> None:
-        """Push the waiting releases until none wait, one push at a time: a push that waits for
-        Redis must not be overtaken by a later one, or a gateway could take a row's release after
-        its re-release (the continuation) and run the stale one. What a failed push held goes back
-        before what came since."""
-        backoff = 0.2
+        """Push the waiting releases until none wait, in order (``push_in_order``): a gateway that
+        took a row's release after its re-release (the continuation) would run the stale one."""
         try:
-            while self._out:
-                out, self._out = self._out, {}
-                try:
-                    pipe = self.redis.pipeline(transaction=False)
-                    for owner, releases in out.items():
-                        pipe.rpush(gateway_inbox(owner), *releases)
-                    await pipe.execute()
-                    backoff = 0.2
-                except Exception as e:  # Redis gone: the releases wait for it (their gateways still wait)
-                    log.warning("sending %d release(s) failed (%s); retrying in %.1f s",
-                                sum(map(len, out.values())), e, backoff)
-                    for owner, releases in out.items():
-                        self._out.setdefault(owner, [])[:0] = releases
-                    await asyncio.sleep(backoff)
-                    backoff = min(5.0, backoff * 2)
+            await push_in_order(self.redis, self._out, gateway_inbox, lambda releases: releases, "release(s)")
         finally:
             self._flushing = False
 

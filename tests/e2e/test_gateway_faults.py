@@ -27,7 +27,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from bench.front_bench import cohort_processes, spawn_engine
+from bench.front_bench import cohort_processes, fixed_delay_engines
 from cohort import bus
 from cohort.protocol import FailureCode
 from procstack.embedded_redis import EmbeddedRedis
@@ -193,21 +193,18 @@ def faults_stack(tmp_path_factory, request) -> Iterator[tuple[TestStack, Restart
     """One gateway-streaming stack in front of two engines, on an embedded Redis the tests may
     restart; its processes' log tails are printed when a test failed. Each test leaves it serving."""
     folder = tmp_path_factory.mktemp("faults")
-    engines = [spawn_engine(5.0, 4.0, folder / f"engine-{i}.log") for i in range(2)]
-    redis_server = RestartableRedis(folder / "redis")
-    with mock.patch("tests.e2e.stack.redis_url_for_test", return_value=(redis_server.url, redis_server.close)):
-        stack = TestStack(folder / "stack", COHORT_UPSTREAMS=",".join(url for _, url in engines), **STACK_ENV)
-    try:
-        stack.start()
-        yield stack, redis_server, [url for _, url in engines]
-    finally:
-        stack.stop()
-        if request.session.testsfailed:
-            for name in stack.procs:
-                print(stack.tail(name, 40))
-        for proc, _ in engines:
-            proc.kill()
-            proc.wait()
+    with fixed_delay_engines(2, 5.0, 4.0, folder) as engines:
+        redis_server = RestartableRedis(folder / "redis")
+        with mock.patch("tests.e2e.stack.redis_url_for_test", return_value=(redis_server.url, redis_server.close)):
+            stack = TestStack(folder / "stack", COHORT_UPSTREAMS=",".join(url for _, url in engines), **STACK_ENV)
+        try:
+            stack.start()
+            yield stack, redis_server, [url for _, url in engines]
+        finally:
+            stack.stop()  # closes redis_server too (the stack's Redis closer)
+            if request.session.testsfailed:
+                for name in stack.procs:
+                    print(stack.tail(name, 40))
 
 
 def _holder(stack: TestStack) -> str | None:

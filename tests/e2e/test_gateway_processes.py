@@ -18,7 +18,7 @@ import psutil
 import pytest
 from openai import APIConnectionError, AsyncOpenAI
 
-from bench.front_bench import spawn_engine
+from bench.front_bench import fixed_delay_engines
 from tests.e2e.stack import TestStack
 
 pytestmark = pytest.mark.e2e
@@ -28,16 +28,14 @@ MODEL = "cohort/tiny-random-llama"
 @pytest.fixture(scope="module")
 def two_gateways(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gateways")
-    engine, url = spawn_engine(5.0, 2.0, folder / "engine.log")
-    stack = TestStack(folder / "stack", COHORT_UPSTREAMS=url, COHORT_GATEWAY_PROCESSES="2",
-                      COHORT_HTTP_ACCESS_LOG="false")
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
-        engine.kill()
-        engine.wait()
+    with fixed_delay_engines(1, 5.0, 2.0, folder) as [(_, url)]:
+        stack = TestStack(folder / "stack", COHORT_UPSTREAMS=url, COHORT_GATEWAY_PROCESSES="2",
+                          COHORT_HTTP_ACCESS_LOG="false")
+        try:
+            stack.start()
+            yield stack
+        finally:
+            stack.stop()
 
 
 def _gateway_children(stack: TestStack) -> list[psutil.Process]:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from bench.front_bench import spawn_engine
+from bench.front_bench import fixed_delay_engines
 from cohort import bus
 from tests.e2e.scenarios import leave_after_first_text
 from tests.e2e.stack import TestStack
@@ -27,17 +27,14 @@ MODEL = "cohort/tiny-random-llama"
 @pytest.fixture(scope="module")
 def streaming_stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("direct")
-    engines = [spawn_engine(5.0, 4.0, folder / f"engine-{i}.log") for i in range(2)]
-    stack = TestStack(folder / "stack", COHORT_UPSTREAMS=",".join(url for _, url in engines),
-                      COHORT_UPSTREAM_STREAMING="gateway", COHORT_UPSTREAM_TIMEOUT_S="5")
-    try:
-        stack.start()
-        yield stack, engines
-    finally:
-        stack.stop()
-        for proc, _ in engines:
-            proc.kill()
-            proc.wait()
+    with fixed_delay_engines(2, 5.0, 4.0, folder) as engines:
+        stack = TestStack(folder / "stack", COHORT_UPSTREAMS=",".join(url for _, url in engines),
+                          COHORT_UPSTREAM_STREAMING="gateway", COHORT_UPSTREAM_TIMEOUT_S="5")
+        try:
+            stack.start()
+            yield stack, engines
+        finally:
+            stack.stop()
 
 
 def _client(stack: TestStack) -> OpenAI:
