@@ -1,0 +1,71 @@
+"""cohort.release_bus.push_in_order: what a failed push held goes out again before what came since,
+one push at a time, with a pause that doubles and resets."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cohort import release_bus
+from cohort.release_bus import push_in_order
+
+
+class _FlakyRedis:
+    """Pipelines whose first ``fail`` executions raise; the rest append to ``lists``."""
+
+    def __init__(self, fail: int, arrive_during_failure: dict[str, list[str]] | None = None,
+                 waiting: dict[str, list[str]] | None = None) -> None:
+        self.fail, self.lists, self.pushes = fail, {}, 0
+        self._arrive, self._waiting = arrive_during_failure or {}, waiting
+
+    def pipeline(self, transaction: bool = False):
+        return _Pipe(self)
+
+
+class _Pipe:
+    def __init__(self, r: _FlakyRedis) -> None:
+        self.r, self.cmds = r, []
+
+    def rpush(self, key: str, *values: str) -> None:
+        self.cmds.append((key, values))
+
+    async def execute(self) -> None:
+        r = self.r
+        r.pushes += 1
+        if r.fail:
+            r.fail -= 1
+            for dest, msgs in r._arrive.items():  # the owner adds news while the push waits
+                r._waiting.setdefault(dest, []).extend(msgs)
+            r._arrive = {}
+            raise ConnectionError("Redis is restarting")
+        for key, values in self.cmds:
+            r.lists.setdefault(key, []).extend(values)
+
+
+def _run(monkeypatch, redis, waiting) -> list[float]:
+    pauses: list[float] = []
+    real = asyncio.sleep
+
+    async def sleep(s: float) -> None:
+        pauses.append(s)
+        await real(0)
+
+    monkeypatch.setattr(release_bus.asyncio, "sleep", sleep)  # its pauses are recorded, not slept
+    asyncio.run(push_in_order(redis, waiting, lambda d: f"inbox:{d}", lambda ms: [str(m) for m in ms], "messages",
+                              pause_s=0.2, max_pause_s=0.5))
+    return pauses
+
+
+def test_a_failed_push_goes_again_before_what_arrived_meanwhile(monkeypatch):
+    waiting = {"a": [1, 2], "b": [10]}
+    redis = _FlakyRedis(fail=3, arrive_during_failure={"a": [3], "c": [20]}, waiting=waiting)
+    pauses = _run(monkeypatch, redis, waiting)
+    assert redis.lists == {"inbox:a": ["1", "2", "3"], "inbox:b": ["10"], "inbox:c": ["20"]}
+    assert waiting == {}
+    assert pauses == [0.2, 0.4, 0.5]  # doubling, capped
+    assert redis.pushes == 4
+
+
+def test_nothing_waiting_pushes_nothing(monkeypatch):
+    redis = _FlakyRedis(fail=0)
+    assert _run(monkeypatch, redis, {}) == []
+    assert redis.pushes == 0
