@@ -45,16 +45,19 @@ class Intake:
         if n:
             self.redis.ltrim(key, 0, -n - 1)
 
-    def _take_arrivals(self, now: float, msgs: list[str]) -> bool:
+    def _take_arrivals(self, now: float, msgs: list[str]):
         """Every arrival of the round into ``pending`` and off ``incoming``, and the least urgent
-        priority now waiting, in one round trip. A request already waiting is not taken twice: its
-        message was read before a crash that came before the trim (``_recover`` put it back), or
-        by a call whose reply a dropped connection lost before the client retried it (the HSETNX
-        leaves ``pending`` as it is)."""
+        priority now waiting, as one transaction, returned unsent (None: no arrivals, or sent
+        already because some had to be shed): the round sends it with its dispatch (``step``), so
+        a request that arrives and leaves in one round costs the batcher one round trip, not two.
+        Until it is sent the arrivals are still on ``incoming``: a crash in between re-reads them.
+        A request already waiting is not taken twice: its message was read before a crash that
+        came before the trim (``_recover`` put it back), or by a call whose reply a dropped
+        connection lost before the client retried it (the HSETNX leaves ``pending`` as it is)."""
         if not msgs:
-            return False
+            return None
         reqs = [ProfiledRequest.from_dict(json.loads(js)) for js in msgs]
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline()
         for req, js in zip(reqs, msgs, strict=True):
             pipe.hsetnx(self.keys.pending, req.id, js)
         pipe.ltrim(self.keys.incoming, 0, -len(msgs) - 1)
@@ -63,11 +66,10 @@ class Intake:
                 self._add(req, now)
         if len(self._waiting) <= self.settings.max_pending:
             self._publish_worst(pipe)  # nothing to shed: the priority rides along
-            pipe.execute()
-        else:
-            pipe.execute()  # in ``pending`` before the shed takes some out again
-            self._shed()
-        return True
+            return pipe
+        pipe.execute()  # in ``pending`` before the shed takes some out again
+        self._shed()
+        return None
 
     def _note_cancelled(self, ids: list[str]) -> None:
         """Remember withdrawn requests until dispatch drops them from their batch (the policy still

@@ -146,13 +146,16 @@ class BatcherService(Intake):
         now = time.time() if now is None else now
         if now - self._last_refresh > 1.0:
             self.refresh_instances(now)
-        self._take_arrivals(now, arrivals)
+        taken = self._take_arrivals(now, arrivals)  # sent with the dispatch, or before the cancels
+        if cancels and taken is not None:
+            taken.execute()  # a cancel of an arrival of this round takes it out of ``pending`` after it went in
+            taken = None
         self._take_cancels(cancels)
         self._take_completions(now, completions)
         if now - self._last_lost_check >= LOST_CHECK_EVERY_S:
             self._last_lost_check = now
             self._check_lost(now)
-        self._dispatch(now)
+        self._dispatch(now, taken)
         if now - self._last_sweep > SWEEP_EVERY_S:
             self._sweep(now)
         return more
@@ -335,11 +338,12 @@ class BatcherService(Intake):
             return False
         return sum(not fl.admitted for fl in self.inflight.values()) < n * self.settings.continuous.lookahead
 
-    def _dispatch(self, now: float) -> bool:
+    def _dispatch(self, now: float, pipe=None) -> bool:
         """Every batch the instances have room for, recorded in flight in one transaction (with the
-        least urgent priority left waiting); then, for pools served through Celery, the tasks."""
+        least urgent priority left waiting; after ``pipe``'s commands, the round's arrivals, when
+        given); then, for pools served through Celery, the tasks."""
         sent: list[tuple[Batch, str | None]] = []
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline() if pipe is None else pipe
         while self._has_room():
             batch = self.policy.pop(now)
             if batch is None:

@@ -392,3 +392,53 @@ def test_a_pool_of_upstreams_plans_larger_admission_groups(r, tmp_path):
     svc = service(r, tmp_path, [], execution="continuous", memory_headroom=0.0)
     svc.step(now=1.0)
     assert svc.policy.ctx.memory.theta_bytes == int(10**6 * 0.2)
+
+
+class _CountingRedis(fakeredis.FakeRedis):
+    """Counts round trips: each command sent alone and each pipeline sent."""
+
+    trips = 0
+
+    def execute_command(self, *args, **kw):
+        type(self).trips += 1
+        return super().execute_command(*args, **kw)
+
+    def pipeline(self, transaction: bool = True, shard_hint=None):
+        pipe = super().pipeline(transaction, shard_hint)
+        execute = pipe.execute
+
+        def counted(*a, **kw):
+            type(self).trips += 1
+            return execute(*a, **kw)
+
+        pipe.execute = counted
+        return pipe
+
+
+def test_a_request_that_arrives_and_leaves_in_one_round_costs_the_read_and_one_transaction(tmp_path):
+    r = _CountingRedis(decode_responses=True)
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    svc.step(now=1.0)  # the instances are read, the lost batches looked for
+    arrive(r, 0)
+    _CountingRedis.trips = 0
+    svc.step(now=1.1)  # before either is due again
+    assert _CountingRedis.trips == 2  # the round's read; arrivals and dispatch in one transaction
+    assert len(sent) == 1 and r.hlen(KEYS.pending) == 0 and r.llen(KEYS.incoming) == 0
+    assert r.hlen(KEYS.inflight) == 1
+
+
+def test_an_arrival_cancelled_in_its_own_round_leaves_nothing_in_pending(r, tmp_path):
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    arrive(r, 0)
+    svc.step(now=1.0)  # q0 runs: the instance is busy
+    arrive(r, 1)
+    arrive(r, 2)
+    r.set(bus.cancel_key("q1"), "1")
+    r.lpush(KEYS.cancels, "q1")  # withdrawn before the batcher took it in
+    svc.step(now=2.0)
+    assert not r.hexists(KEYS.pending, "q1") and r.hexists(KEYS.pending, "q2")
+    assert r.llen(KEYS.incoming) == 0 and r.llen(KEYS.cancels) == 0
