@@ -152,8 +152,10 @@ class Relay:
         request fails or is withdrawn (499 client gone, 504 deadline)."""
         t, m = self.ticket, self.st.metrics
         try:
+            direct = getattr(self.st, "direct", None)
+            local = direct is not None and t.request.owner == direct.gateway_id  # its tokens come from here
             events = read_events(hub_for(self.st), t.request.id, t.deadline,
-                                 self.st.settings.disconnect_check_s, self.disconnected)
+                                 self.st.settings.disconnect_check_s, self.disconnected, wake=not local)
             async with contextlib.aclosing(events):  # its stream is dropped from the hub at once
                 async for ev in events:
                     if ev.kind is StreamKind.DELTA:

@@ -28,17 +28,18 @@ class Withdrawn(Exception):
 
 
 async def read_events(hub: StreamHub, request_id: str, deadline: float, slice_s: float,
-                      disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[StreamEvent]:
+                      disconnected: Callable[[], Awaitable[bool]] | None = None,
+                      wake: bool = True) -> AsyncIterator[StreamEvent]:
     """The request's events in order, ending after the first final (end/error) one.
 
     ``deadline`` is a ``time.monotonic()`` instant; ``disconnected`` is polled at the start and
     then at most once per ``slice_s`` (``Settings.disconnect_check_s``), however many events arrive
     in between: each poll is a round of the ASGI receive channel, and a streaming client that left
     is noticed anyway when a write to it fails.
-    The stream is left in place (it expires with its TTL): the batcher reads a lost batch's
+    ``wake``: see ``StreamHub.subscribe``. The stream is left in place (it expires with its TTL): the batcher reads a lost batch's
     streams to tell answered rows from unanswered ones (``bus.stream_progress``).
     """
-    reader = await hub.subscribe(request_id)
+    reader = await hub.subscribe(request_id, wake)
     checked = float("-inf")  # when ``disconnected`` was last asked: at most once a slice, not once an event
     try:
         while True:

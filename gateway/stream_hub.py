@@ -9,7 +9,7 @@ returns all their new entries at once, and hands each reader its own.
 
 A reader that subscribes while the call is blocked wakes it through a stream of the hub's own
 (one XADD per blocked call, however many subscribe meanwhile), so its first tokens wait for
-nothing. Two readers of one request (a Batch API row sent again) each get every entry: the call
+nothing; one whose tokens this gateway streams itself need not (``subscribe(wake=False)``). Two readers of one request (a Batch API row sent again) each get every entry: the call
 reads each stream from its slowest reader's position. An error of the call (Redis gone) reaches
 every reader, as its own read would have; the next reader starts a new call.
 """
@@ -86,15 +86,19 @@ class StreamHub:
         self._blocked = self._woken = False
         self._retired = self._released = False
 
-    async def subscribe(self, request_id: str) -> Reader:
-        """Follow ``request_id``'s stream from its first entry; ``unsubscribe`` when done."""
+    async def subscribe(self, request_id: str, wake: bool = True) -> Reader:
+        """Follow ``request_id``'s stream from its first entry; ``unsubscribe`` when done.
+        ``wake=False``: a blocked call is left to run out (at most ``block_s``) and the next one
+        reads this stream from its start, so nothing is missed, only later: for a request whose
+        tokens this gateway streams itself (``push_local``), whose stream carries only failures,
+        that saves the wake and a call of every followed stream, two round trips a request."""
         reader = Reader(bus.stream_key(request_id))
         self.readers.setdefault(reader.key, []).append(reader)
         if early := self._early.pop(reader.key, None):
             reader.push(early[1])
         if self._task is None or self._task.done():
             self._task = self.loop.create_task(self._run())
-        elif self._blocked and not self._woken:  # the call under way does not read this stream: end it
+        elif wake and self._blocked and not self._woken:  # the call under way does not read this stream: end it
             self._woken = True
             try:
                 pipe = self.redis.pipeline(transaction=False)

@@ -69,6 +69,24 @@ async def test_a_reader_joining_a_blocked_read_is_not_kept_waiting():
 
 
 @synchronous
+async def test_a_reader_that_does_not_wake_is_read_by_the_next_call_from_its_start():
+    """A request whose tokens the gateway streams itself: no wake, its entries (failures) come with
+    the next call, at most ``block_s`` later, none missed."""
+    redis = aioredis.FakeRedis(decode_responses=True)
+    hub = StreamHub(redis, block_s=0.5)
+    first = await hub.subscribe("quiet")
+    await asyncio.sleep(0.1)  # the hub's call is now blocked on the quiet stream
+    await _add(redis, "local", "e1")
+    local = await hub.subscribe("local", wake=False)
+    assert await redis.exists(hub._wake_key) == 0  # nothing was sent to end the blocked call
+    assert await local.next(0.1) == []  # the call under way does not read it
+    await _add(redis, "local", "e2")
+    assert await _texts(local, 2, timeout_s=2.0) == ["e1", "e2"]
+    hub.unsubscribe(first)
+    hub.unsubscribe(local)
+
+
+@synchronous
 async def test_two_readers_of_one_request_each_get_every_entry():
     redis = aioredis.FakeRedis(decode_responses=True)
     hub = StreamHub(redis, block_s=0.5)
