@@ -143,7 +143,8 @@ def fit_cmd(
 ) -> None:
     """Fit the step-time coefficients (--fit FILE) to the engine at --upstream: a replay of
     streamed completions at several concurrencies, its steps rebuilt from when each token arrived
-    (bench/engine_sim/fit_upstream.py), both linear forms fitted; the file holds linear-v2's."""
+    (bench/engine_sim/fit_upstream.py), both linear forms fitted; the file holds linear-v2's fitted
+    with the front end's per-request cost (bench/engine_sim/fit_front.py)."""
     from bench.engine_sim.fit_upstream import fit_upstream
 
     levels = tuple(int(x) for x in concurrency.split(",") if x.strip())
@@ -152,8 +153,9 @@ def fit_cmd(
     out.write_text(json.dumps(res, indent=2) + "\n")
     e = res["fit_error"]["all"]
     typer.echo(f"{res['samples']} step samples from {res['steps']['gaps']} token gaps, "
-               f"{res['replay']['done']} requests; linear-v2: median error {100 * e['median']:.1f} %, "
-               f"p90 {100 * e['p90']:.1f} %; written to {out}")
+               f"{res['replay']['done']} requests; linear-v2 with front end: median error {100 * e['median']:.1f} %, "
+               f"p90 {100 * e['p90']:.1f} %; front end f = {1e3 * res.get('f', 0.0):.2f} ms + "
+               f"g = {1e6 * res.get('g', 0.0):.2f} us a prompt token; written to {out}")
 
 
 if __name__ == "__main__":   # `python -m bench.engine_sim.cli serve …`: without the rest of `cohort`'s imports

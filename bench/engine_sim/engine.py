@@ -9,6 +9,14 @@ Time is kept in *model* seconds. Steps are laid end to end on deadlines (the nex
 where the last ended, not when the loop got round to it), so the event loop's wake-up jitter does
 not add up; only a loop more than ``LAG_SLACK_S`` wall seconds late (a speedup beyond what one
 core does) falls behind, and then the model clock follows the wall clock (``lag_steps`` counts it).
+
+**The front end** (a fit's ``f + g · prompt_tokens``, ``step_time``): the work a server does on a
+request before its engine sees it, on the engine's own core (vLLM's CPU build). A request that
+arrives while a step runs lengthens that step by its front-end time and joins the waiting queue
+when the step ends (the core did both, interleaved); one that arrives while no step runs keeps the
+core busy for that long (after any front-end work before it) and joins then, and the next step
+waits for it. With no front end (the roofline, or a fit without ``f`` and ``g``) a request joins
+the waiting queue at once, as before.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import Any
 from bench.engine_sim.faults import Faults
 from bench.engine_sim.kv_blocks import KVCacheManager
 from bench.engine_sim.metrics import SimMetrics
-from bench.engine_sim.request import SimRequest, Stream
+from bench.engine_sim.request import SimRequest, Status, Stream
 from bench.engine_sim.scheduler import Scheduler, TokenOut
 from bench.engine_sim.step_time import StepShape, StepTime
 
@@ -67,18 +75,35 @@ class SteppedEngine:
         self.steps = 0
         self.busy_s = 0.0          # model seconds spent in steps
         self.lag_steps = 0         # steps that started late because the loop could not keep up
+        self.front_s = 0.0         # model seconds of front-end work
+        self._front: list[tuple[float, SimRequest]] = []   # (done at, request): front end outside a step
+        self._front_free = 0.0     # when the front-end work queued outside steps is done
+        self._after_step: list[SimRequest] = []            # front end charged to the step in flight
+        self._in_step = False
+        self._step_end = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     # --- the server's side -------------------------------------------------------------------
     def full(self) -> bool:
-        return bool(self.max_waiting) and len(self.sched.waiting) >= self.max_waiting
+        queued = len(self.sched.waiting) + len(self._front) + len(self._after_step)
+        return bool(self.max_waiting) and queued >= self.max_waiting
 
     def submit(self, req: SimRequest) -> AsyncIterator[tuple[list[int], str | None]]:
-        """Queue a request; iterate the result for its tokens as they are produced."""
+        """Queue a request (after its front end, module docstring); iterate the result for its
+        tokens as they are produced."""
         req.arrival = self.clock.now()
         req.stream = Stream()
-        self.sched.add_request(req)
+        cost = self.step_time.front_seconds(req.num_prompt_tokens)
+        self.front_s += max(cost, 0.0)
+        if cost <= 0.0:
+            self.sched.add_request(req)
+        elif self._in_step:
+            self._step_end += cost
+            self._after_step.append(req)
+        else:
+            self._front_free = max(self._front_free, req.arrival) + cost
+            self._front.append((self._front_free, req))
         self._wake.set()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self.run())
@@ -94,7 +119,13 @@ class SteppedEngine:
                 return
 
     def abort(self, req: SimRequest) -> None:
-        self.sched.abort(req)
+        front = [e for e in self._front if e[1] is not req]
+        after = [r for r in self._after_step if r is not req]
+        if len(front) < len(self._front) or len(after) < len(self._after_step):
+            self._front, self._after_step = front, after   # its front-end time stays spent
+            req.status = Status.ABORTED
+        else:
+            self.sched.abort(req)
         if self.metrics is not None:
             self.metrics.aborted += 1
         self._wake.set()
@@ -107,7 +138,7 @@ class SteppedEngine:
 
     def describe(self) -> dict[str, Any]:
         return {"mode": "engine", "step_time": self.step_time.describe(), "steps": self.steps,
-                "busy_model_s": self.busy_s, "lag_steps": self.lag_steps}
+                "busy_model_s": self.busy_s, "front_model_s": self.front_s, "lag_steps": self.lag_steps}
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -122,6 +153,14 @@ class SteppedEngine:
     async def run(self) -> None:
         t = self.clock.now()
         while True:
+            if self._front:                  # the core finishes the front-end work first
+                done = self._front[-1][0]
+                await self.clock.sleep_until(done)
+                for _, req in self._front:
+                    self.sched.add_request(req)
+                self._front.clear()
+                t = max(t, done)
+                continue
             if not self.sched.has_work():
                 self._wake.clear()
                 await self._wake.wait()
@@ -139,11 +178,26 @@ class SteppedEngine:
                 await self._wake.wait()
                 continue
             dur = self.step_time.seconds(StepShape.of(plan))
-            t = start + dur
             self.busy_s += dur
-            await self.clock.sleep_until(t)
+            t = await self._sleep_step(start + dur)
             self.steps += 1
             self._emit(self.sched.update(plan), t)
+            for req in self._after_step:     # their front end ran during the step
+                self.sched.add_request(req)
+            self._after_step.clear()
+
+    async def _sleep_step(self, end: float) -> float:
+        """Sleep until the step ends, its end pushed back by the front-end work of every request
+        that arrives meanwhile; the end."""
+        self._in_step, self._step_end = True, end
+        try:
+            while True:
+                await self.clock.sleep_until(end)
+                if self._step_end == end:
+                    return end
+                end = self._step_end
+        finally:
+            self._in_step = False
 
     def _emit(self, outs: list[TokenOut], t: float) -> None:
         m = self.metrics

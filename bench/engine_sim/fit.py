@@ -36,6 +36,12 @@ def fit_step_runs(samples: Iterable[tuple[Sequence[StepShape], float]], form: st
         raise ValueError(f"need at least {k} step samples to fit {k} coefficients, got {len(rows)}")
     x = np.array([r[0] for r in rows], dtype=float)
     y = np.array([r[1] for r in rows], dtype=float)
+    return FittedStepTime.of(form, solve_nonnegative(x, y, relative))
+
+
+def solve_nonnegative(x: np.ndarray, y: np.ndarray, relative: bool = False) -> list[float]:
+    """Non-negative least-squares coefficients of y ≈ x · coef (``relative``: of y's relative
+    residuals). Columns are scaled first: tokens and rows differ by orders of magnitude."""
     if relative:
         w = 1.0 / np.maximum(y, 1e-9)
         x, y = x * w[:, None], y * w
@@ -43,7 +49,7 @@ def fit_step_runs(samples: Iterable[tuple[Sequence[StepShape], float]], form: st
     # bounded-variable least squares: exact, where scipy's nnls can stop at its iteration cap on
     # nearly collinear columns (a constant per step and one per prefill step, in runs of steps)
     coef = lsq_linear(x / scale, y, bounds=(0.0, np.inf), method="bvls").x
-    return FittedStepTime.of(form, (coef / scale).tolist())
+    return (coef / scale).tolist()
 
 
 def fit_errors(fit: FittedStepTime, samples: list[tuple[Sequence[StepShape], float]]) -> dict[str, Any]:

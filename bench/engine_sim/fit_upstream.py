@@ -28,7 +28,9 @@ one step (a chunked one's first part would go unseen).
 
 **The fit.** ``fit.fit_step_runs`` on the samples (plain least squares; ``robust_fit``); samples further than
 ``OUTLIER_MADS`` median absolute deviations from the first fit (a GC pause, a context switch on a
-shared core) are dropped and the form fitted again. The engine's ``engine_sim_speedup`` (the
+shared core) are dropped and the form fitted again. The file's coefficients are linear-v2's fitted
+together with the front end (``fit_front``: the requests that arrived during each run, and the
+first tokens of requests that found the engine idle); both forms without it are kept beside. The engine's ``engine_sim_speedup`` (the
 simulator's ``/metrics``) scales wall times to model times, so a sped-up simulator fits to its
 model's coefficients.
 """
@@ -49,10 +51,12 @@ import aiohttp
 import numpy as np
 
 from bench.engine_sim.fit import fit_errors, fit_step_runs
+from bench.engine_sim.fit_front import front_errors, front_samples, robust_front_fit
 from bench.engine_sim.step_time import FIT_FORM, FIT_FORM_V2, FittedStepTime, StepShape
 
 OUTLIER_MADS = 5.0
 RUN_STEPS = 8
+FRONT_FIT = "linear-v2+front"   # the chosen fit: linear-v2 and the front end (fit_front)
 WORDS = ("the of and to in is for on that with as it at by from this be are was or have an not but all "
          "they we you he she one time year people way day man thing woman life child world school state "
          "family student group country problem hand part place case week company system program question "
@@ -165,11 +169,20 @@ def step_runs(traces: list[Trace], scale: float = 1.0, run_steps: int = RUN_STEP
               ) -> tuple[list[tuple[tuple[StepShape, ...], float]], dict[str, int]]:
     """(the shapes of ``run_steps`` consecutive steps of a row, their seconds × ``scale``) for
     every row and run of its decode (module docstring), and counts of what was seen."""
+    out, _, why = step_runs_timed(traces, scale, run_steps)
+    return out, why
+
+
+def step_runs_timed(traces: list[Trace], scale: float = 1.0, run_steps: int = RUN_STEPS,
+                    ) -> tuple[list[tuple[tuple[StepShape, ...], float]], list[tuple[float, float]], dict[str, int]]:
+    """``step_runs``, and each run's span (from its first step's start to its last step's end, in
+    the traces' seconds): the front-end fit (``fit_front``) counts the requests that arrived in it."""
     ev = sorted((t, r, j) for r, tr in enumerate(traces) if tr.ok and not tr.multi for j, t in enumerate(tr.times, 1))
     times = np.array([e[0] for e in ev])
     why = {"gaps": 0, "runs": 0, "two_tokens_in_a_window": 0,
            "multi_token_requests": sum(tr.multi for tr in traces)}
     out: list[tuple[tuple[StepShape, ...], float]] = []
+    spans: list[tuple[float, float]] = []
     for tr in traces:
         if not tr.ok or tr.multi:
             continue
@@ -185,9 +198,11 @@ def step_runs(traces: list[Trace], scale: float = 1.0, run_steps: int = RUN_STEP
                 why["gaps"] += 1
                 why["two_tokens_in_a_window"] += int(hi - lo > len(rows))
                 shapes.append(_shape(traces, rows))
-            out.append((tuple(shapes), (tr.times[start + run_steps - 1] - tr.times[start - 1]) * scale))
+            span = (tr.times[start - 1], tr.times[start + run_steps - 1])
+            out.append((tuple(shapes), (span[1] - span[0]) * scale))
+            spans.append(span)
     why["runs"] = len(out)
-    return out, why
+    return out, spans, why
 
 
 def _shape(traces: list[Trace], rows: dict[int, int]) -> StepShape:
@@ -237,28 +252,34 @@ def metric_value(text: str, name: str) -> float | None:
 def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
                  max_prompt: int = 1024, max_output: int = 128, seed: int = 0, relative: bool = False,
                  traces_out: Path | None = None, text_prompts: bool = False) -> dict[str, Any]:
-    """The replay, the samples and both forms' fits; the JSON ``cohort engine-sim fit`` writes,
-    linear-v2's coefficients at its top level (``step_time.load_fit`` reads it as ``--fit``), and
-    in ``fit_error`` linear-v2's errors over every run of steps."""
+    """The replay, the samples and the fits (both forms without a front end, linear-v2 with one);
+    the JSON ``cohort engine-sim fit`` writes: linear-v2's coefficients fitted with the front end's
+    ``f`` and ``g`` at its top level (``step_time.load_fit`` reads it as ``--fit``), and in
+    ``fit_error`` that fit's errors over every run of steps and idle first token."""
     run = asyncio.run(fit_replay(url, duration_s, concurrency, max_prompt, max_output, seed,
                                  text_prompts=text_prompts))
     if traces_out is not None:   # what the client saw, to fit again offline (load_traces)
         traces_out.write_text(json.dumps([asdict(t) for t in run.traces]))
     speedup = metric_value(run.metrics_after, "engine_sim_speedup") or 1.0
-    samples, why = step_runs(run.traces, speedup)
+    samples, spans, why = step_runs_timed(run.traces, speedup)
     fits: dict[str, Any] = {}
-    chosen: FittedStepTime | None = None
     for form in (FIT_FORM, FIT_FORM_V2):
         fit, kept = robust_fit(samples, form, relative)
         fits[form] = {"coefficients": fit.to_json(), "samples_kept": len(kept),
                       "error_kept": fit_errors(fit, kept), "error_all": fit_errors(fit, samples)}
-        chosen = fit
-    assert chosen is not None
+    # the chosen fit: linear-v2 with the front end, the runs' arrivals and idle first tokens beside
+    # the runs (fit_front); its errors count each run's arrivals' front end in its prediction
+    front_runs, ttfts = front_samples(run.traces, samples, spans, speedup)
+    chosen, kept_front = robust_front_fit(front_runs, ttfts, FIT_FORM_V2)
+    fits[FRONT_FIT] = {"coefficients": chosen.to_json(), "samples_kept": len(kept_front),
+                       "idle_first_tokens": len(ttfts), "error_kept": front_errors(chosen, kept_front),
+                       "error_all": front_errors(chosen, front_runs + ttfts)}
     pre = metric_value(run.metrics_before, "vllm:num_preemptions_total") or 0.0
     post = metric_value(run.metrics_after, "vllm:num_preemptions_total") or 0.0
     done = [t for t in run.traces if t.ok]
     return {**chosen.to_json(),   # its form: linear-v1 where a_p and e came out 0
             "formula": "t = a + a_p*[prefill] + b*prefill_tokens + e*prefill_rows + c*decode_rows + d*context_tokens",
+            "front_end": "f + g*prompt_tokens per request, on the engine's core before it joins the waiting queue",
             "units": "seconds (model seconds: wall x the engine's engine_sim_speedup)",
             "engine": {"url": url, "model": run.model, "max_model_len": run.max_model_len,
                        "cache_config_info": metric_labels(run.metrics_after, "vllm:cache_config_info"),
@@ -268,4 +289,4 @@ def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ..
                        "prompts": "text" if text_prompts else "token ids",
                        "requests": len(run.traces), "done": len(done), "tokens": sum(len(t.times) for t in done)},
             "samples": len(samples), "run_steps": RUN_STEPS, "least_squares": "relative" if relative else "plain", "steps": why, "fits": fits,
-            "fit_error": fits[FIT_FORM_V2]["error_all"]}
+            "fit_error": fits[FRONT_FIT]["error_all"]}

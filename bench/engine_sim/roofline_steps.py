@@ -25,6 +25,10 @@ class RooflineStepTime:
         return self.model.step_seconds(shape.prefill_tokens, shape.prefill_pairs, shape.prefill_context,
                                        shape.decode_rows, shape.decode_context)
 
+    def front_seconds(self, prompt_tokens: int) -> float:
+        """No front end: a GPU server's runs on other cores than its engine's."""
+        return 0.0
+
     def describe(self) -> dict[str, Any]:
         return {"kind": "roofline", "label": self.label, "step_overhead_s": self.model.step_overhead_s,
                 "compute_eff": self.model.compute_eff, "bandwidth_eff": self.model.bandwidth_eff}

@@ -22,6 +22,16 @@ The second form, ``linear-v2``, adds what a step with prefill costs beyond its t
 attention path and more inputs), ``e`` the cost of each prompt started or continued in it (its
 setup, its sampler state). A linear-v1 file is a linear-v2 one with ``a_p = e = 0``; ``load_fit``
 reads both.
+
+**The front end.** Before a request reaches the scheduler a real server parses it, tokenizes the
+prompt and hands it to the engine process; on vLLM's CPU build that work runs on the engine's own
+core, so it both delays the request and takes time from the steps. A fit may carry its cost,
+
+    front = f + g · prompt_tokens        (seconds of the engine's core per request)
+
+which the stepped engine (``engine.SteppedEngine``) spends before the request joins the waiting
+queue, lengthening the step in flight. ``f`` and ``g`` are not part of the form: a file without
+them (every file written before they existed) has no front end, ``f = g = 0``.
 """
 
 from __future__ import annotations
@@ -81,13 +91,16 @@ class StepShape:
 class StepTime(Protocol):
     def seconds(self, shape: StepShape) -> float: ...
 
+    def front_seconds(self, prompt_tokens: int) -> float: ...
+
     def describe(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
 class FittedStepTime:
     """t = a + a_p·[prefill] + b·prefill_tokens + e·prefill_rows + c·decode_rows + d·context_tokens
-    (module docstring; linear-v1 when ``a_p`` and ``e`` are 0)."""
+    (module docstring; linear-v1 when ``a_p`` and ``e`` are 0), and the front end's f + g·prompt
+    tokens per request (0 when neither is given)."""
 
     a: float
     b: float
@@ -95,6 +108,8 @@ class FittedStepTime:
     d: float
     a_p: float = 0.0
     e: float = 0.0
+    f: float = 0.0
+    g: float = 0.0
 
     @property
     def form(self) -> str:
@@ -102,8 +117,14 @@ class FittedStepTime:
 
     @classmethod
     def of(cls, form: str, coef: list[float]) -> FittedStepTime:
-        """From coefficients in ``StepShape.features(form)`` order."""
-        return cls(*coef[:4]) if form == FIT_FORM else cls(*coef[:4], a_p=coef[4], e=coef[5])
+        """From coefficients in ``StepShape.features(form)`` order, then f and g when there are two
+        more."""
+        k = len(StepShape().features(form))
+        front = dict(zip(("f", "g"), coef[k:k + 2], strict=False))
+        return cls(*coef[:4], **front) if form == FIT_FORM else cls(*coef[:4], a_p=coef[4], e=coef[5], **front)
+
+    def front_seconds(self, prompt_tokens: int) -> float:
+        return self.f + self.g * prompt_tokens
 
     def seconds(self, shape: StepShape) -> float:
         t = (self.a + self.b * shape.prefill_tokens + self.c * shape.decode_rows
@@ -119,18 +140,21 @@ class FittedStepTime:
         coef = asdict(self)
         if self.form == FIT_FORM:
             del coef["a_p"], coef["e"]
+        if self.f == 0.0 and self.g == 0.0:
+            del coef["f"], coef["g"]
         return {"form": self.form, **coef}
 
 
 def load_fit(path: str | Path) -> FittedStepTime:
     """The coefficients a ``--fit FILE`` names (the JSON ``FittedStepTime.to_json`` writes, or
-    ``cohort engine-sim fit`` with more beside them): linear-v1 or linear-v2."""
+    ``cohort engine-sim fit`` with more beside them): linear-v1 or linear-v2, with the front end's
+    f and g when the file has them (0 when not)."""
     data = json.loads(Path(path).read_text())
     form = data.get("form", FIT_FORM)
     if form not in FORMS:
         raise ValueError(f"{path}: step-time form {form!r} is not one of {FORMS}")
     keys = "abcd" if form == FIT_FORM else ("a", "b", "c", "d", "a_p", "e")
     try:
-        return FittedStepTime.of(form, [float(data[k]) for k in keys])
+        return FittedStepTime.of(form, [float(data[k]) for k in keys] + [float(data.get(k, 0.0)) for k in "fg"])
     except KeyError as e:
         raise ValueError(f"{path}: missing coefficient {e.args[0]!r}") from None
