@@ -156,9 +156,10 @@ class SteppedEngine:
             if self._front:                  # the core finishes the front-end work first
                 done = self._front[-1][0]
                 await self.clock.sleep_until(done)
-                for _, req in self._front:
+                ready = [req for at, req in self._front if at <= done]   # not what arrived meanwhile
+                self._front = self._front[len(ready):]
+                for req in ready:
                     self.sched.add_request(req)
-                self._front.clear()
                 t = max(t, done)
                 continue
             if not self.sched.has_work():

@@ -155,3 +155,20 @@ def test_front_samples_count_arrivals_in_runs_and_keep_only_idle_first_tokens() 
     assert [s.arrival_tokens for s in ttfts] == [10, 7]
     # a's first run (15 → 95 ms) saw b arrive (30 tokens); its second (95 → 175 ms) saw nothing
     assert [(s.arrivals, s.arrival_tokens) for s in front_runs[:2]] == [(1, 30), (0, 0)]
+
+
+def test_a_request_arriving_during_anothers_front_end_waits_its_own() -> None:
+    async def go() -> None:
+        clock = HandClock()
+        eng = SteppedEngine(make_sched(), STEP, clock, Faults())   # type: ignore[arg-type]
+        a, b = make_req(10, name="a"), make_req(10, name="b")
+        eng.submit(a)                                   # front end 0 → 3 ms
+        await asyncio.sleep(0)
+        clock.t = 0.001
+        eng.submit(b)                                   # queued behind a's: 3 → 6 ms
+        await clock.advance()                           # at 3 ms a alone joins, b's front end still runs
+        assert [r.request_id for r in eng.sched.running] == [] and clock.wake_at == pytest.approx(0.006)
+        await clock.advance()                           # at 6 ms both run one step: 6 → 16 ms
+        assert {r.request_id for r in eng.sched.running} == {"a", "b"} and clock.wake_at == pytest.approx(0.016)
+        await eng.stop()
+    asyncio.run(go())
