@@ -15,7 +15,8 @@ batch on one instance's own queue (``bus.queue_for_instance``). What it knows of
 The choice (``PrefixRouter.choose``) is the simulator's rule carried over: among the instances that
 have room now, the one on which the batch's prompts have the most cached tokens; an instance
 without room is never chosen, so affinity is bounded by load and one hot prompt cannot pin one
-instance. A batch that matches nowhere goes to the pool queue, where any instance with room takes it.
+instance. A batch that matches nowhere goes to the least loaded instance with room
+(``batcher.placement``).
 
 Torch-free and Redis-free: the batcher service feeds it, and tests drive it directly.
 """

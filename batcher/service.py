@@ -342,7 +342,7 @@ class BatcherService(Intake):
         """Every batch the instances have room for, recorded in flight in one transaction (with the
         least urgent priority left waiting; after ``pipe``'s commands, the round's arrivals, when
         given); then, for pools served through Celery, the tasks."""
-        sent: list[tuple[Batch, str | None]] = []
+        sent: list[tuple[Batch, str | None, bool]] = []
         pipe = self.redis.pipeline() if pipe is None else pipe
         while self._has_room():
             batch = self.policy.pop(now)
@@ -353,19 +353,21 @@ class BatcherService(Intake):
                 batch.requests = [r for r in batch.requests if r.id not in gone]
                 if not batch.requests:
                     continue
-            target = None if self.placement is None else self.placement.target(batch, list(self.inflight.values()))
+            target, cached = (None, False) if self.placement is None else \
+                self.placement.target(batch, list(self.inflight.values()))
             self._send(pipe, batch, now, target)
-            sent.append((batch, target))
+            sent.append((batch, target, cached))
         if sent:
             self._publish_worst(pipe)  # what left changes the least urgent priority still waiting
         if len(pipe):
             pipe.execute()
         listed = bool(self.instances) and all(i.upstream for i in self.instances.values())
-        for batch, target in sent:
+        for batch, target, cached in sent:
             if not listed:  # after the transaction: a worker's completion always finds its batch in flight
                 self.send_task(batch, target)
+            where = "" if target is None else f" to {target} ({'its prefix is cached there' if cached else 'least loaded'})"
             log.info("dispatched batch %s: β=%d L=%d G'=%d%s", batch.id, batch.size, batch.input_len,
-                     batch.predicted_gen_len, f" to {target} (its prefix is cached there)" if target else "")
+                     batch.predicted_gen_len, where)
         return bool(sent)
 
     def _send(self, pipe, batch: Batch, now: float, target: str | None = None) -> None:

@@ -291,9 +291,9 @@ class Settings(BaseSettings):
         "reuse it for any later prompt that starts with the same tokens (system prompts, chat history); "
         "off: every prompt is prefilled from scratch (for comparisons).")
     prefix_routing: bool = Field(
-        default=True, description="The batcher sends a batch to the instance of its pool that holds the most of "
-        "its prompts' KV pages (reported by built-in instances, remembered from what was sent for upstreams), "
-        "when that instance has room; off: every batch goes to the pool's queue and any instance takes it.")
+        default=True, description="The batcher places each batch: on the instance with room that holds the most "
+        "of its prompts' KV pages (reported by built-in instances, remembered from what was sent for upstreams), "
+        "else the least loaded one with room; off: every batch goes to the pool's queue and any instance takes it.")
     prefix_summary_pages: int = Field(
         default=4096, ge=0, description="Most page keys a built-in instance publishes with its heartbeat for "
         "prefix-aware routing (8 bytes each; held pages first, then the most recently released; 0: none).")

@@ -24,9 +24,9 @@ def _register(r, name: str, upstream: bool) -> None:
     r.set(bus.alive_key(name), "1", ex=60)
 
 
-def _service(r, tmp_path, sent: list) -> BatcherService:
+def _service(r, tmp_path, sent: list, **kw) -> BatcherService:
     s = Settings(database_url=f"sqlite:///{tmp_path}/log.db", policy="magnus", wma_threshold=1e9,
-                 execution="continuous", instance_ttl_s=5)
+                 execution="continuous", instance_ttl_s=5, **kw)
     return BatcherService(s, r, AnalyticBatchTime(), send_task=lambda batch, target=None: sent.append(batch))
 
 
@@ -34,7 +34,7 @@ def test_an_upstream_only_pool_gets_its_groups_on_a_list(tmp_path):
     r = fakeredis.FakeRedis(decode_responses=True)
     _register(r, "u1", upstream=True)
     sent: list = []
-    svc = _service(r, tmp_path, sent)
+    svc = _service(r, tmp_path, sent, prefix_routing=False)  # the pool's list (placed groups: below)
     for i in range(3):
         arrive(r, i)
     svc.step(now=100.0)
@@ -59,3 +59,19 @@ def test_a_pool_with_a_builtin_instance_keeps_celery(tmp_path):
     arrive(r, 0)
     svc.step(now=100.0)
     assert len(sent) == 1 and r.llen(group_list("default")) == 0
+
+
+def test_placed_groups_go_on_the_least_loaded_instances_list(tmp_path):
+    r = fakeredis.FakeRedis(decode_responses=True)
+    _register(r, "u1", upstream=True)
+    _register(r, "u2", upstream=True)
+    sent: list = []
+    svc = _service(r, tmp_path, sent, continuous={"group_frac": 1e-6})  # a group per request
+    arrive(r, 0)
+    svc.step(now=100.0)
+    arrive(r, 1)
+    svc.step(now=100.1)
+    own = {n: [Batch.from_dict(json.loads(js)) for js in r.lrange(group_list("default", n), 0, -1)] for n in ("u1", "u2")}
+    assert r.llen(group_list("default")) == 0 and sent == []
+    assert sorted(q.id for n in own for b in own[n] for q in b.requests) == ["q0", "q1"]
+    assert len(own["u1"]) == 1 and len(own["u2"]) == 1  # the second went where nothing was in flight

@@ -103,19 +103,19 @@ def two_instances(r, tmp_path, **kw) -> tuple[BatcherService, list]:
     return service(r, tmp_path, sent, **kw), sent
 
 
-def test_the_batcher_routes_to_the_reporting_instance_and_falls_back_to_the_pool(r, tmp_path):
+def test_the_batcher_routes_to_the_reporting_instance_else_the_least_loaded(r, tmp_path):
     svc, sent = two_instances(r, tmp_path)
     arrive(r, "a1", SYSTEM_A + [7] * 20)
     svc.step(now=1.0)
     assert [t for _, t in sent] == ["w2"]                 # w2 holds A's pages
     arrive(r, "b1", SYSTEM_B)
     svc.step(now=2.0)
-    assert sent[-1][1] is None                            # nobody holds B: the pool queue
-    r.set(bus.claim_key(sent[1][0].id), "w1")             # w1 took B from the pool queue
+    assert sent[-1][1] == "w1"                            # nobody holds B: the least loaded
+    r.set(bus.claim_key(sent[1][0].id), "w1")
     r.set(bus.admitted_key(sent[1][0].id), "1")
     arrive(r, "a2", SYSTEM_A)
     svc.step(now=3.0)
-    assert sent[-1][0].requests[0].id == "a2" and sent[-1][1] is None  # w2's one slot is taken: not pinned
+    assert sent[-1][0].requests[0].id == "a2" and sent[-1][1] == "w1"  # w2's one slot is taken: not pinned
     r.set(bus.admitted_key(sent[0][0].id), "1")
     r.set(bus.admitted_key(sent[2][0].id), "1")
     arrive(r, "b2", SYSTEM_B + [9] * 16)
