@@ -23,6 +23,7 @@ import redis
 from batcher.prefix_pages import decode_summary
 from batcher.prefix_routing import PrefixRouter
 from cohort import bus
+from cohort.release_bus import group_list
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo
 
@@ -52,7 +53,8 @@ class Placement:
     def sync(self, alive: dict[str, InstanceInfo], gone: list[str], now: float) -> None:
         """Follow the live instances; read their prefix summaries about as often as they write them."""
         for name in gone:  # nobody consumes a gone instance's queue: what waits there is re-queued
-            self.redis.delete(bus.queue_for_instance(name))  # by the lost-batch check (its target is gone)
+            # by the lost-batch check (its target is gone); an upstream's groups wait on a list of its own
+            self.redis.delete(bus.queue_for_instance(name), group_list(self.settings.pool, name))
         self.router.sync_instances({n: i.theta_bytes // max(1, i.delta_bytes) for n, i in alive.items()})
         if alive:
             self.model = next(iter(alive.values())).model
