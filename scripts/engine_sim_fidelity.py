@@ -11,7 +11,8 @@ For each KV condition (``roomy``: vLLM's own pool; ``kv40``: 40 blocks, ``--num-
 same 300-request workload of the Magnus tasks (``bench.workload.make_workload``, streamed with
 ``bench.upstream_bench.replay_streams`` and ``direct_body``: the true length as ``max_tokens``,
 ``ignore_eos``) as a burst (every request within 1.5 s; its done/span on the first vLLM run is the
-capacity) and at each load fraction of that capacity, in A-B-A order: vLLM, simulator, vLLM. Per
+capacity) and at each load fraction of that capacity, in A-B-A order: vLLM, simulator, vLLM
+(``--baseline-fit``: the simulator with a second fit runs after the first, before vLLM again). Per
 condition and load: the per-request e2e and TTFT errors |sim − vLLM| / vLLM paired by request (against
 the mean of the two vLLM runs; the second vLLM run against the first is the noise floor), throughput
 and preemptions (``vllm:num_preemptions_total``) of every run. Every process it starts is stopped
@@ -126,7 +127,7 @@ def condition(name: str, blocks: int | None, args, rows, files: list[str]) -> di
         vcmd += ["--num-gpu-blocks-override", str(blocks)]
     vllm = start(vcmd, logs / f"vllm-{name}.log", {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                                                  "HF_HUB_OFFLINE": "1"})
-    sim = None
+    sim = base = None
     try:
         wait_healthy(vurl, vllm, 600)
         cache = metric_labels(httpx.get(f"{vurl}/metrics", timeout=10).text, "vllm:cache_config_info")
@@ -137,12 +138,20 @@ def condition(name: str, blocks: int | None, args, rows, files: list[str]) -> di
                 "--max-model-len", str(MAX_MODEL_LEN)]
         sim = start(scmd, logs / f"sim-{name}.log")
         wait_healthy(surl, sim, 120)
+        targets = [("vllm_a", vurl), ("sim", surl)]
+        if args.baseline_fit:   # the same simulator with another fit, on the next port, run after the first
+            burl = f"http://127.0.0.1:{sport + 1}"
+            bcmd = [*scmd, "--fit", str(args.baseline_fit), "--port", str(sport + 1)]
+            base = start(bcmd, logs / f"sim-baseline-{name}.log")
+            wait_healthy(burl, base, 120)
+            targets.append(("sim_baseline", burl))
+        targets.append(("vllm_b", vurl))
 
         def workload(rate: float):
             return make_workload(WorkloadConfig(files=files, requests=args.requests, rate=rate, seed=args.seed,
                                                 max_tokens=args.max_tokens), AnalyticBatchTime(), rows)
         # a few requests to each first: vLLM's first requests pay for lazy set-up
-        for url in (vurl, surl):
+        for url in {u for _, u in targets}:
             for _ in range(3):
                 httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "warm up", "max_tokens": 8},
                            timeout=60)
@@ -152,7 +161,7 @@ def condition(name: str, blocks: int | None, args, rows, files: list[str]) -> di
             rate = args.requests / 1.5 if load == "burst" else float(load) * capacity
             wl = workload(rate)
             runs = {}
-            for label, url in (("vllm_a", vurl), ("sim", surl), ("vllm_b", vurl)):
+            for label, url in targets:
                 t0 = time.time()
                 runs[label] = one_run(url, wl)
                 s = runs[label]["summary"]
@@ -168,14 +177,17 @@ def condition(name: str, blocks: int | None, args, rows, files: list[str]) -> di
                 "sim_vs_vllm_a": paired(runs["sim"], runs["vllm_a"]),
                 "sim_vs_vllm_b": paired(runs["sim"], runs["vllm_b"]),
                 "vllm_b_vs_vllm_a": paired(runs["vllm_b"], runs["vllm_a"])}
+            if "sim_baseline" in runs:
+                out["loads"][load]["baseline_vs_vllm_mean"] = paired(runs["sim_baseline"], ref)
             e = out["loads"][load]["sim_vs_vllm_mean"]
             print(f"[{name} {load}] sim vs vLLM: e2e median {100 * e['e2e_median']:.1f} % p90 {100 * e['e2e_p90']:.1f} %,"
                   f" TTFT median {100 * e['ttft_median']:.1f} %, throughput {100 * e['throughput']:+.1f} %", flush=True)
         out["capacity_rps"] = capacity
         return out
     finally:
-        if sim is not None:
-            stop(sim)
+        for proc in (sim, base):
+            if proc is not None:
+                stop(proc)
         stop(vllm)
 
 
@@ -215,6 +227,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fit", type=Path, required=True, help="cohort engine-sim fit's file for this vLLM")
+    ap.add_argument("--baseline-fit", type=Path, help="also run the simulator with this fit (after the first)")
     ap.add_argument("--model-dir", type=Path, required=True, help="cohort worker export-model's folder")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--conditions", default="roomy,kv40", help="roomy and/or kv40")
