@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import Column, Float, Integer, String, Table, Text, func, select, update
 from sqlalchemy.engine import Engine
 
-from cohort.logdb import get_db_engine, metadata
+from cohort.logdb import create_tables, get_db_engine, metadata
 
 files = Table(
     "files", metadata,
@@ -102,7 +102,7 @@ TABLES = [files, batch_jobs, batch_rows, api_keys, key_usage]
 def jobs_engine(url: str) -> Engine:
     """The log DB's engine with the Batch API's tables created (once per URL per process)."""
     engine = get_db_engine(url)
-    metadata.create_all(engine, tables=TABLES)
+    create_tables(engine, TABLES)
     return engine
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy import select
 
 from cohort.logdb import (
@@ -81,3 +82,44 @@ def test_stale_queued_rows_are_failed_and_nothing_else(db):
     with db.connect() as conn:
         rows = dict(conn.execute(select(requests.c.id, requests.c.status)).all())
     assert rows == {"old": "failed", "new": "queued", "done": "done"}
+
+
+def test_tables_created_by_another_process_meanwhile_are_not_an_error(tmp_path, monkeypatch):
+    """Two processes opening a new DB at once: both find a table missing, the second's CREATE fails
+    ("table ... already exists"); the loser tries again and finds it."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import OperationalError
+
+    from cohort import logdb
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'race.db'}")
+    real = logdb.metadata.create_all
+    calls = []
+
+    def racing(bind, tables=None, checkfirst=True):
+        calls.append(1)
+        if len(calls) == 1:  # the other process created them between our look and our CREATE
+            real(create_engine(f"sqlite:///{tmp_path / 'race.db'}"), tables=tables)
+            raise OperationalError("CREATE TABLE requests", {}, Exception("table requests already exists"))
+        return real(bind, tables=tables, checkfirst=checkfirst)
+
+    monkeypatch.setattr(logdb.metadata, "create_all", racing)
+    monkeypatch.setattr(logdb.time, "sleep", lambda s: None)
+    logdb.create_tables(engine)
+    assert len(calls) == 2
+    assert "requests" in sa_inspect(engine).get_table_names()
+
+
+def test_a_table_that_cannot_be_created_still_fails_after_the_retries(tmp_path, monkeypatch):
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import OperationalError
+
+    from cohort import logdb
+
+    def broken(bind, tables=None, checkfirst=True):
+        raise OperationalError("CREATE TABLE requests", {}, Exception("disk I/O error"))
+
+    monkeypatch.setattr(logdb.metadata, "create_all", broken)
+    monkeypatch.setattr(logdb.time, "sleep", lambda s: None)
+    with pytest.raises(OperationalError):
+        logdb.create_tables(create_engine(f"sqlite:///{tmp_path / 'broken.db'}"))
