@@ -7,9 +7,13 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from cohort import bus
 from cohort.types import ProfiledRequest
+
+if TYPE_CHECKING:
+    from redis.client import Pipeline
 
 log = logging.getLogger("cohort.batcher")
 ROUND_LIMIT = 1000  # messages of each list one round takes in
@@ -45,7 +49,7 @@ class Intake:
         if n:
             self.redis.ltrim(key, 0, -n - 1)
 
-    def _take_arrivals(self, now: float, msgs: list[str]):
+    def _take_arrivals(self, now: float, msgs: list[str]) -> Pipeline | None:
         """Every arrival of the round into ``pending`` and off ``incoming``, and the least urgent
         priority now waiting, as one transaction, returned unsent (None: no arrivals, or sent
         already because some had to be shed): the round sends it with its dispatch (``step``), so

@@ -111,10 +111,11 @@ CREATE_ATTEMPTS = 5
 
 
 def create_tables(engine: Engine, tables: Sequence[Table] | None = None) -> None:
-    """``metadata.create_all`` (all its tables, or ``tables``), safe when several processes open a new DB at once: each looks for a
-    table and then creates it, so two can both find it missing and the second's CREATE fails (seen:
-    two gateway processes starting on a new SQLite file, "table files already exists", and the
-    process that lost the race died). The loser tries again, and then finds the table."""
+    """``metadata.create_all`` (all its tables, or ``tables``), safe when several processes open a
+    new DB at once: each looks for a table and then creates it, so two can both find it missing and
+    the second's CREATE fails (seen: two gateway processes starting on a new SQLite file, "table
+    files already exists", and the process that lost the race died). The loser tries again, and
+    then finds the table."""
     for attempt in range(CREATE_ATTEMPTS):
         try:
             metadata.create_all(engine, tables=tables)

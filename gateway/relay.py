@@ -151,9 +151,9 @@ class Relay:
         """New text in order; ``self.answer`` is set when it ends. Raises APIError when the
         request fails or is withdrawn (499 client gone, 504 deadline)."""
         t, m = self.ticket, self.st.metrics
+        direct = getattr(self.st, "direct", None)
+        local = direct is not None and t.request.owner == direct.gateway_id  # its tokens come from here
         try:
-            direct = getattr(self.st, "direct", None)
-            local = direct is not None and t.request.owner == direct.gateway_id  # its tokens come from here
             events = read_events(hub_for(self.st), t.request.id, t.deadline,
                                  self.st.settings.disconnect_check_s, self.disconnected, wake=not local)
             async with contextlib.aclosing(events):  # its stream is dropped from the hub at once
@@ -193,7 +193,7 @@ class Relay:
             raise _withdrawn_error(w.code, self.st.settings.request_timeout_s) from None
         finally:
             await self.abandon()  # closed or cancelled by the consumer: the client went away
-            if (direct := getattr(self.st, "direct", None)) is not None:
+            if direct is not None:
                 direct.forget(t.request.id)
 
     async def abandon(self) -> None:

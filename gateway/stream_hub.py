@@ -9,8 +9,9 @@ returns all their new entries at once, and hands each reader its own.
 
 A reader that subscribes while the call is blocked wakes it through a stream of the hub's own
 (one XADD per blocked call, however many subscribe meanwhile), so its first tokens wait for
-nothing; one whose tokens this gateway streams itself need not (``subscribe(wake=False)``). Two readers of one request (a Batch API row sent again) each get every entry: the call
-reads each stream from its slowest reader's position. An error of the call (Redis gone) reaches
+nothing; one whose tokens this gateway streams itself need not (``subscribe(wake=False)``). Two
+readers of one request (a Batch API row sent again) each get every entry: the call reads each
+stream from its slowest reader's position. An error of the call (Redis gone) reaches
 every reader, as its own read would have; the next reader starts a new call.
 """
 
