@@ -78,8 +78,10 @@ def test_the_fit_command_writes_a_file_serve_reads(token_table, tmp_path) -> Non
     assert res["engine"]["cache_config_info"]["block_size"] == "128" and res["engine"]["speedup"] == SPEEDUP
     assert set(res["fits"]) == {FIT_FORM, FIT_FORM_V2, FRONT_FIT} and res["samples"] > 20
     assert load_fit(f) == FittedStepTime.of(FIT_FORM_V2, [res.get(k, 0.0) for k in ("a", "b", "c", "d", "a_p", "e", "f", "g")])
-    # the simulator has no front end: what the fit gives it is small beside a step (~5 ms here)
-    assert res.get("f", 0.0) < 1e-3 and res.get("g", 0.0) < 1e-6
+    # the simulator has no front end: what the fit gives it, at the longest prompt, is small beside
+    # a step's floor (a CI run on a loaded machine fitted g = 2.2 µs: 1.1 ms at 512 tokens, a = 7.7 ms)
+    front = res.get("f", 0.0) + res.get("g", 0.0) * 512
+    assert front < 0.25 * res["a"], (res.get("f"), res.get("g"), res["a"])
 
 
 def test_runs_of_steps_recover_linear_v2() -> None:
