@@ -199,6 +199,15 @@ class UpstreamServer:
         self._max_connections = max_connections
         self._http: aiohttp.ClientSession | None = None
 
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens a row's stream sends per chunk after its first: ``stream_interval`` where the
+        server streams ids and takes the field (a text-only server's path reads one token a chunk).
+        Up to one less than this the server has generated and holds in KV before cohort hears of
+        them, which admission must count (``workers.upstream_rows.Row.held_context``)."""
+        chunked = self.caps.token_ids and "stream_interval" not in self.caps.refused
+        return self.stream_interval if chunked and self.stream_interval > 1 else 1
+
     def _session(self) -> aiohttp.ClientSession:
         """The connection pool, made on first use in the event loop that uses it (``close`` ends it,
         and the next use on another loop makes a new one: the start-up probe runs on its own)."""
@@ -320,8 +329,8 @@ class UpstreamServer:
             b["return_token_ids"] = True
         if priority is not None and self.caps.priority:
             b["priority"] = priority * self.caps.priority_sign
-        if self.stream_interval > 1 and self.caps.token_ids:
-            b["stream_interval"] = self.stream_interval
+        if self.chunk_tokens > 1:
+            b["stream_interval"] = self.chunk_tokens
         return b  # ``stream`` leaves out what the server refuses
 
     def payload(self, body: dict[str, Any]) -> dict[str, Any]:

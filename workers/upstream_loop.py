@@ -7,13 +7,13 @@ rows, metrics and completions as the built-in engine. What differs is who decode
 
 * **Admission.** Groups wait in the order the batcher sent them (the policy's order) and join
   while the running rows plus the group fit the server's KV capacity by the one running-set rule
-  (``batcher.kv_judge.KVJudge.running_set_fits``: contexts and planned remaining tokens, past the
-  server's KV by as far as plans have reached past what rows generated, up to ``overcommit``
-  (``upstream_rows.PlanReach``): the server's own queue and preemption absorb the rest) and
-  while the server reports no queue of its own (vLLM's ``num_requests_waiting``, SGLang's
-  ``num_queue_reqs``; looked at again as soon as a group is held by it). An empty instance takes
-  any group. While one waits, the instance takes no other group off the pool's
-  list (``take_wait_s``): the next one goes to an instance with room.
+  (``batcher.kv_judge.KVJudge.running_set_fits``: contexts, with tokens the server holds unsent,
+  and planned remaining tokens, past the server's KV by as far as plans have reached past what rows
+  generated, up to ``overcommit`` (``upstream_rows.PlanReach``): the server's own queue and
+  preemption absorb the rest) and while the server reports no queue of its own (vLLM's
+  ``num_requests_waiting``, SGLang's ``num_queue_reqs``; looked at again as soon as a group is
+  held by it). An empty instance takes any group. While one waits, the instance takes no other
+  group off the pool's list (``take_wait_s``): the next one goes to an instance with room.
 * **Order.** Each row carries ``priority`` = its client priority, then its group's admission
   number, where the server takes one (vLLM, SGLang: ``upstream.api``).
 * **Failure.** A stream that breaks, times out or answers 5xx goes back to the batcher as a
@@ -151,12 +151,13 @@ class UpstreamLoop(Releasing):
 
     def _fits(self, g: Group) -> bool:
         running = list(self._rows.values())  # a row leaves ``_rows`` when it ends
-        if not running or self.server_waiting > 0:
+        if not running or (self.server_waiting > 0 and not __import__("os").environ.get("XQ")):
             return not running
         rows = running + g.rows
         judge = KVJudge(self.capacity_tokens, self.page_tokens, self.max_rows,
                         overcommit=self.reach.overcommit(self.overcommit))
-        return judge.running_set_fits([r.context for r in rows], [r.remaining for r in rows])
+        unsent = self.server.chunk_tokens - 1
+        return judge.running_set_fits([r.held_context(unsent) for r in rows], [r.remaining for r in rows])
 
     def _admit(self) -> None:
         if self.down:

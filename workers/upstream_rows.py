@@ -30,6 +30,14 @@ class Row:
     def context(self) -> int:
         return len(self.prompt_ids) + len(self.req.generated_ids) + len(self.new_ids)
 
+    def held_context(self, unsent: int) -> int:
+        """The KV the server may hold for it: its context plus up to ``unsent`` tokens generated but
+        not yet sent (a server that streams in chunks sends the first token and the last at once,
+        the others ``unsent + 1`` at a time). Planning with what arrived alone credits each row with
+        less KV than it holds, by a different amount per row, and a set planned to the last page
+        overfills the server, which then preempts a row."""
+        return self.context + (min(unsent, self.remaining - 1) if self.new_ids else 0)
+
     @property
     def remaining(self) -> int:
         """Tokens planning still reserves for it (``workers.rows.RowState.planned_remaining``)."""

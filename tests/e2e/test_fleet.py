@@ -73,7 +73,10 @@ def test_an_engine_that_dies_mid_stream_loses_nothing(tmp_path):
 
 def test_cohort_never_makes_kv_bound_engines_preempt_a_direct_flood_does(tmp_path):
     # 34 blocks of 16 (33 usable); every request is 120 tokens (8 blocks): cohort, planning with
-    # max_tokens = the true length, fits 4 per engine; a direct flood admits every prompt at once
+    # max_tokens = the true length, fits 4 per engine, and a 5th joins only where the plan says the
+    # rows it meets leave before it needs the pages; that holds because the plan counts the tokens
+    # an engine streaming in chunks holds unsent (rows out of phase, as a loaded machine makes them,
+    # were credited up to 7 tokens short each: a preemption); a direct flood admits every prompt at once
     spec = EngineSpec(num_gpu_blocks=34, max_model_len=512)
     prompts = [build_prompt("Echo.", f"item {i}") for i in range(16)]
     ids = prompt_token_ids(prompts, DEFAULT_MODEL)

@@ -24,8 +24,10 @@ from upstream.api import (
     parse_chunk,
     refused_fields,
 )
+from workers.continuous_loop import GroupHandle
+from workers.row_text import TextStage
 from workers.upstream_loop import GROUP_SPAN, PRIORITY_SPAN, UpstreamLoop
-from workers.upstream_rows import PlanReach
+from workers.upstream_rows import Group, PlanReach, Row
 
 VLLM_METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
@@ -72,6 +74,7 @@ class ScriptedServer:
     def __init__(self, fail_after: int | None = None, delay_s: float = 0.002, per_chunk: int = 1) -> None:
         self.caps = Capabilities(token_ids=True)
         self.fail_after, self.delay_s, self.per_chunk = fail_after, delay_s, per_chunk
+        self.chunk_tokens = per_chunk
         self.bodies: list[dict] = []
         self.closed: list[str] = []
 
@@ -214,9 +217,36 @@ def test_a_token_ids_server_is_asked_for_chunks_of_the_stream_interval():
     assert chunked.body(req, [1, 2, 3], 8, None)["stream_interval"] == 4
     chunked.caps = Capabilities(token_ids=False)  # one token a chunk is what its text-only path reads
     assert "stream_interval" not in chunked.body(req, "hi", 8, None)
+    assert chunked.chunk_tokens == 1
+    chunked.caps = Capabilities(token_ids=True, refused={"stream_interval"})
+    assert chunked.chunk_tokens == 1  # a server that refuses the field streams a token a chunk
+    chunked.caps = Capabilities(token_ids=True)
+    assert chunked.chunk_tokens == 4
     per_token = UpstreamServer("http://127.0.0.1:9/v1", stream_interval=1)
     per_token.caps = Capabilities(token_ids=True)
     assert "stream_interval" not in per_token.body(req, [1, 2, 3], 8, None)
+
+
+def test_admission_counts_the_tokens_a_chunked_stream_has_not_sent_yet(tok):
+    # four rows that arrived at 100 and 108 of their 116 tokens, a fifth about to join: planned
+    # from what arrived they fit 33 pages of 16; but the server sends 8 tokens a chunk, so it may
+    # hold up to 7 more of each running row than arrived, and the plan must count them
+    server = ScriptedServer(per_chunk=8)
+    loop = UpstreamLoop(server, tok, capacity_tokens=33 * 16, page_tokens=16, poll_s=60)
+    running = Batch("ba", [_req(f"a{i}", 116) for i in range(4)], time.time())
+    joining = Batch("bb", [_req("b1", 116)], time.time())
+    g = Group(running, GroupHandle(loop, "ba", TextStage(tok)))
+    for i, req in enumerate(running.requests):  # one row behind the others by a chunk
+        row = Row(req, [1, 2, 3, 4], g, new_ids=[0] * (100 if i == 0 else 108))
+        loop._rows[req.id] = row
+    nxt = Group(joining, GroupHandle(loop, "bb", TextStage(tok)))
+    nxt.rows = [Row(joining.requests[0], [1, 2, 3, 4], nxt)]
+    assert not loop._fits(nxt)
+    server.chunk_tokens = 1  # per-token streams: what arrived is what the server holds
+    assert loop._fits(nxt)
+    assert Row(joining.requests[0], [1, 2, 3, 4], nxt, new_ids=[0] * 114).held_context(7) == 4 + 114 + 1
+    assert Row(joining.requests[0], [1, 2, 3, 4], nxt).held_context(7) == 4  # its first token comes at once
+    loop.stop()
 
 
 def test_an_engine_that_queues_may_be_planned_past_its_kv_by_the_overcommit():
