@@ -151,7 +151,7 @@ class UpstreamLoop(Releasing):
 
     def _fits(self, g: Group) -> bool:
         running = list(self._rows.values())  # a row leaves ``_rows`` when it ends
-        if not running or (self.server_waiting > 0 and not __import__("os").environ.get("XQ")):
+        if not running or self.server_waiting > 0:
             return not running
         rows = running + g.rows
         judge = KVJudge(self.capacity_tokens, self.page_tokens, self.max_rows,
