@@ -43,6 +43,7 @@ from bench.workload import WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
 
 WORKLOADS = ("magnus", "chat")
+CAPACITY_BURST = 3  # the capacity burst's requests, in runs' requests
 RATIO_KEYS = ("throughput_rps", "goodput_rps", "mean_latency_s", "p50_latency_s", "p99_latency_s", "mean_ttft_s",
               "p99_ttft_s", "mean_itl_s", "prefix_hit_rate")
 PLOT_KEYS = (("mean_latency_s", True), ("p50_latency_s", True), ("p99_latency_s", True), ("goodput_rps", False),
@@ -91,8 +92,9 @@ def fleet(
                                 "ll-fcfs, rr-prio, ll-prio (direct; prio: engines with priority scheduling, unused) "
                                 "or a cohort policy run name (cohort in front, engines with priority scheduling)."),
     loads: str = typer.Option("0.5,0.9,1.2", help="Offered loads as fractions of the fleet's capacity."),
-    capacity: float = typer.Option(0.0, help="The fleet's capacity in model req/s; 0: measure it first with a burst "
-                                   "of --requests against rr-fcfs (done / span)."),
+    capacity: float = typer.Option(0.0, help="The fleet's capacity in model req/s; 0: measure it first: the "
+                                   "saturated rate (bench.fleet_bench.saturated_rps) of a burst of 3 x --requests "
+                                   "against rr-fcfs."),
     requests: int = typer.Option(200, help="Requests per run."),
     repeats: int = typer.Option(1, min=1, help="Runs of each target per load (labelled t, t#2, …)."),
     seed: int = typer.Option(0),
@@ -152,10 +154,10 @@ def fleet(
         return m
 
     measured = None
-    if capacity <= 0:
-        wl = make(requests / 1.5)
+    if capacity <= 0:  # a longer burst: the fleet runs full for most of it, not ramping up or draining
+        wl = make(CAPACITY_BURST * requests / 1.5, CAPACITY_BURST * requests)
         measured = run(BASE, BASE, wl, "capacity")
-        capacity = measured["throughput_rps"]
+        capacity = measured["saturated_rps"]
     typer.echo(f"fleet capacity: {capacity:.2f} model req/s ({capacity * speedup:.2f} wall req/s at speedup "
                f"{speedup:g})")
     fracs = ["burst"] if burst else [f"{float(x):g}" for x in loads.split(",") if x.strip()]

@@ -18,6 +18,7 @@ from bench.fleet_bench import (
     engine_totals,
     parse_metrics,
     ratios_to,
+    saturated_rps,
     spread,
     summary,
     to_model,
@@ -85,6 +86,16 @@ def test_summary_percentiles_goodput_and_lost_requests():
     assert m["p99_latency_s"] == pytest.approx(np.percentile([1, 3, 4, 2], 99))
     assert m["p90_ttft_s"] == pytest.approx(np.percentile([0.5, 0.5, 2.0, 0.5], 90))
     assert m["p50_itl_s"] == pytest.approx(np.median([0.1, 0.5, 0.4, 0.3]))
+
+
+def test_saturated_rate_leaves_out_the_ramp_and_the_drain():
+    # 100 requests done 0.1 s apart (10/s), then a drain: 5 long ones trickle in 2 s apart
+    done = [1 + 0.1 * i for i in range(100)] + [12 + 2 * i for i in range(5)]
+    n = len(done)
+    res = _result([0] * n, [0.5] * n, done, [5] * n, [1.0] * n)
+    assert res.wall_s == 20 and n / res.wall_s == pytest.approx(5.25)   # done / span: half the rate
+    assert saturated_rps(res) == pytest.approx(10.0, rel=0.02)
+    assert math.isnan(saturated_rps(_result([0] * 3, [1] * 3, [1, 2, 3], [1] * 3, [0] * 3)))  # too few to say
 
 
 METRICS = """# TYPE vllm:num_preemptions_total counter
