@@ -51,7 +51,7 @@ from workers.continuous_loop import GroupHandle, GroupUpdate, Update, drain
 from workers.row_text import TextStage
 from workers.step_outputs import StepOutput, TokenEvent
 from workers.upstream_release import ReleaseLink, Releasing
-from workers.upstream_rows import Group, PlanReach, Row
+from workers.upstream_rows import Group, PlanReach, ReportPace, Row
 
 log = logging.getLogger(__name__)
 PRIORITY_SPAN = 1_000_000_000  # admission ranks within one client priority
@@ -70,7 +70,7 @@ class UpstreamLoop(Releasing):
         self.capacity_tokens, self.page_tokens, self.max_rows = capacity_tokens, page_tokens, max_rows
         self.use_priority, self.poll_s, self.flush_s = use_priority, poll_s, flush_s
         self.overcommit, self.take_wait_s = overcommit, take_wait_s  # overcommit: the most ``reach`` may grant
-        self.reach = PlanReach()
+        self.reach, self.pace = PlanReach(), ReportPace()
         self.down = False
         self.server_waiting = 0.0
         self._submitted = self._taken = 0  # groups handed over (callers' thread) and queued (the loop's)
@@ -156,8 +156,7 @@ class UpstreamLoop(Releasing):
         rows = running + g.rows
         judge = KVJudge(self.capacity_tokens, self.page_tokens, self.max_rows,
                         overcommit=self.reach.overcommit(self.overcommit))
-        unsent = self.server.chunk_tokens - 1
-        return judge.running_set_fits([r.held_context(unsent) for r in rows], [r.remaining for r in rows])
+        return judge.running_set_fits(self._held(rows), [r.remaining for r in rows])
 
     def _admit(self) -> None:
         if self.down:

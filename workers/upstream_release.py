@@ -23,7 +23,7 @@ from cohort import bus
 from cohort.protocol import FinishReason, Release, ReportKind, StreamReport
 from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox, push_in_order, take_inbox
 from workers.step_outputs import RowResult
-from workers.upstream_rows import Row
+from workers.upstream_rows import ReportPace, Row
 
 log = logging.getLogger(__name__)
 SILENCE_MARGIN_S = 10.0  # beyond the server's read timeout, before a released row nothing was heard of is handed back
@@ -90,6 +90,7 @@ class Releasing:
     rows, the server and the thread; this is the part of its job that talks to gateways)."""
 
     link: ReleaseLink | None
+    pace: ReportPace
 
     def _releases(self, row: Row) -> bool:
         s = row.req.sampling
@@ -105,14 +106,23 @@ class Releasing:
             stop=list(req.sampling.stop or ()), limit=row.limit, max_tokens=req.max_tokens,
             batch_id=row.group.batch.id, batch_size=row.group.batch.size, arrival=req.arrival, started=time.time()))
 
+    def _held(self, rows: list[Row]) -> list[int]:
+        """The KV each row may hold on the server (``Row.held_context``): what arrived, plus what a
+        chunked stream has not sent yet, plus what a released row streamed since its last report."""
+        unsent, now = self.server.chunk_tokens - 1, time.monotonic()
+        return [r.held_context(unsent + self.pace.unreported(r, now)) for r in rows]
+
     def on_reports(self, reports: list[StreamReport]) -> None:
         """A batch of reports from a gateway: progress, ends, broken streams, refusals, cancels."""
         for rep in reports:
             row = self._rows.get(rep.request_id)
             if row is None or not row.released or row.ended:
                 continue
-            row.heard_at = time.monotonic()
+            now = time.monotonic()
             ids = rep.ids[:max(0, row.limit - len(row.new_ids))]
+            if rep.kind is ReportKind.PROGRESS and row.new_ids:  # a row's first report also waited out its prefill
+                self.pace.add(len(ids), now - row.heard_at)
+            row.heard_at = now
             row.new_ids += ids
             row.group.generated += len(ids)
             row.group.dirty = True

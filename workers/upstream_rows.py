@@ -35,8 +35,9 @@ class Row:
         not yet sent (a server that streams in chunks sends the first token and the last at once,
         the others ``unsent + 1`` at a time). Planning with what arrived alone credits each row with
         less KV than it holds, by a different amount per row, and a set planned to the last page
-        overfills the server, which then preempts a row."""
-        return self.context + (min(unsent, self.remaining - 1) if self.new_ids else 0)
+        overfills the server, which then preempts a row. A released row's first token is not sent
+        at once either: its gateway reports it with the next progress."""
+        return self.context + (min(unsent, self.remaining - 1) if self.new_ids or self.released else 0)
 
     @property
     def remaining(self) -> int:
@@ -91,3 +92,23 @@ class PlanReach:
 
     def overcommit(self, cap: float) -> float:
         return max(0.0, min(cap, self.planned / self.generated - 1.0)) if self.generated > 0 else 0.0
+
+
+@dataclass
+class ReportPace:
+    """How many tokens a second a released row streams, from its gateway's progress reports (older
+    reports fading): what a row may hold beyond what was last reported. A gateway reports progress
+    once every ``COHORT_UPSTREAM_REPORT_S`` (0.25 s), and a GPU engine streams tens of tokens a row
+    in that time; planning with the last report alone credits every row with that much less KV
+    than it holds, the same undercount a chunked stream makes (``Row.held_context``)."""
+
+    rate: float = 0.0  # tokens a second, per row
+    keep: float = 0.9  # each report's weight decays by this per later report
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.rate = tokens / seconds if self.rate == 0 else self.keep * self.rate + (1 - self.keep) * tokens / seconds
+
+    def unreported(self, row: Row, now: float) -> int:
+        """Tokens ``row`` may have streamed since its gateway last reported on it (``now``: monotonic)."""
+        return int(self.rate * max(0.0, now - row.heard_at)) if row.released else 0

@@ -249,6 +249,34 @@ def test_admission_counts_the_tokens_a_chunked_stream_has_not_sent_yet(tok):
     loop.stop()
 
 
+def test_admission_counts_what_released_rows_streamed_since_their_gateway_last_reported(tok):
+    # the same four rows, streamed by their gateways, which report every 0.25 s: at 40 tokens a
+    # second a row holds about 10 more than its last report said 0.25 s later, and the plan counts them
+    from workers.upstream_rows import ReportPace
+    server = ScriptedServer(per_chunk=1)
+    loop = UpstreamLoop(server, tok, capacity_tokens=33 * 16, page_tokens=16, poll_s=60)
+    running = Batch("ba", [_req(f"a{i}", 116) for i in range(4)], time.time())
+    joining = Batch("bb", [_req("b1", 116)], time.time())
+    g = Group(running, GroupHandle(loop, "ba", TextStage(tok)))
+    now = time.monotonic()
+    for i, req in enumerate(running.requests):
+        row = Row(req, [1, 2, 3, 4], g, new_ids=[0] * (100 if i == 0 else 108), released=True, heard_at=now - 0.25)
+        loop._rows[req.id] = row
+    nxt = Group(joining, GroupHandle(loop, "bb", TextStage(tok)))
+    nxt.rows = [Row(joining.requests[0], [1, 2, 3, 4], nxt)]
+    assert loop._fits(nxt)  # no pace measured yet: what was reported is what the plan counts
+    pace = ReportPace()
+    pace.add(10, 0.25)
+    pace.add(0, 0.25)  # a report without tokens says nothing of the pace
+    assert pace.rate == 40.0
+    loop.pace = pace
+    assert not loop._fits(nxt)
+    row = loop._rows["a0"]
+    assert pace.unreported(row, row.heard_at + 0.25) == 10
+    assert pace.unreported(Row(joining.requests[0], [1], nxt, heard_at=now - 5), now) == 0  # not released: it arrives at once
+    loop.stop()
+
+
 def test_an_engine_that_queues_may_be_planned_past_its_kv_by_the_overcommit():
     from batcher.kv_judge import KVJudge
     rows = ([60, 60], [40, 40])  # planned peak 200 tokens + half a page per row = 216
