@@ -140,6 +140,8 @@ def fit_cmd(
     relative: bool = typer.Option(False, help="Least squares of relative residuals (default: plain, unbiased)."),
     traces: Path = typer.Option(None, help="Also write each request's token arrival times here (JSON)."),
     text_prompts: bool = typer.Option(False, help="Prompts of random words (tokenized by the server) instead of ids."),
+    warmup: float = typer.Option(10.0, help="Seconds of replay at the highest concurrency first, not fitted (a fresh "
+                                 "engine's first seconds are slow)."),
 ) -> None:
     """Fit the step-time coefficients (--fit FILE) to the engine at --upstream: a replay of
     streamed completions at several concurrencies, its steps rebuilt from when each token arrived
@@ -148,7 +150,8 @@ def fit_cmd(
     from bench.engine_sim.fit_upstream import fit_upstream
 
     levels = tuple(int(x) for x in concurrency.split(",") if x.strip())
-    res = fit_upstream(upstream, duration, levels, max_prompt, max_output, seed, relative, traces, text_prompts)
+    res = fit_upstream(upstream, duration, levels, max_prompt, max_output, seed, relative, traces, text_prompts,
+                       warmup)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     e = res["fit_error"]["all"]

@@ -126,10 +126,12 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
 
 async def fit_replay(url: str, duration_s: float = 150.0, concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
                      max_prompt: int = 1024, max_output: int = 128, seed: int = 0, vocab: tuple[int, int] = (1000, 8000),
-                     timeout_s: float = 300.0, text_prompts: bool = False) -> FitRun:
+                     timeout_s: float = 300.0, text_prompts: bool = False, warmup_s: float = 0.0) -> FitRun:
     """Closed-loop streamed completions at each concurrency in turn, for ``duration_s`` in all.
     ``text_prompts``: prompts of random common words (the server tokenizes them, as it does a
-    client's text; their length is the ``usage`` the server reports) instead of token ids."""
+    client's text; their length is the ``usage`` the server reports) instead of token ids.
+    ``warmup_s``: first, that long at the highest concurrency, not recorded: a fresh vLLM's first
+    seconds run slower than the rest (lazy set-up), and the first level would fit that."""
     base = _base(url)
     rng = random.Random(seed)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
@@ -138,12 +140,11 @@ async def fit_replay(url: str, duration_s: float = 150.0, concurrency: tuple[int
             card = (await r.json())["data"][0]
         model, max_model_len = card["id"], int(card.get("max_model_len") or 2048)
         max_prompt = max(2, min(max_prompt, max_model_len - max_output - 1))
-        before = await (await session.get(f"{base}/metrics")).text()
         traces: list[Trace] = []
         t0 = time.perf_counter()
         per_level = duration_s / len(concurrency)
 
-        async def client(end: float) -> None:
+        async def client(end: float, kept: list[Trace]) -> None:
             await asyncio.sleep(rng.uniform(0, 0.05))
             while time.perf_counter() - t0 < end:
                 p = _log_uniform(rng, 2, max_prompt)
@@ -153,12 +154,16 @@ async def fit_replay(url: str, duration_s: float = 150.0, concurrency: tuple[int
                         "ignore_eos": True, "temperature": 0, "stream": True, "stream_interval": 1,
                         "return_token_ids": True, "stream_options": {"include_usage": True}}
                 tr = Trace(p, 0.0)
-                traces.append(tr)
+                kept.append(tr)
                 await _one(session, f"{base}/v1/completions", body, tr, t0)
 
+        if warmup_s > 0:
+            await asyncio.gather(*(client(warmup_s, []) for _ in range(max(concurrency))))
+        before = await (await session.get(f"{base}/metrics")).text()
+        t0 = time.perf_counter()
         for i, c in enumerate(concurrency):
             end = per_level * (i + 1)
-            await asyncio.gather(*(client(end) for _ in range(c)))
+            await asyncio.gather(*(client(end, traces) for _ in range(c)))
         wall = time.perf_counter() - t0
         after = await (await session.get(f"{base}/metrics")).text()
     return FitRun(traces, wall, before, after, model, max_model_len)
@@ -251,13 +256,13 @@ def metric_value(text: str, name: str) -> float | None:
 
 def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
                  max_prompt: int = 1024, max_output: int = 128, seed: int = 0, relative: bool = False,
-                 traces_out: Path | None = None, text_prompts: bool = False) -> dict[str, Any]:
+                 traces_out: Path | None = None, text_prompts: bool = False, warmup_s: float = 0.0) -> dict[str, Any]:
     """The replay, the samples and the fits (both forms without a front end, linear-v2 with one);
     the JSON ``cohort engine-sim fit`` writes: linear-v2's coefficients fitted with the front end's
     ``f`` and ``g`` at its top level (``step_time.load_fit`` reads it as ``--fit``), and in
     ``fit_error`` that fit's errors over every run of steps and idle first token."""
     run = asyncio.run(fit_replay(url, duration_s, concurrency, max_prompt, max_output, seed,
-                                 text_prompts=text_prompts))
+                                 text_prompts=text_prompts, warmup_s=warmup_s))
     if traces_out is not None:   # what the client saw, to fit again offline (load_traces)
         traces_out.write_text(json.dumps([asdict(t) for t in run.traces]))
     speedup = metric_value(run.metrics_after, "engine_sim_speedup") or 1.0
@@ -284,7 +289,7 @@ def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ..
             "engine": {"url": url, "model": run.model, "max_model_len": run.max_model_len,
                        "cache_config_info": metric_labels(run.metrics_after, "vllm:cache_config_info"),
                        "speedup": speedup, "preemptions_during_fit": post - pre},
-            "replay": {"duration_s": duration_s, "wall_s": run.wall_s, "concurrency": list(concurrency),
+            "replay": {"duration_s": duration_s, "warmup_s": warmup_s, "wall_s": run.wall_s, "concurrency": list(concurrency),
                        "max_prompt": max_prompt, "max_output": max_output, "seed": seed,
                        "prompts": "text" if text_prompts else "token ids",
                        "requests": len(run.traces), "done": len(done), "tokens": sum(len(t.times) for t in done)},

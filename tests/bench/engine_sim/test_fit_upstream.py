@@ -115,3 +115,17 @@ def test_text_prompts_take_the_engines_token_count(token_table) -> None:
     assert done and len(done) == len(run.traces)
     # each prompt's length is the server's count of its tokens (the words, [CLS] and [SEP])
     assert sum(t.prompt_tokens for t in done) == metric_value(run.metrics_after, "vllm:prompt_tokens_total")
+
+
+def test_a_warm_up_runs_first_and_is_not_recorded(token_table) -> None:
+    cfg = SimConfig(num_gpu_blocks=500, max_model_len=2048, speedup=SPEEDUP)
+    with serving_sim(cfg, token_table) as s:
+        run = s.run(fit_replay(s.url, duration_s=0.5, concurrency=(2,), max_prompt=200, max_output=8,
+                               text_prompts=True, warmup_s=0.3), timeout_s=30)
+    done = [t for t in run.traces if t.ok]
+    assert done and len(done) == len(run.traces)
+    served = metric_value(run.metrics_after, "vllm:prompt_tokens_total")
+    recorded = sum(t.prompt_tokens for t in done)
+    # the counters are read after the warm-up: the recorded replay is what they grew by since
+    assert recorded == served - metric_value(run.metrics_before, "vllm:prompt_tokens_total") and recorded < served
+    assert min(min(t.times) for t in done) >= 0  # times from the recorded replay's start
