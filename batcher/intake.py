@@ -26,7 +26,7 @@ class Intake:
     def _read(self, wait_s: float = 0.0) -> tuple[list[str], list[str], list[str], bool]:
         """The round's one round trip: the wait for a producer's wake (``bus.queue_wait``; 0: no
         wait), then the oldest messages of the arrivals, cancels and completions lists (LPUSH'd;
-        left in place until ``_trim``: a crash in between re-reads them instead of losing them, and
+        left in place until the round trims them: a crash in between re-reads them instead of losing them, and
         only the one active batcher reads these lists), and, under continuous execution, which
         in-flight batches their instance admitted since the last round. The last item: a list held
         more than one round takes (the next round reads at once)."""
@@ -44,10 +44,6 @@ class Intake:
         arrivals, cancels, completions = (list(reversed(msgs)) for msgs in replies[1:1 + len(lists)])
         more = any(len(m) >= ROUND_LIMIT for m in (arrivals, cancels, completions))
         return arrivals, cancels, completions, more
-
-    def _trim(self, key: str, n: int) -> None:
-        if n:
-            self.redis.ltrim(key, 0, -n - 1)
 
     def _take_arrivals(self, now: float, msgs: list[str]) -> Pipeline | None:
         """Every arrival of the round into ``pending`` and off ``incoming``, and the least urgent

@@ -151,11 +151,11 @@ class BatcherService(Intake):
             taken.execute()  # a cancel of an arrival of this round takes it out of ``pending`` after it went in
             taken = None
         self._take_cancels(cancels)
-        self._take_completions(now, completions)
+        self._take_completions(now, completions, pipe := self.redis.pipeline() if taken is None else taken)
         if now - self._last_lost_check >= LOST_CHECK_EVERY_S:
             self._last_lost_check = now
             self._check_lost(now)
-        self._dispatch(now, taken)
+        self._dispatch(now, pipe)
         if now - self._last_sweep > SWEEP_EVERY_S:
             self._sweep(now)
         return more
@@ -205,12 +205,14 @@ class BatcherService(Intake):
         else:
             target.set(self.keys.worst_priority, worst)
 
-    def _take_completions(self, now: float, msgs: list[str]) -> bool:
+    def _take_completions(self, now: float, msgs: list[str], pipe) -> bool:
+        """The round's completions. ``pipe``: the round's transaction retires their batches and trims
+        the list, with the dispatch (not two round trips more); a crash before it re-reads them."""
         for js in msgs:
             ev = CompletionEvent.from_json(js)
             fl = self.inflight.pop(ev.batch_id, None)
             if fl is None:
-                self.redis.hdel(self.keys.inflight, ev.batch_id)
+                pipe.hdel(self.keys.inflight, ev.batch_id)
                 continue  # a superseded copy finished after we re-queued it; its results are harmless
             if self.placement is not None and ev.instance:  # who ran it, if no lost-batch check saw the claim
                 self.placement.claimed(fl, ev.instance)
@@ -226,8 +228,9 @@ class BatcherService(Intake):
                 self.redis.hincrby(bus.STATS, "preemptions", len(ev.continuations))
                 self._requeue_requests(ev.continuations, now, replaces=ev.batch_id)
             else:
-                self.redis.hdel(self.keys.inflight, ev.batch_id)
-        self._trim(self.keys.completions, len(msgs))
+                pipe.hdel(self.keys.inflight, ev.batch_id)
+        if msgs:
+            pipe.ltrim(self.keys.completions, 0, -len(msgs) - 1)
         return bool(msgs)
 
     def _back_to_pending(self, requests: list[ProfiledRequest], replaces: str) -> None:

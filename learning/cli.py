@@ -23,7 +23,8 @@ def learning() -> None:
     s = get_settings()
     apply_cpu_share(s.learning.cpu_share, s.learning.nice)
     celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", LEARNING_QUEUE,
-                            "-n", "learning@%h", "--loglevel=INFO", "--without-gossip", "--without-mingle"])
+                            "-n", "learning@%h", "--loglevel=INFO", "--without-gossip", "--without-mingle",
+                            "--without-heartbeat"])
 
 
 def beat(schedule_file: Path = Path("var/celerybeat-schedule")) -> None:

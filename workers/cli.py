@@ -53,9 +53,11 @@ def worker(ctx: typer.Context) -> None:
     freeze_startup_heap()  # the model's and the libraries' objects: never walked by a full collection
     try:
         queues = f"{queue_for_pool(s.pool)},{queue_for_instance(rt.name)}"  # its pool's, and batches routed to it
+        # no Celery event heartbeats: nothing reads them (instances heart-beat in ``bus``), and
+        # publishing one every 2 s was a twentieth of an upstream worker's CPU at 30 req/s
         celery_app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queues,
                                 "-n", f"{rt.name}@%h", "--loglevel=INFO", "--without-gossip",
-                                "--without-mingle", "--prefetch-multiplier=1"])
+                                "--without-mingle", "--without-heartbeat", "--prefetch-multiplier=1"])
     finally:
         if inbox is not None:
             inbox.set()

@@ -156,7 +156,7 @@ def test_split_halves_survive_a_batcher_crash(r, tmp_path):
     big = sent[-1]
     assert big.size == 4
     complete(r, big.id, "oom", error="CUDA out of memory")
-    svc._take_completions(4.0, svc._read()[2])  # split and re-queued, then the process dies before dispatching
+    svc._take_completions(4.0, svc._read()[2], r.pipeline())  # split and re-queued; dies before its round's transaction
     assert r.hlen(KEYS.inflight) == 0 and set(r.hkeys(KEYS.pending)) == {"q1", "q2", "q3", "q4"}
     again: list = []
     svc2 = service(r, tmp_path, again, policy="abp")
@@ -427,6 +427,22 @@ def test_a_request_that_arrives_and_leaves_in_one_round_costs_the_read_and_one_t
     assert _CountingRedis.trips == 2  # the round's read; arrivals and dispatch in one transaction
     assert len(sent) == 1 and r.hlen(KEYS.pending) == 0 and r.llen(KEYS.incoming) == 0
     assert r.hlen(KEYS.inflight) == 1
+
+
+def test_a_completion_and_the_next_dispatch_share_the_rounds_transaction(tmp_path):
+    r = _CountingRedis(decode_responses=True)
+    register(r, "w1")
+    sent: list = []
+    svc = service(r, tmp_path, sent)
+    svc.step(now=1.0)
+    arrive(r, 0)
+    svc.step(now=1.1)  # q0 runs
+    complete(r, sent[0].id)
+    arrive(r, 1)
+    _CountingRedis.trips = 0
+    svc.step(now=1.2)
+    assert _CountingRedis.trips == 2  # the read; q0's batch retired, its message trimmed, q1 dispatched: one transaction
+    assert len(sent) == 2 and r.hkeys(KEYS.inflight) == [sent[1].id] and r.llen(KEYS.completions) == 0
 
 
 def test_an_arrival_cancelled_in_its_own_round_leaves_nothing_in_pending(r, tmp_path):
