@@ -59,10 +59,11 @@ def _release(url: str, rid: str = "r1", **kw) -> Release:
 
 
 async def _run(app: web.Application, releases, *, leave_after_s: float | None = None, settle_s: float = 0.4,
-               wrap=lambda redis: redis, report_s: float = 0.25):
+               wrap=lambda redis: redis, report_s: float = 0.25, until_finish: bool = False):
     """Serve ``app``, feed the releases (a callable of the URL) to a gateway's DirectStreams (its
     Redis client: ``wrap`` of an in-memory one); its delivered events by request and the reports
-    the worker got."""
+    the worker got. ``until_finish``: after ``settle_s``, wait (up to 10 s) for a FINISH report, so
+    that a loaded machine's slower stream is not cut short."""
     redis = fakeredis.aioredis.FakeRedis(decode_responses=True)
     got: dict[str, list[StreamEvent]] = {}
     direct = DirectStreams(wrap(redis), "gw1", lambda rid, evs: got.setdefault(rid, []).extend(evs), flush_s=0.02,
@@ -77,6 +78,10 @@ async def _run(app: web.Application, releases, *, leave_after_s: float | None = 
             await asyncio.sleep(leave_after_s)
             direct.cancel("r1")
         await asyncio.sleep(settle_s)
+        for _ in range(200 if until_finish else 0):
+            if any('"finish"' in js for js in await redis.lrange(instance_inbox("inst"), 0, -1)):
+                break
+            await asyncio.sleep(0.05)
         await direct.aclose()
     reports = [StreamReport.from_dict(d) for js in await redis.lrange(instance_inbox("inst"), 0, -1)
                for d in json.loads(js)]
@@ -111,7 +116,7 @@ def test_progress_goes_to_the_worker_every_report_s_while_text_flows_every_flush
 def test_reports_reach_the_worker_in_order_while_a_push_waits_for_redis():
     # the worker takes a row's end as final: progress that overtook it, or that it overtook, is lost
     got, reports, _ = asyncio.run(_run(_engine(list("abcdefghij"), delay_s=0.03), lambda url: [_release(url)],
-                                       settle_s=0.9, wrap=FirstPushWaits))
+                                       settle_s=0.9, wrap=FirstPushWaits, until_finish=True))
     assert _text(got["r1"]) == "abcdefghij"
     assert [i for r in reports for i in r.ids] == list(range(100, 110))
     assert [r.kind for r in reports][-1] is ReportKind.FINISH and len(reports) > 2
