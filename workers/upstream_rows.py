@@ -110,5 +110,7 @@ class ReportPace:
             self.rate = tokens / seconds if self.rate == 0 else self.keep * self.rate + (1 - self.keep) * tokens / seconds
 
     def unreported(self, row: Row, now: float) -> int:
-        """Tokens ``row`` may have streamed since its gateway last reported on it (``now``: monotonic)."""
-        return int(self.rate * max(0.0, now - row.heard_at)) if row.released else 0
+        """Tokens ``row`` may have streamed since its gateway last reported on it (``now``: monotonic),
+        once a report said it streams: before that it may still wait in the engine's queue, holding
+        its prompt alone, and charging it the pace would plan it at up to twice its length."""
+        return int(self.rate * max(0.0, now - row.heard_at)) if row.released and row.new_ids else 0

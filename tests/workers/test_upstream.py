@@ -227,20 +227,26 @@ def test_a_token_ids_server_is_asked_for_chunks_of_the_stream_interval():
     assert "stream_interval" not in per_token.body(req, [1, 2, 3], 8, None)
 
 
-def test_admission_counts_the_tokens_a_chunked_stream_has_not_sent_yet(tok):
-    # four rows that arrived at 100 and 108 of their 116 tokens, a fifth about to join: planned
-    # from what arrived they fit 33 pages of 16; but the server sends 8 tokens a chunk, so it may
-    # hold up to 7 more of each running row than arrived, and the plan must count them
-    server = ScriptedServer(per_chunk=8)
+def _four_running_and_one_joining(server, tok, **row_kw) -> tuple[UpstreamLoop, Group]:
+    """Four rows at 100 and 108 of their 116 tokens on a server of 33 pages of 16, and a fifth
+    row's group about to join: planned from what arrived, it fits."""
     loop = UpstreamLoop(server, tok, capacity_tokens=33 * 16, page_tokens=16, poll_s=60)
     running = Batch("ba", [_req(f"a{i}", 116) for i in range(4)], time.time())
     joining = Batch("bb", [_req("b1", 116)], time.time())
     g = Group(running, GroupHandle(loop, "ba", TextStage(tok)))
     for i, req in enumerate(running.requests):  # one row behind the others by a chunk
-        row = Row(req, [1, 2, 3, 4], g, new_ids=[0] * (100 if i == 0 else 108))
-        loop._rows[req.id] = row
+        loop._rows[req.id] = Row(req, [1, 2, 3, 4], g, new_ids=[0] * (100 if i == 0 else 108), **row_kw)
     nxt = Group(joining, GroupHandle(loop, "bb", TextStage(tok)))
     nxt.rows = [Row(joining.requests[0], [1, 2, 3, 4], nxt)]
+    return loop, nxt
+
+
+def test_admission_counts_the_tokens_a_chunked_stream_has_not_sent_yet(tok):
+    # the server sends 8 tokens a chunk, so it may hold up to 7 more of each running row than
+    # arrived, and the plan must count them
+    server = ScriptedServer(per_chunk=8)
+    loop, nxt = _four_running_and_one_joining(server, tok)
+    joining = nxt.batch
     assert not loop._fits(nxt)
     server.chunk_tokens = 1  # per-token streams: what arrived is what the server holds
     assert loop._fits(nxt)
@@ -253,17 +259,9 @@ def test_admission_counts_what_released_rows_streamed_since_their_gateway_last_r
     # the same four rows, streamed by their gateways, which report every 0.25 s: at 40 tokens a
     # second a row holds about 10 more than its last report said 0.25 s later, and the plan counts them
     from workers.upstream_rows import ReportPace
-    server = ScriptedServer(per_chunk=1)
-    loop = UpstreamLoop(server, tok, capacity_tokens=33 * 16, page_tokens=16, poll_s=60)
-    running = Batch("ba", [_req(f"a{i}", 116) for i in range(4)], time.time())
-    joining = Batch("bb", [_req("b1", 116)], time.time())
-    g = Group(running, GroupHandle(loop, "ba", TextStage(tok)))
     now = time.monotonic()
-    for i, req in enumerate(running.requests):
-        row = Row(req, [1, 2, 3, 4], g, new_ids=[0] * (100 if i == 0 else 108), released=True, heard_at=now - 0.25)
-        loop._rows[req.id] = row
-    nxt = Group(joining, GroupHandle(loop, "bb", TextStage(tok)))
-    nxt.rows = [Row(joining.requests[0], [1, 2, 3, 4], nxt)]
+    loop, nxt = _four_running_and_one_joining(ScriptedServer(per_chunk=1), tok, released=True, heard_at=now - 0.25)
+    joining = nxt.batch
     assert loop._fits(nxt)  # no pace measured yet: what was reported is what the plan counts
     pace = ReportPace()
     pace.add(10, 0.25)
@@ -274,6 +272,8 @@ def test_admission_counts_what_released_rows_streamed_since_their_gateway_last_r
     row = loop._rows["a0"]
     assert pace.unreported(row, row.heard_at + 0.25) == 10
     assert pace.unreported(Row(joining.requests[0], [1], nxt, heard_at=now - 5), now) == 0  # not released: it arrives at once
+    queued = Row(joining.requests[0], [1], nxt, released=True, heard_at=now - 5)
+    assert pace.unreported(queued, now) == 0  # released, nothing reported yet: maybe still in the engine's queue
     loop.stop()
 
 
