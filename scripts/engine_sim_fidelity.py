@@ -164,7 +164,11 @@ def condition(name: str, blocks: int | None, args, rows, files: list[str]) -> di
         out: dict[str, Any] = {"cache_config_info": cache, "vllm_cmd": vcmd, "sim_cmd": scmd, "loads": {},
                                "warmup_burst": {}}
         if args.warmup_burst:  # every engine first serves the burst once, unmeasured (see the module's doc)
-            for label, url in targets[:-1]:
+            warmed: set[str] = set()
+            for label, url in targets:
+                if url in warmed:  # vLLM's second run is on the engine its first one warmed
+                    continue
+                warmed.add(url)
                 out["warmup_burst"][label] = one_run(url, workload(args.requests / 1.5))["summary"]
                 print(f"[{name} warm-up] {label}: {out['warmup_burst'][label]['throughput_rps']:.2f} req/s", flush=True)
         capacity = None

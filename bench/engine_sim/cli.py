@@ -141,7 +141,7 @@ def fit_cmd(
     traces: Path = typer.Option(None, help="Also write each request's token arrival times here (JSON)."),
     text_prompts: bool = typer.Option(False, help="Prompts of random words (tokenized by the server) instead of ids."),
     warmup: float = typer.Option(10.0, help="Seconds of replay at the highest concurrency first, not fitted (a fresh "
-                                 "engine's first seconds are slow)."),
+                                 "engine's first seconds can be slow)."),
 ) -> None:
     """Fit the step-time coefficients (--fit FILE) to the engine at --upstream: a replay of
     streamed completions at several concurrencies, its steps rebuilt from when each token arrived

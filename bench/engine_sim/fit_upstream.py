@@ -130,8 +130,9 @@ async def fit_replay(url: str, duration_s: float = 150.0, concurrency: tuple[int
     """Closed-loop streamed completions at each concurrency in turn, for ``duration_s`` in all.
     ``text_prompts``: prompts of random common words (the server tokenizes them, as it does a
     client's text; their length is the ``usage`` the server reports) instead of token ids.
-    ``warmup_s``: first, that long at the highest concurrency, not recorded: a fresh vLLM's first
-    seconds run slower than the rest (lazy set-up), and the first level would fit that."""
+    ``warmup_s``: first, that long at the highest concurrency, not recorded: a freshly started
+    engine's first seconds can run slower than the rest (lazy set-up), which the first level would
+    fit. (On vLLM's CPU build it moved the fit by 2 %: docs/engine_sim.md.)"""
     base = _base(url)
     rng = random.Random(seed)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
