@@ -32,7 +32,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "deployer": {"cohort"},
     "batcher": {"cohort"},
     "predictor": {"cohort"},
-    "upstream": {"cohort"},  # talking to an upstream engine: the upstream worker's and the gateway's
+    # the upstream path: the engine's client and the gateway's streaming (cohort only), the worker's
+    # admission, endpoint health and failover (which plug into the worker's loop interface)
+    "upstream": {"cohort", "batcher", "workers"},
     "workers": {"cohort", "batcher", "predictor", "deployer", "taskq", "upstream"},
     "learning": {"cohort", "predictor", "taskq"},
     "gateway": {"cohort", "batcher", "predictor", "taskq", "upstream"},

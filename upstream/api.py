@@ -204,7 +204,7 @@ class UpstreamServer:
         """Tokens a row's stream sends per chunk after its first: ``stream_interval`` where the
         server streams ids and takes the field (a text-only server's path reads one token a chunk).
         Up to one less than this the server has generated and holds in KV before cohort hears of
-        them, which admission must count (``workers.upstream_rows.Row.held_context``)."""
+        them, which admission must count (``upstream.rows.Row.held_context``)."""
         chunked = self.caps.token_ids and "stream_interval" not in self.caps.refused
         return self.stream_interval if chunked and self.stream_interval > 1 else 1
 

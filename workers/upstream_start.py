@@ -21,17 +21,17 @@ from cohort.logdb import get_db_engine
 from cohort.settings import DEFAULT_MODEL, Settings
 from cohort.tokenizer import load_tokenizer, prompt_token_ids
 from cohort.types import InstanceInfo, ProfiledRequest
+from upstream.admission import UpstreamLoop
 from upstream.api import (
     UpstreamDown,
     UpstreamServer,
     block_tokens_from_metrics,
     kv_tokens_from_metrics,
 )
+from upstream.release import ReleaseLink
 from workers.group_publisher import GroupPublisher
 from workers.runtime import Runtime
 from workers.tiny_llama import TINY_LLAMA
-from workers.upstream_loop import UpstreamLoop
-from workers.upstream_release import ReleaseLink
 
 log = logging.getLogger(__name__)
 START_WAIT_S = 300.0  # how long a starting worker waits for its server to answer

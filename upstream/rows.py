@@ -1,4 +1,4 @@
-"""An upstream instance's rows and groups: what ``workers.upstream_loop`` admits, streams (or
+"""An upstream instance's rows and groups: what ``upstream.admission`` admits, streams (or
 releases to a gateway) and reports, and the rule of what a row's KV and budget are."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class Row:
 
     req: ProfiledRequest
     prompt_ids: list[int]
-    group: Group
+    group: AdmissionGroup
     new_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     task: asyncio.Task | None = None
@@ -57,7 +57,7 @@ class Row:
 
 
 @dataclass
-class Group:
+class AdmissionGroup:
     """One admission group (a batch the batcher sent) and what its rows produced since the last flush."""
 
     batch: Batch

@@ -9,7 +9,7 @@ rows, metrics and completions as the built-in engine. What differs is who decode
   while the running rows plus the group fit the server's KV capacity by the one running-set rule
   (``batcher.kv_judge.KVJudge.running_set_fits``: contexts, with tokens the server holds unsent,
   and planned remaining tokens, past the server's KV by as far as plans have reached past what rows
-  generated, up to ``overcommit`` (``upstream_rows.PlanReach``): the server's own queue and
+  generated, up to ``overcommit`` (``upstream.rows.PlanReach``): the server's own queue and
   preemption absorb the rest) and while the server reports no queue of its own (vLLM's
   ``num_requests_waiting``, SGLang's ``num_queue_reqs``; looked at again as soon as a group is
   held by it). An empty instance takes any group. While one waits, the instance takes no other
@@ -47,11 +47,11 @@ from upstream.api import (
     kv_tokens_from_metrics,
     queue_from_metrics,
 )
+from upstream.release import ReleaseLink, Releasing
+from upstream.rows import AdmissionGroup, PlanReach, ReportPace, Row
 from workers.continuous_loop import GroupHandle, GroupUpdate, Update, drain
 from workers.row_text import TextStage
 from workers.step_outputs import StepOutput, TokenEvent
-from workers.upstream_release import ReleaseLink, Releasing
-from workers.upstream_rows import Group, PlanReach, ReportPace, Row
 
 log = logging.getLogger(__name__)
 PRIORITY_SPAN = 1_000_000_000  # admission ranks within one client priority
@@ -61,7 +61,7 @@ QUEUE_POLL_S = 0.1             # the watch's period while the server's own queue
 
 class UpstreamLoop(Releasing):
     """Owns the asyncio thread, the server client and the groups it runs (``link``: releases rows
-    to the gateways that stream them, ``workers.upstream_release``)."""
+    to the gateways that stream them, ``upstream.release``)."""
 
     def __init__(self, server: UpstreamServer, tokenizer, capacity_tokens: int, *, page_tokens: int = 16,
                  max_rows: int = 256, use_priority: bool = True, poll_s: float = 2.0, flush_s: float = 0.02,
@@ -79,8 +79,8 @@ class UpstreamLoop(Releasing):
         self._wake: asyncio.Event | None = None  # ends the watch's sleep
         self._dozing = False
         self.outbox: queue.Queue[list[Update]] = queue.Queue()
-        self._waiting: list[Group] = []
-        self._groups: dict[str, Group] = {}
+        self._waiting: list[AdmissionGroup] = []
+        self._groups: dict[str, AdmissionGroup] = {}
         self._rows: dict[str, Row] = {}
         self._admissions = 0
         self._flush_timer: asyncio.TimerHandle | None = None  # the coalescing flush, when one is due
@@ -141,7 +141,7 @@ class UpstreamLoop(Releasing):
         self._aloop.call_soon_threadsafe(lambda: self._aloop.create_task(coro))
 
     def _take(self, batch: Batch, prompt_ids: list[list[int]], handle: GroupHandle) -> None:
-        g = Group(batch, handle)
+        g = AdmissionGroup(batch, handle)
         g.rows = [Row(req, ids, g, first_token_at=req.first_token_at)
                   for req, ids in zip(batch.requests, prompt_ids, strict=True)]
         self._groups[batch.id] = g
@@ -149,7 +149,7 @@ class UpstreamLoop(Releasing):
         self._taken += 1
         self._admit()
 
-    def _fits(self, g: Group) -> bool:
+    def _fits(self, g: AdmissionGroup) -> bool:
         running = list(self._rows.values())  # a row leaves ``_rows`` when it ends
         if not running or self.server_waiting > 0:
             return not running
@@ -193,7 +193,7 @@ class UpstreamLoop(Releasing):
         order = (self._admissions * GROUP_SPAN + min(rank, GROUP_SPAN - 1)) % PRIORITY_SPAN
         return row.req.priority * PRIORITY_SPAN + order
 
-    def _hand_back(self, g: Group) -> None:
+    def _hand_back(self, g: AdmissionGroup) -> None:
         """A group that never ran goes back to the batcher whole."""
         for row in g.rows:
             row.ended = True

@@ -22,8 +22,8 @@ from typing import Any
 from cohort import bus
 from cohort.protocol import FinishReason, Release, ReportKind, StreamReport
 from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox, push_in_order, take_inbox
+from upstream.rows import ReportPace, Row
 from workers.step_outputs import RowResult
-from workers.upstream_rows import ReportPace, Row
 
 log = logging.getLogger(__name__)
 SILENCE_MARGIN_S = 10.0  # beyond the server's read timeout, before a released row nothing was heard of is handed back
@@ -86,7 +86,7 @@ class ReleaseLink:
 
 
 class Releasing:
-    """What ``workers.upstream_loop.UpstreamLoop`` does with released rows (a mixin: it owns the
+    """What ``upstream.admission.UpstreamLoop`` does with released rows (a mixin: it owns the
     rows, the server and the thread; this is the part of its job that talks to gateways)."""
 
     link: ReleaseLink | None

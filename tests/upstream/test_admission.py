@@ -13,6 +13,7 @@ import pytest
 from batcher.memory import KVMemory
 from cohort.tokenizer import load_tokenizer
 from cohort.types import Batch, InstanceInfo, ProfiledRequest
+from upstream.admission import GROUP_SPAN, PRIORITY_SPAN, UpstreamLoop
 from upstream.api import (
     Capabilities,
     Chunk,
@@ -24,10 +25,9 @@ from upstream.api import (
     parse_chunk,
     refused_fields,
 )
+from upstream.rows import AdmissionGroup, PlanReach, Row
 from workers.continuous_loop import GroupHandle
 from workers.row_text import TextStage
-from workers.upstream_loop import GROUP_SPAN, PRIORITY_SPAN, UpstreamLoop
-from workers.upstream_rows import Group, PlanReach, Row
 
 VLLM_METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
@@ -227,16 +227,16 @@ def test_a_token_ids_server_is_asked_for_chunks_of_the_stream_interval():
     assert "stream_interval" not in per_token.body(req, [1, 2, 3], 8, None)
 
 
-def _four_running_and_one_joining(server, tok, **row_kw) -> tuple[UpstreamLoop, Group]:
+def _four_running_and_one_joining(server, tok, **row_kw) -> tuple[UpstreamLoop, AdmissionGroup]:
     """Four rows at 100 and 108 of their 116 tokens on a server of 33 pages of 16, and a fifth
     row's group about to join: planned from what arrived, it fits."""
     loop = UpstreamLoop(server, tok, capacity_tokens=33 * 16, page_tokens=16, poll_s=60)
     running = Batch("ba", [_req(f"a{i}", 116) for i in range(4)], time.time())
     joining = Batch("bb", [_req("b1", 116)], time.time())
-    g = Group(running, GroupHandle(loop, "ba", TextStage(tok)))
+    g = AdmissionGroup(running, GroupHandle(loop, "ba", TextStage(tok)))
     for i, req in enumerate(running.requests):  # one row behind the others by a chunk
         loop._rows[req.id] = Row(req, [1, 2, 3, 4], g, new_ids=[0] * (100 if i == 0 else 108), **row_kw)
-    nxt = Group(joining, GroupHandle(loop, "bb", TextStage(tok)))
+    nxt = AdmissionGroup(joining, GroupHandle(loop, "bb", TextStage(tok)))
     nxt.rows = [Row(joining.requests[0], [1, 2, 3, 4], nxt)]
     return loop, nxt
 
@@ -258,7 +258,7 @@ def test_admission_counts_the_tokens_a_chunked_stream_has_not_sent_yet(tok):
 def test_admission_counts_what_released_rows_streamed_since_their_gateway_last_reported(tok):
     # the same four rows, streamed by their gateways, which report every 0.25 s: at 40 tokens a
     # second a row holds about 10 more than its last report said 0.25 s later, and the plan counts them
-    from workers.upstream_rows import ReportPace
+    from upstream.rows import ReportPace
     now = time.monotonic()
     loop, nxt = _four_running_and_one_joining(ScriptedServer(per_chunk=1), tok, released=True, heard_at=now - 0.25)
     joining = nxt.batch

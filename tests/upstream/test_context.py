@@ -14,9 +14,9 @@ from cohort.protocol import FinishReason
 from cohort.tokenizer import load_tokenizer
 from cohort.types import Batch, ProfiledRequest
 from tests.loopback import answer, serving
-from tests.workers.test_upstream import ScriptedServer, _run
+from tests.upstream.test_admission import ScriptedServer, _run
+from upstream.admission import UpstreamLoop
 from upstream.api import Capabilities, UpstreamServer, read_server_settings
-from workers.upstream_loop import UpstreamLoop
 
 
 async def _discover(cards: list[dict], model: str | None) -> UpstreamServer:

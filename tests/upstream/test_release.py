@@ -16,9 +16,9 @@ from cohort.release_bus import gateway_inbox
 from cohort.tokenizer import load_tokenizer
 from cohort.types import Batch, ProfiledRequest
 from tests.redis_stalls import FirstPushWaits
-from tests.workers.test_upstream import ScriptedServer
-from workers import upstream_release
-from workers.upstream_loop import UpstreamLoop
+from tests.upstream.test_admission import ScriptedServer
+from upstream import release as upstream_release
+from upstream.admission import UpstreamLoop
 
 
 class Server(ScriptedServer):
