@@ -19,8 +19,10 @@ import typer
 from tqdm import tqdm
 
 from bench.chat_prefix import ChatPrefixConfig, make_chat_prefix_workload, prefix_stats
+from bench.engine_sim.roofline_steps import roofline_step_time
 from bench.fleet_bench import (
     BASE,
+    SOLO,
     EngineSpec,
     check_targets,
     direct_target,
@@ -35,6 +37,7 @@ from bench.fleet_bench import (
     to_model,
     to_wall,
 )
+from bench.fleet_bound import solo_result
 from bench.live_stack import parse_env, spawned_stack
 from bench.report import pyplot
 from bench.roofline import instance
@@ -160,6 +163,7 @@ def fleet(
         capacity = measured["saturated_rps"]
     typer.echo(f"fleet capacity: {capacity:.2f} model req/s ({capacity * speedup:.2f} wall req/s at speedup "
                f"{speedup:g})")
+    solo_steps = roofline_step_time(gpu, model)
     fracs = ["burst"] if burst else [f"{float(x):g}" for x in loads.split(",") if x.strip()]
     by_load: dict[str, dict[str, Any]] = {lo: {} for lo in fracs}
     trace = None
@@ -173,8 +177,10 @@ def fleet(
                        f"{m['mean_latency_s']:.3f}/{m['p50_latency_s']:.3f}/{m['p99_latency_s']:.3f} s, TTFT mean "
                        f"{m['mean_ttft_s']:.3f} s, goodput {m['goodput_rps']:.2f}, hit {m['prefix_hit_rate']:.3f}, "
                        f"preempt {m['preemptions']:g}, lost {m['lost']} ({m['run_wall_s']:g} s)")
+        by_load[lo][SOLO] = m = summary(wl, solo_result(wl, solo_steps, max_tokens))  # what no target can beat
+        m.update(prefix_hit_rate=0.0, preemptions=0)
     ratios = {lo: ratios_to(runs, BASE, RATIO_KEYS) for lo, runs in by_load.items()}
-    checks = {lo: {t: check_targets(runs, t, workload) for t in runs if not direct_target(t)}
+    checks = {lo: {t: check_targets(runs, t, workload) for t in runs if t != SOLO and not direct_target(t)}
               for lo, runs in by_load.items()}
     spreads = {lo: {t: {k: spread([runs[lb][k] for lb, tt in labels(names, repeats) if tt == t])
                         for k in ("mean_latency_s", "p50_latency_s", "p99_latency_s", "throughput_rps",
@@ -203,7 +209,9 @@ def fleet(
             if cs:
                 typer.echo(f"  targets {t}: " + ", ".join(
                     f"{c['metric']} {c['ratio'] if c['ratio'] is None else round(c['ratio'], 2)} {c['bound']} "
-                    f"{'met' if c['met'] else 'NOT met'}" for c in cs))
+                    f"{'met' if c['met'] else 'NOT met'}"
+                    + ("" if "best_possible" not in c else f" (best possible {c['best_possible']:.2f}"
+                       + ("" if c["reachable"] else ": unreachable") + ")") for c in cs))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(out, indent=2, default=float))

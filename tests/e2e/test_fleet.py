@@ -7,6 +7,7 @@ that holds it. Every assertion is on counts and orders, none on timing ratios.""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -133,3 +134,25 @@ def test_a_repeated_prefix_lands_on_the_engine_that_holds_it(tmp_path):
         hits = [a["prefix_hits"] - b["prefix_hits"] for a, b in zip(after["per_engine"], before["per_engine"],
                                                                       strict=True)]
         assert sum(hits) >= len(topics) * 80, (hits, before, after)
+
+
+def test_the_fleet_command_reports_the_solo_bound_no_target_beats(tmp_path):
+    """``cohort bench fleet`` end to end on two simulated engines (direct targets only: no stack):
+    the JSON holds each run and the solo bound, and no run's mean, p50 or p99 beats the bound."""
+    from typer.testing import CliRunner
+
+    from bench.cli import app
+
+    out = tmp_path / "fleet.json"
+    r = CliRunner().invoke(app, ["fleet", "--engines", "2", "--num-gpu-blocks", "48", "--speedup", "2",
+                                 "--targets", "rr-fcfs,ll-fcfs", "--loads", "0.9", "--requests", "24",
+                                 "--capacity", "20", "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    runs = json.loads(out.read_text())["by_load"]["0.9"]
+    assert set(runs) == {"rr-fcfs", "ll-fcfs", "solo-bound"}
+    bound = runs["solo-bound"]
+    assert bound["done"] == 24 and "solo-bound" in r.output
+    for t in ("rr-fcfs", "ll-fcfs"):
+        assert runs[t]["done"] == 24
+        for k in ("mean_latency_s", "p50_latency_s", "p99_latency_s"):
+            assert runs[t][k] >= bound[k], (t, k)
