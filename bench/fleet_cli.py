@@ -41,7 +41,7 @@ from bench.fleet_bound import solo_result
 from bench.live_stack import parse_env, spawned_stack
 from bench.report import pyplot
 from bench.roofline import instance
-from bench.upstream_bench import served_model
+from bench.upstream_bench import per_request, served_model
 from bench.workload import WorkloadConfig, build_rows, make_workload
 from cohort.datasets import data_files
 
@@ -147,7 +147,9 @@ def fleet(
                     res, where = asyncio.run(replay_routed(to_wall(wl, speedup), bases, body,
                                                            direct[0] if direct else "rr", progress=bar.update))
             eng = scrape(urls)
-        m = summary(wl, to_model(res, speedup))
+        res = to_model(res, speedup)
+        m = summary(wl, res)
+        m["per_request"] = per_request(res)  # paired comparisons: request i is the same in every run
         m["prefix_hit_rate"] = eng["prefix_hit_rate"]
         m["preemptions"] = eng["preemptions"]
         m["engines"] = eng
@@ -167,8 +169,12 @@ def fleet(
     fracs = ["burst"] if burst else [f"{float(x):g}" for x in loads.split(",") if x.strip()]
     by_load: dict[str, dict[str, Any]] = {lo: {} for lo in fracs}
     trace = None
+    workloads: dict[str, dict[str, list]] = {}  # each load's requests, for the runs' per-request times
     for lo in fracs:
         wl = make(requests / 1.5 if lo == "burst" else max(0.01, float(lo) * capacity))
+        workloads[lo] = {"arrival_s": [round(float(x), 5) for x in wl.arrival],
+                         "prompt_tokens": [int(x) for x in wl.input_tokens],
+                         "true_tokens": [int(x) for x in wl.true_tokens], "slo_s": [float(x) for x in wl.slo_s]}
         if workload == "chat" and trace is None:
             trace = prefix_stats(wl)
         for label, target in labels(names, repeats):
@@ -193,7 +199,7 @@ def fleet(
               "capacity_burst": measured, "requests": requests, "repeats": repeats, "seed": seed,
               "max_tokens": max_tokens, "server_env": env, "trace": trace,
               "direct_stream_interval": 8}
-    out = {"config": config, "by_load": by_load, "ratios_to": BASE, "ratios": ratios, "targets": checks,
+    out = {"config": config, "by_load": by_load, "workloads": workloads, "ratios_to": BASE, "ratios": ratios, "targets": checks,
            "repeat_spread": spreads}
     typer.echo(f"\n{engines} engines ({gpu}, {model}, {num_gpu_blocks or 'roofline'} blocks), {workload}, speedup "
                f"{speedup:g}: times in model seconds, ratios to {BASE}")
