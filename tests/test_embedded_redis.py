@@ -66,6 +66,7 @@ def test_the_url_with_the_password_works_for_the_async_client_and_celery(embedde
     assert bus.connect(embedded.url).llen(queue_for_pool("default")) == 1  # the message reached the broker
 
 
+@pytest.mark.slow  # 0.28 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_restart_keeps_the_data_and_the_password(tmp_path: Path) -> None:
     first = EmbeddedRedis(tmp_path / "redis")
     bus.connect(first.url).set("kept", "1")
@@ -101,6 +102,7 @@ def test_memory_is_bounded_and_only_keys_with_a_ttl_are_evicted(tmp_path: Path) 
         server.close()
 
 
+@pytest.mark.slow  # 0.71 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_the_start_wait_rides_out_a_socket_not_yet_listening(monkeypatch):
     """The server's socket file exists a moment before it listens: a refused ping then is a wait,
     not a failed start; a server that never answers still fails within the start timeout."""

@@ -27,6 +27,7 @@ def _garbage_cycle() -> weakref.ref:
     return weakref.ref(_Node())  # nothing refers to the node but itself
 
 
+@pytest.mark.slow  # 0.77 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_collecting_freeze_frees_startup_garbage_and_freezes_the_rest():
     gone = _garbage_cycle()
     kept = _Node()
@@ -36,6 +37,7 @@ def test_collecting_freeze_frees_startup_garbage_and_freezes_the_rest():
     assert not any(o is kept for o in gc.get_objects())  # frozen objects are out of every generation
 
 
+@pytest.mark.slow  # 0.63 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_freeze_without_collecting_keeps_garbage_out_of_reach_until_unfrozen():
     gone = _garbage_cycle()
     freeze_startup_heap(collect=False)
@@ -46,6 +48,7 @@ def test_freeze_without_collecting_keeps_garbage_out_of_reach_until_unfrozen():
     assert gone() is None
 
 
+@pytest.mark.slow  # 0.54 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_objects_made_after_the_freeze_are_collected():
     freeze_startup_heap()
     later = _garbage_cycle()

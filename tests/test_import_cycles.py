@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
+import pytest
+
 from tests.test_floors import PACKAGES, ROOT
 
 # The target (function-level imports outside the command modules).
@@ -187,6 +189,7 @@ def function_level_imports(root: Path, packages: list[str]) -> list[str]:
     return sorted(out)
 
 
+@pytest.mark.slow  # 1.80 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_every_named_package_is_read() -> None:
     assert NAMED <= set(PACKAGES)
     graph = import_graph(ROOT, PACKAGES)

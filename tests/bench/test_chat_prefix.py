@@ -75,6 +75,7 @@ def test_same_seed_same_trace_other_seed_differs(chat_files):
     assert a.prompt_ids != c.prompt_ids and not np.array_equal(a.arrival, c.arrival)
 
 
+@pytest.mark.slow  # 1.06 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_turns_extend_the_previous_turn_token_for_token(wl):
     convs = 0
     for c in np.unique(wl.conversation):

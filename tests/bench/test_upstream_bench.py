@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 from aiohttp import web
 
 import bench.live_stack as live_stack
@@ -42,6 +43,7 @@ def _workload(n: int, rate: float = 200.0):
                     predicted_tokens=np.full(n, 4), slo_s=np.full(n, 5.0))
 
 
+@pytest.mark.slow  # 0.66 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_the_client_times_streams_from_a_real_server_and_counts_empty_text_chunks_as_tokens():
     """A real HTTP server on loopback: four tokens of which the first two decode to "" (as a random
     model's special tokens do), 0.3 s apart, then usage; a prompt naming row 2 gets a 503."""
@@ -134,6 +136,7 @@ _HOLDS_A_STACK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 2.06 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_benchmark_killed_with_sigterm_stops_the_stack_it_spawned(tmp_path):
     """SIGTERM (``kill``, a CI timeout) goes through the stack's cleanup as Ctrl-C does: before, the
     benchmark died and its gateway, batcher and Redis ran on, on the core the next run measured."""

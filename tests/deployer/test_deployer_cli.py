@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from deployer.cli import app
@@ -11,6 +12,7 @@ from deployer.cli import app
 runner = CliRunner()
 
 
+@pytest.mark.slow  # 1.90 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_plan_yaml_json_keys(examples, tmp_path):
     out = tmp_path / "plan.json"
     res = runner.invoke(app, ["plan", "--topology", str(examples / "thesis_4gpu.yaml"), "--model",

@@ -126,6 +126,7 @@ def test_a_file_that_is_not_a_batch_file_fails_validation(tmp_path):
     assert b["errors"]["data"][0]["code"] == "not_a_batch_file"
 
 
+@pytest.mark.slow  # 0.32 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_cancel_keeps_finished_rows_and_stops_the_rest(tmp_path):
     async def scenario():
         async with gateway(tmp_path) as (app, client, _redis):  # no worker answers: rows stay queued
@@ -227,6 +228,7 @@ def test_streamed_answers_count_their_tokens_without_a_usage_chunk(tmp_path):
     assert f'cohort_api_key_tokens_total{{key="{kid}",kind="completion"}} 1.0' in metrics
 
 
+@pytest.mark.slow  # 0.57 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_admin_keys_create_use_revoke(tmp_path):
     async def scenario():
         async with gateway(tmp_path, admin_token="adm") as (_, client, _redis):

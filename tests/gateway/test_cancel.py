@@ -34,6 +34,7 @@ def _cancelled_count(app, endpoint: str, reason: str) -> float:
     return app.state.metrics.cancelled.labels(endpoint, reason)._value.get()
 
 
+@pytest.mark.slow  # 0.25 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_timeout_withdraws_and_answers_504(tmp_path):
     async def scenario():
         async with gateway(tmp_path, request_timeout_s=0.2) as (app, client, redis):
@@ -51,6 +52,7 @@ def test_timeout_withdraws_and_answers_504(tmp_path):
     assert _cancelled_count(app, "generate", "timeout") == 1
 
 
+@pytest.mark.slow  # 0.26 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_disconnect_while_waiting_withdraws(tmp_path):
     """Non-streaming: the disconnect check between read slices notices the client left."""
     async def scenario():

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from cohort import bus
 from cohort.settings import DEFAULT_MODEL
 from cohort.tokenizer import prompt_token_ids
@@ -20,6 +22,7 @@ def _prompt_len() -> int:
     return len(prompt_token_ids([PROMPT], DEFAULT_MODEL)[0])
 
 
+@pytest.mark.slow  # 0.67 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_models_report_the_smallest_live_context_and_requests_are_planned_within_it(tmp_path):
     n = _prompt_len()
 

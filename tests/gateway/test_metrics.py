@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cohort import engine_counters
@@ -16,6 +17,7 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+@pytest.mark.slow  # 0.37 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_stream_latencies_and_counts(tmp_path):
     async def scenario():
         async with gateway(tmp_path) as (_, client, redis):

@@ -54,6 +54,7 @@ def test_models_lists_every_pool_and_unknown_models_are_404(tmp_path):
     assert queued == 0
 
 
+@pytest.mark.slow  # 0.40 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_model_routes_to_its_pool_and_withdrawals_go_there(tmp_path):
     async def scenario():
         async with gateway(tmp_path, request_timeout_s=0.3) as (_, client, redis):

@@ -8,6 +8,8 @@ import json
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from cohort import bus
 from cohort.types import InstanceInfo
 from tests.gateway.harness import gateway, next_request
@@ -37,9 +39,11 @@ def _owners(tmp_path, builtin_too: bool) -> list:
     return asyncio.run(scenario())
 
 
+@pytest.mark.slow  # 0.68 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_an_upstream_pools_requests_are_streamed_by_their_gateway_unless_they_ask_for_logprobs(tmp_path):
     assert _owners(tmp_path, builtin_too=False) == ["gw-test", None]
 
 
+@pytest.mark.slow  # 0.71 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_pool_with_a_builtin_instance_is_relayed(tmp_path):
     assert _owners(tmp_path, builtin_too=True) == [None, None]

@@ -35,6 +35,7 @@ def test_worker_done_after_the_timeout_changes_nothing(tmp_path):
     assert (row.status, row.actual_tokens) == ("timeout", None)
 
 
+@pytest.mark.slow  # 0.26 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_timeout_overrules_a_done_written_as_the_deadline_passed(tmp_path):
     async def scenario():
         async with gateway(tmp_path, request_timeout_s=0.2) as (app, client, redis):
@@ -64,6 +65,7 @@ def test_answered_request_is_done_once(tmp_path):
     assert (row.status, row.error, row.actual_tokens) == ("done", None, 2)
 
 
+@pytest.mark.slow  # 0.25 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_disconnect_is_final_and_the_worker_cannot_reopen(tmp_path):
     async def scenario():
         async with gateway(tmp_path) as (app, _, redis):

@@ -69,6 +69,7 @@ async def test_a_reader_joining_a_blocked_read_is_not_kept_waiting():
 
 
 @synchronous
+@pytest.mark.slow  # 0.54 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 async def test_a_reader_that_does_not_wake_is_read_by_the_next_call_from_its_start():
     """A request whose tokens the gateway streams itself: no wake, its entries (failures) come with
     the next call, at most ``block_s`` later, none missed."""
@@ -135,6 +136,7 @@ async def test_a_reader_whose_wake_fails_is_not_left_behind():
 
 
 @synchronous
+@pytest.mark.slow  # 0.47 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 async def test_the_client_is_asked_whether_it_left_once_a_slice_not_once_an_event():
     from cohort.protocol import StreamEvent, StreamKind
     from gateway.stream import Withdrawn, read_events
@@ -170,6 +172,7 @@ async def test_the_client_is_asked_whether_it_left_once_a_slice_not_once_an_even
 
 
 @synchronous
+@pytest.mark.slow  # 0.61 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 async def test_a_replaced_hub_serves_its_readers_then_gives_its_connection_back():
     first, second = aioredis.FakeRedis(decode_responses=True), aioredis.FakeRedis(decode_responses=True)
     state = SimpleNamespace(redis=first, settings=SimpleNamespace(disconnect_check_s=0.2))

@@ -48,6 +48,7 @@ def test_api_page_lists_every_path():
             assert f"`{method.upper()} {path}`" in text, f"{method} {path}: run docs/tools/gen_reference.py"
 
 
+@pytest.mark.slow  # 1.09 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_mkdocs_build_strict(tmp_path):
     mkdocs = shutil.which("mkdocs", path=str(ROOT / ".venv" / "bin")) or shutil.which("mkdocs")
     if mkdocs is None:

@@ -35,6 +35,7 @@ def test_quantile_rank():
 
 
 @pytest.mark.parametrize("level", [0.8, 0.9])
+@pytest.mark.slow  # 0.87 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_coverage_per_task_on_fresh_data(level):
     """Calibrated on one sample, the bound covers ~level of a fresh sample of every task, even
     though the tasks' noise differs 10-fold (one global quantile would not)."""

@@ -17,6 +17,7 @@ def _grid():
     return [(b, L, G) for b in (1, 2, 4, 8, 16) for L in (16, 64, 256) for G in (8, 32, 128)]
 
 
+@pytest.mark.slow  # 0.74 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_knn_fit_save_load(tmp_path):
     shapes = _grid()
     y = [_truth(*s) for s in shapes]

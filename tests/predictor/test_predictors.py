@@ -16,6 +16,7 @@ from predictor.training import fit_predictor, predict_items
                                   pytest.param("magnus", marks=pytest.mark.slow),  # the real MiniLM
                                   "magnus_fast",
                                   pytest.param("semantic", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 0.81 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_train_save_load_predict(kind, small_items, emb_cache, tmp_path):
     tr_items, tr_y, va_items, va_y = small_items
     model = fit_predictor(kind, tr_items, tr_y, cache_dir=emb_cache, n_estimators=20, max_iter=30)

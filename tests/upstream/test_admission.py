@@ -182,6 +182,7 @@ def test_a_cancelled_row_closes_its_stream(tok):
     loop.stop()
 
 
+@pytest.mark.slow  # 0.32 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_rows_first_token_and_its_end_go_out_at_once_the_rest_coalesce(tok):
     server = ScriptedServer(delay_s=0.05)
     loop = UpstreamLoop(server, tok, capacity_tokens=10_000, poll_s=60, flush_s=5.0)  # coalesce for 5 s
@@ -302,6 +303,7 @@ def test_an_overcommitted_loop_sends_the_next_group_beside_the_running_one(tok):
     loop.stop()
 
 
+@pytest.mark.slow  # 0.87 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_full_instance_waits_before_it_takes_the_next_group(tok):
     server = ScriptedServer(delay_s=0.02)
     loop = UpstreamLoop(server, tok, capacity_tokens=80, page_tokens=16, poll_s=60, take_wait_s=10.0)

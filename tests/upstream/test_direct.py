@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import fakeredis
+import pytest
 from aiohttp import web
 
 from cohort.protocol import Release, ReportKind, StreamEvent, StreamKind, StreamReport
@@ -92,6 +93,7 @@ def _text(events: list[StreamEvent]) -> str:
     return "".join(e.text for e in events if e.kind is StreamKind.DELTA)
 
 
+@pytest.mark.slow  # 0.62 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_release_streams_to_its_client_and_reports_its_ids_and_end():
     got, reports, alive = asyncio.run(_run(_engine(["a", "b", "c", "d"]), lambda url: [_release(url)]))
     events = got["r1"]
@@ -103,6 +105,7 @@ def test_a_release_streams_to_its_client_and_reports_its_ids_and_end():
     assert reports[-1].kind is ReportKind.FINISH and reports[-1].finish_reason == "length"
 
 
+@pytest.mark.slow  # 0.78 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_progress_goes_to_the_worker_every_report_s_while_text_flows_every_flush():
     got, reports, _ = asyncio.run(_run(_engine(list("abcdefghijklmnopqrst"), delay_s=0.02),
                                        lambda url: [_release(url)], settle_s=0.6, report_s=0.2))
@@ -113,6 +116,7 @@ def test_progress_goes_to_the_worker_every_report_s_while_text_flows_every_flush
     assert [i for r in reports for i in r.ids] == list(range(100, 120))  # every id once, in order
 
 
+@pytest.mark.slow  # 1.10 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_reports_reach_the_worker_in_order_while_a_push_waits_for_redis():
     # the worker takes a row's end as final: progress that overtook it, or that it overtook, is lost
     got, reports, _ = asyncio.run(_run(_engine(list("abcdefghij"), delay_s=0.03), lambda url: [_release(url)],
@@ -122,11 +126,13 @@ def test_reports_reach_the_worker_in_order_while_a_push_waits_for_redis():
     assert [r.kind for r in reports][-1] is ReportKind.FINISH and len(reports) > 2
 
 
+@pytest.mark.slow  # 0.63 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_an_emulated_length_ends_with_stop():
     got, reports, _ = asyncio.run(_run(_engine(["a", "b", "c"]), lambda url: [_release(url, limit=3, max_tokens=3)]))
     assert got["r1"][-1].finish_reason == "stop" and reports[-1].finish_reason == "stop"
 
 
+@pytest.mark.slow  # 0.62 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_stop_string_across_chunks_ends_the_answer_before_it():
     got, reports, _ = asyncio.run(_run(_engine(["he", "llo ", "wo", "rld", "!!"]),
                                        lambda url: [_release(url, stop=["o w"])]))
@@ -134,6 +140,7 @@ def test_a_stop_string_across_chunks_ends_the_answer_before_it():
     assert _text(got["r1"]) == "hell" and reports[-1].kind is ReportKind.FINISH
 
 
+@pytest.mark.slow  # 1.31 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_broken_stream_is_reported_with_its_ids_and_its_continuation_goes_on_across_the_cut():
     broken = _engine(["x", "y", "zz"], fail_after=2)
 
@@ -163,6 +170,7 @@ def test_a_broken_stream_is_reported_with_its_ids_and_its_continuation_goes_on_a
     assert _text(seen) == "x"
 
 
+@pytest.mark.slow  # 1.38 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_refusal_and_a_client_that_leaves_are_reported():
     _, reports, _ = asyncio.run(_run(_engine(["a"], status=400), lambda url: [_release(url)]))
     assert [r.kind for r in reports] == [ReportKind.REFUSED]
@@ -172,6 +180,7 @@ def test_a_refusal_and_a_client_that_leaves_are_reported():
     assert len(slow[CLOSED]) == 1  # its engine stream was closed: vLLM aborts the request
 
 
+@pytest.mark.slow  # 0.25 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_release_after_the_client_left_is_refused_at_once():
     async def scenario():
         redis = fakeredis.aioredis.FakeRedis(decode_responses=True)

@@ -10,6 +10,7 @@ import asyncio
 import time
 
 import fakeredis
+import pytest
 
 from cohort.protocol import FailureCode, FinishReason, Release, ReportKind, StreamReport
 from cohort.release_bus import gateway_inbox
@@ -117,6 +118,7 @@ def _one_row_until_done(link: Link, server_timeout_s: float | None = None) -> li
         loop.stop()
 
 
+@pytest.mark.slow  # 0.33 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_row_never_heard_of_continues_elsewhere(monkeypatch):
     monkeypatch.setattr(upstream_release, "SILENCE_MARGIN_S", 0.3)  # its release was lost: no report comes
     ups = _one_row_until_done(Link(), server_timeout_s=0.0)
@@ -129,6 +131,7 @@ def test_a_row_whose_gateway_died_fails():
     assert failed[0].id == "r1" and failed[1] is FailureCode.BATCH_FAILED and "gateway" in failed[2]
 
 
+@pytest.mark.slow  # 0.72 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_releases_reach_their_gateway_in_order_while_a_push_waits_for_redis():
     # a gateway that took a row's first release after its continuation would run the stale one
     def rel(rid: str, done: int) -> Release:

@@ -77,6 +77,7 @@ def test_error_rate_answers_500_for_that_share_seeded(sim) -> None:
         client(s.url).completions.create(model="sim-model", prompt="x", max_tokens=1)
 
 
+@pytest.mark.slow  # 0.35 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_stall_after_holds_tokens_for_stall_s(sim) -> None:
     with sim(stall_after=1, stall_s=0.3, ttft_ms=1.0, itl_ms=1.0, speedup=1.0) as s:
         t0 = time.monotonic()

@@ -37,6 +37,7 @@ def fitted_run(token_table):
     return run, speedup
 
 
+@pytest.mark.slow  # 6.23 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_the_steps_rebuilt_from_chunk_times_fit_the_roofline(fitted_run) -> None:
     run, speedup = fitted_run
     assert speedup == SPEEDUP
@@ -67,6 +68,7 @@ def test_the_fit_file_is_read_by_load_fit(tmp_path) -> None:
     assert v1.to_json()["form"] == FIT_FORM and "a_p" not in v1.to_json()
 
 
+@pytest.mark.slow  # 1.72 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_the_fit_command_writes_a_file_serve_reads(token_table, tmp_path) -> None:
     """``fit_upstream`` end to end (the client in this thread, the simulator in its own): the JSON
     it writes carries the engine's cache config and both forms, and ``--fit`` loads it."""
@@ -106,6 +108,7 @@ def test_runs_of_steps_recover_linear_v2() -> None:
         assert got == pytest.approx(want, rel=1e-4)
 
 
+@pytest.mark.slow  # 0.53 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_text_prompts_take_the_engines_token_count(token_table) -> None:
     cfg = SimConfig(num_gpu_blocks=500, max_model_len=2048, speedup=SPEEDUP)
     with serving_sim(cfg, token_table) as s:
@@ -117,6 +120,7 @@ def test_text_prompts_take_the_engines_token_count(token_table) -> None:
     assert sum(t.prompt_tokens for t in done) == metric_value(run.metrics_after, "vllm:prompt_tokens_total")
 
 
+@pytest.mark.slow  # 0.85 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
 def test_a_warm_up_runs_first_and_is_not_recorded(token_table) -> None:
     cfg = SimConfig(num_gpu_blocks=500, max_model_len=2048, speedup=SPEEDUP)
     with serving_sim(cfg, token_table) as s:
