@@ -53,6 +53,27 @@ async def take_inbox(conn, key: str, timeout_s: float = 1.0) -> list[str]:
     return ([got[1]] if got else []) + (more or [])
 
 
+async def serve_inbox(conn, key: str, handle: Callable[[str], None], what: str) -> None:
+    """Take an inbox's messages (``take_inbox``) until cancelled, each to ``handle``. A Redis outage
+    is waited out (0.2 s, doubling up to 5 s, as every reader does); a message ``handle`` cannot
+    apply is logged and skipped, never the end of the reader."""
+    backoff = 0.2
+    while True:
+        try:
+            msgs = await take_inbox(conn, key)
+            backoff = 0.2
+        except Exception as e:
+            log.warning("reading %s failed (%s); retrying in %.1f s", what, e, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(5.0, backoff * 2)
+            continue
+        for js in msgs:
+            try:
+                handle(js)
+            except Exception:
+                log.exception("%s: a message could not be applied: %.200s", what, js)
+
+
 async def push_in_order(redis: Any, waiting: dict[str, list[T]], key: Callable[[str], str],
                         encode: Callable[[list[T]], list[str]], what: str,
                         pause_s: float = 0.2, max_pause_s: float = 5.0) -> None:

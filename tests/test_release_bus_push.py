@@ -69,3 +69,40 @@ def test_nothing_waiting_pushes_nothing(monkeypatch):
     redis = _FlakyRedis(fail=0)
     assert _run(monkeypatch, redis, {}) == []
     assert redis.pushes == 0
+
+
+def test_an_inbox_reader_rides_out_an_outage_and_a_bad_message(monkeypatch) -> None:
+    """``serve_inbox``: a failed read is retried after a pause; a message its handler cannot apply
+    is skipped and the next one still arrives."""
+    reads: list = [ConnectionError("Redis is restarting"), ["bad", "one"], ["two"]]
+    got: list[str] = []
+    pauses: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def take(conn, key):
+        if not reads:
+            await asyncio.Event().wait()  # nothing more: the reader waits, as a blocking read does
+        r = reads.pop(0)
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    async def sleep(s: float) -> None:
+        pauses.append(s)
+        await real_sleep(0)
+
+    def handle(js: str) -> None:
+        if js == "bad":
+            raise ValueError("not a message")
+        got.append(js)
+
+    async def go() -> None:
+        task = asyncio.ensure_future(release_bus.serve_inbox(None, "k", handle, "test messages"))
+        for _ in range(20):
+            await real_sleep(0)
+        task.cancel()
+
+    monkeypatch.setattr(release_bus, "take_inbox", take)
+    monkeypatch.setattr(release_bus.asyncio, "sleep", sleep)
+    asyncio.run(go())
+    assert got == ["one", "two"] and pauses == [0.2]

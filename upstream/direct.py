@@ -37,7 +37,7 @@ from cohort.release_bus import (
     gateway_inbox,
     instance_inbox,
     push_in_order,
-    take_inbox,
+    serve_inbox,
 )
 from upstream.api import UpstreamDown, UpstreamRefused, finish_reason, stream_completion
 
@@ -135,22 +135,10 @@ class DirectStreams:
 
     # --- releases -------------------------------------------------------------------------------
     async def _inbox(self) -> None:
-        conn, key, backoff = self.redis.client(), gateway_inbox(self.gateway_id), 0.2
+        conn = self.redis.client()
         try:
-            while True:
-                try:
-                    msgs = await take_inbox(conn, key)
-                    backoff = 0.2
-                except Exception as e:  # Redis gone: wait for it, as every reader does
-                    log.warning("direct streams: reading releases failed (%s); retrying in %.1f s", e, backoff)
-                    await asyncio.sleep(backoff)
-                    backoff = min(5.0, backoff * 2)
-                    continue
-                for js in msgs:
-                    try:
-                        self._take(Release.from_json(js))
-                    except Exception:
-                        log.exception("direct streams: a release could not be read: %.200s", js)
+            await serve_inbox(conn, gateway_inbox(self.gateway_id), lambda js: self._take(Release.from_json(js)),
+                              "direct streams' releases")
         finally:
             await conn.aclose(close_connection_pool=False)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from cohort import bus
 from cohort.protocol import FinishReason, Release, ReportKind, StreamReport
-from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox, push_in_order, take_inbox
+from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox, push_in_order, serve_inbox
 from upstream.rows import ReportPace, Row
 from workers.step_outputs import RowResult
 
@@ -58,21 +58,8 @@ class ReleaseLink:
             self._flushing = False
 
     async def _read(self, on_reports) -> None:
-        conn, key, backoff = self.redis.client(), instance_inbox(self.instance), 0.2
-        while True:
-            try:
-                msgs = await take_inbox(conn, key)
-                backoff = 0.2
-            except Exception as e:
-                log.warning("reading stream reports failed (%s); retrying in %.1f s", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
-                continue
-            for js in msgs:
-                try:
-                    on_reports([StreamReport.from_dict(d) for d in json.loads(js)])
-                except Exception:
-                    log.exception("stream reports could not be applied: %.200s", js)
+        await serve_inbox(self.redis.client(), instance_inbox(self.instance),
+                          lambda js: on_reports([StreamReport.from_dict(d) for d in json.loads(js)]), "stream reports")
 
     async def dead(self, owners: set[str]) -> set[str]:
         """The gateways among ``owners`` that stopped heart-beating."""
