@@ -23,7 +23,7 @@ from bench.upstream_bench import StreamResult
 from bench.workload import Workload
 
 
-def solo_times(step_time: StepTime, prompt_tokens: int, gen_tokens: int) -> tuple[float, float]:
+def alone_on_engine(step_time: StepTime, prompt_tokens: int, gen_tokens: int) -> tuple[float, float]:
     """(TTFT, e2e) of one request alone on an engine: a first step computing one prompt token
     against the whole prompt's context, then ``gen_tokens − 1`` decode steps."""
     p = max(1, int(prompt_tokens))
@@ -34,11 +34,11 @@ def solo_times(step_time: StepTime, prompt_tokens: int, gen_tokens: int) -> tupl
 
 
 def solo_result(workload: Workload, step_time: StepTime, max_tokens: int | None = None) -> StreamResult:
-    """The workload served solo (``solo_times``), each request from its arrival, as a run's result
+    """The workload served solo (``alone_on_engine``), each request from its arrival, as a run's result
     in the workload's (model) time. Lengths are the true ones, capped at ``max_tokens``."""
     cap = max_tokens or workload.config.max_tokens
     gen = np.minimum(np.maximum(np.asarray(workload.true_tokens, dtype=np.int64), 1), cap)
-    times = [solo_times(step_time, int(p), int(g)) for p, g in zip(workload.input_tokens, gen, strict=True)]
+    times = [alone_on_engine(step_time, int(p), int(g)) for p, g in zip(workload.input_tokens, gen, strict=True)]
     sent = np.asarray(workload.arrival, dtype=float)
     ttft = np.array([t for t, _ in times])
     e2e = np.array([e for _, e in times])

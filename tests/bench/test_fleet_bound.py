@@ -13,7 +13,7 @@ from bench.engine_sim.engine import SteppedEngine
 from bench.engine_sim.faults import Faults
 from bench.engine_sim.step_time import FittedStepTime
 from bench.fleet_bench import SOLO, check_targets
-from bench.fleet_bound import solo_result, solo_times
+from bench.fleet_bound import alone_on_engine, solo_result
 from tests.bench.engine_sim.helpers import make_req, make_sched
 from tests.bench.engine_sim.test_front_end import HandClock
 
@@ -40,13 +40,13 @@ def _serve(prompts: list[int], gens: list[int]) -> list[tuple[float, float]]:
 
 def test_a_request_alone_takes_its_solo_time() -> None:
     (ttft, e2e), = _serve([100], [12])
-    assert (ttft, e2e) == pytest.approx(solo_times(STEP, 100, 12))
+    assert (ttft, e2e) == pytest.approx(alone_on_engine(STEP, 100, 12))
 
 
 def test_no_request_of_a_shared_engine_beats_its_solo_time() -> None:
     prompts, gens = [100, 40, 300, 64, 16], [12, 30, 5, 20, 1]
     for (ttft, e2e), p, g in zip(_serve(prompts, gens), prompts, gens, strict=True):
-        solo_ttft, solo_e2e = solo_times(STEP, p, g)
+        solo_ttft, solo_e2e = alone_on_engine(STEP, p, g)
         assert ttft >= solo_ttft - 1e-12 and e2e >= solo_e2e - 1e-12
 
 
@@ -65,7 +65,7 @@ def test_the_solo_result_starts_each_request_at_its_arrival() -> None:
     res = solo_result(_Workload(), STEP)  # type: ignore[arg-type]
     assert list(res.tokens) == [4, 1, 8]
     for i, (p, g) in enumerate([(10, 4), (20, 1), (30, 8)]):
-        ttft, e2e = solo_times(STEP, p, g)
+        ttft, e2e = alone_on_engine(STEP, p, g)
         assert res.first[i] == pytest.approx(_Workload.arrival[i] + ttft)
         assert res.done[i] == pytest.approx(_Workload.arrival[i] + e2e)
     assert res.ok.all() and res.wall_s == pytest.approx(res.done[2])
