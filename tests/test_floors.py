@@ -39,7 +39,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "learning": {"cohort", "predictor", "taskq"},
     "gateway": {"cohort", "batcher", "predictor", "taskq", "upstream"},
     "bench": {"cohort", "batcher", "predictor", "deployer", "procstack"},
-    "offline": {"cohort", "procstack"},  # the Batch API's job runner: a client of the gateway (issue 21)
+    "offline": {"cohort", "procstack"},  # the Batch API's job runner: a client of the gateway
     "launch": set(PACKAGES) - {"launch"},
 }
 

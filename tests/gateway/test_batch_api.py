@@ -1,4 +1,4 @@
-"""The Batch API and API keys (issue 21) on the real gateway app (harness: fakeredis, a fake
+"""The Batch API and API keys on the real gateway app (harness: fakeredis, a fake
 worker answering every request): files, batches, the job runner carrying a job through the
 gateway, output/error lines in OpenAI's format, key isolation, 401 and 429."""
 
