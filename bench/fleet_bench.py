@@ -31,6 +31,7 @@ import aiohttp
 import httpx
 import numpy as np
 
+from bench.fleet_bound import BOUNDED_METRICS
 from bench.live import check_loopback
 from bench.upstream_bench import StreamResult, _one, direct_body, summarize
 from bench.workload import Workload
@@ -181,7 +182,7 @@ def check_targets(runs: dict[str, dict[str, Any]], target: str, workload: str, b
         v = r.get(target, {}).get(key)
         met = v is not None and (v <= bound if at_most else v >= bound)
         c = {"metric": key, "ratio": v, "bound": f"{'<=' if at_most else '>='} {bound}", "met": met}
-        best = r.get(SOLO, {}).get(key)
+        best = r.get(SOLO, {}).get(key) if key in BOUNDED_METRICS else None
         if best is not None:
             c["best_possible"] = best
             c["reachable"] = best <= bound if at_most else best >= bound

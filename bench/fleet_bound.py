@@ -22,6 +22,11 @@ from bench.engine_sim.step_time import StepShape, StepTime
 from bench.upstream_bench import StreamResult
 from bench.workload import Workload
 
+# What the bound says something about: times and rates. Not the prefix-cache hit rate (the bound's
+# engines cache everything) nor anything else a run measures on its engines.
+BOUNDED_METRICS = frozenset({"mean_latency_s", "p50_latency_s", "p90_latency_s", "p99_latency_s", "mean_ttft_s",
+                             "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "goodput_rps", "throughput_rps"})
+
 
 def alone_on_engine(step_time: StepTime, prompt_tokens: int, gen_tokens: int) -> tuple[float, float]:
     """(TTFT, e2e) of one request alone on an engine: a first step computing one prompt token

@@ -184,7 +184,7 @@ def fleet(
                        f"{m['mean_ttft_s']:.3f} s, goodput {m['goodput_rps']:.2f}, hit {m['prefix_hit_rate']:.3f}, "
                        f"preempt {m['preemptions']:g}, lost {m['lost']} ({m['run_wall_s']:g} s)")
         by_load[lo][SOLO] = m = summary(wl, solo_result(wl, solo_steps, max_tokens))  # what no target can beat
-        m.update(prefix_hit_rate=0.0, preemptions=0)
+        m.update(prefix_hit_rate=0.0, preemptions=0)  # not bounded (``BOUNDED_METRICS``): no check reads them
     ratios = {lo: ratios_to(runs, BASE, RATIO_KEYS) for lo, runs in by_load.items()}
     checks = {lo: {t: check_targets(runs, t, workload) for t in runs if t != SOLO and not direct_target(t)}
               for lo, runs in by_load.items()}
@@ -209,8 +209,8 @@ def fleet(
             r = ratios[lo][t]
             typer.echo(f"  {t:>10}: mean x{r['mean_latency_s'] or 0:.2f}, p50 x{r['p50_latency_s'] or 0:.2f}, p99 "
                        f"x{r['p99_latency_s'] or 0:.2f}, goodput x{r['goodput_rps'] or 0:.2f}, throughput "
-                       f"x{r['throughput_rps'] or 0:.2f}, TTFT x{r['mean_ttft_s'] or 0:.2f}, hit rate "
-                       f"{runs[t]['prefix_hit_rate']:.3f}")
+                       f"x{r['throughput_rps'] or 0:.2f}, TTFT x{r['mean_ttft_s'] or 0:.2f}"
+                       + ("" if t == SOLO else f", hit rate {runs[t]['prefix_hit_rate']:.3f}"))
         for t, cs in checks[lo].items():
             if cs:
                 typer.echo(f"  targets {t}: " + ", ".join(

@@ -83,3 +83,12 @@ def test_a_target_below_the_solo_bound_is_reported_unreachable() -> None:
     assert not by["p50_latency_s"]["met"] and not by["p50_latency_s"]["reachable"]
     assert by["p50_latency_s"]["best_possible"] == pytest.approx(0.6)
     assert not by["goodput_rps"]["reachable"] and by["throughput_rps"]["reachable"]
+
+
+def test_the_bound_says_nothing_of_the_prefix_hit_rate() -> None:
+    """The chat trace's hit-rate target gets no best possible: the bound's engines model no cache."""
+    runs = {"rr-fcfs": {"prefix_hit_rate": 0.5, "mean_ttft_s": 0.02}, SOLO: {"prefix_hit_rate": 0.0, "mean_ttft_s": 0.008},
+            "spf": {"prefix_hit_rate": 0.75, "mean_ttft_s": 0.021}}
+    by = {c["metric"]: c for c in check_targets(runs, "spf", "chat")}
+    assert "best_possible" not in by["prefix_hit_rate"]
+    assert by["mean_ttft_s"]["best_possible"] == pytest.approx(0.4) and by["mean_ttft_s"]["reachable"]
