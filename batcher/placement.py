@@ -2,6 +2,13 @@
 holds the most of its prompts' KV pages (prefix-aware routing, ``batcher.prefix_routing``), else
 the least loaded one with room; on the pool's queue (any instance takes it) only when none has room.
 
+Room is counted in batches and in KV: a continuous instance has room for a batch while few of its
+batches wait and the batch's rows fit beside the rows of every batch it already holds, each at its
+prompt and planned length, by the one running-set rule (``batcher.kv_judge``). Counting batches
+alone, an engine running one long row looks less loaded than one running two short ones; on a
+KV-bound fleet a short request sent there waited a second for the long row's pages (docs/fleet.md).
+A batch that fits nowhere goes to the pool's queue, where the first instance with room takes it.
+
 Why the least loaded and not the pool's queue: instances that pull from one queue take batches in
 turn, whatever runs on each, so one engine queues while another has room. On a fleet of four
 KV-bound engines at 0.9 of capacity (docs/fleet.md) the pool's queue gave a mean TTFT twice that of
@@ -20,6 +27,7 @@ from typing import Protocol
 
 import redis
 
+from batcher.kv_judge import KVJudge
 from batcher.prefix_pages import decode_summary
 from batcher.prefix_routing import PrefixRouter
 from cohort import bus
@@ -45,6 +53,7 @@ class Placement:
     redis: redis.Redis
     router: PrefixRouter = field(default_factory=PrefixRouter)
     model: str = ""
+    capacity: dict[str, int] = field(default_factory=dict)  # live instances' KV, in tokens
     _last_summaries: float = float("-inf")
 
     def __post_init__(self) -> None:
@@ -55,7 +64,8 @@ class Placement:
         for name in gone:  # nobody consumes a gone instance's queue: what waits there is re-queued
             # by the lost-batch check (its target is gone); an upstream's groups wait on a list of its own
             self.redis.delete(bus.queue_for_instance(name), group_list(self.settings.pool, name))
-        self.router.sync_instances({n: i.theta_bytes // max(1, i.delta_bytes) for n, i in alive.items()})
+        self.capacity = {n: i.theta_bytes // max(1, i.delta_bytes) for n, i in alive.items()}
+        self.router.sync_instances(self.capacity)
         if alive:
             self.model = next(iter(alive.values())).model
         if alive and now - self._last_summaries >= max(0.5, self.settings.instance_ttl_s / 3):
@@ -64,30 +74,46 @@ class Placement:
                 if text:
                     self.router.report(name, decode_summary(text))
 
-    def with_room(self, inflight: list[Placed]) -> list[str]:
-        """Instances that may take one more batch now, least loaded first. Continuous: fewer than
-        ``lookahead`` of its batches wait to be admitted and fewer than ``max_groups`` run; padded
-        execution: none of its batches is in flight. Batches still on the pool queue count for no
-        instance until one claims them."""
+    def with_room(self, inflight: list[Placed], batch: Batch | None = None) -> list[str]:
+        """Instances that may take one more batch (``batch``, when given) now, least loaded first.
+        Continuous: fewer than ``lookahead`` of its batches wait to be admitted, fewer than
+        ``max_groups`` run, and ``batch`` fits beside them (``fits_beside``); padded execution: none
+        of its batches is in flight. Batches still on the pool queue count for no instance until one
+        claims them."""
         s = self.settings
         total = dict.fromkeys(self.router.views, 0)
         waiting = dict.fromkeys(self.router.views, 0)
+        held: dict[str, list[Batch]] = {n: [] for n in self.router.views}
         for fl in inflight:
             where = fl.target or fl.owner
             if where in total:
                 total[where] += 1
                 waiting[where] += not fl.admitted
+                held[where].append(fl.batch)
         if s.execution == "continuous":
-            ok = [n for n in total if waiting[n] < s.continuous.lookahead and total[n] < s.continuous.max_groups]
+            ok = [n for n in total if waiting[n] < s.continuous.lookahead and total[n] < s.continuous.max_groups
+                  and (batch is None or self.fits_beside(n, held[n], batch))]
         else:
             ok = [n for n in total if total[n] == 0]
         return sorted(ok, key=lambda n: (total[n], n))
+
+    def fits_beside(self, instance: str, held: list[Batch], batch: Batch) -> bool:
+        """Whether ``batch``'s rows fit ``instance``'s KV beside the rows of the batches it holds,
+        each planned from its prompt to its planned length (what the batcher knows: not how far a
+        row has got). An instance that holds nothing takes any batch."""
+        if not held:
+            return True
+        rows = [r for b in (*held, batch) for r in b.requests]
+        s = self.settings
+        judge = KVJudge(self.capacity.get(instance, 0), s.continuous.page_tokens, s.continuous.max_rows)
+        return judge.running_set_fits([r.input_tokens for r in rows],
+                                      [r.run_plan_tokens for r in rows])
 
     def target(self, batch: Batch, inflight: list[Placed]) -> tuple[str | None, bool]:
         """The instance to route ``batch`` to: of those with room, the one holding most of its
         prompts' pages, else the least loaded; None (the pool queue) when none has room. The flag:
         chosen for its cached prefix (the log says which)."""
-        room = self.with_room(inflight)
+        room = self.with_room(inflight, batch)
         cached = self.router.choose(batch, room, self.model)
         name = cached or (room[0] if room else None)
         if name is not None:

@@ -183,8 +183,9 @@ def fleet(
                        f"{m['mean_latency_s']:.3f}/{m['p50_latency_s']:.3f}/{m['p99_latency_s']:.3f} s, TTFT mean "
                        f"{m['mean_ttft_s']:.3f} s, goodput {m['goodput_rps']:.2f}, hit {m['prefix_hit_rate']:.3f}, "
                        f"preempt {m['preemptions']:g}, lost {m['lost']} ({m['run_wall_s']:g} s)")
-        by_load[lo][SOLO] = m = summary(wl, solo_result(wl, solo_steps, max_tokens))  # what no target can beat
-        m.update(prefix_hit_rate=0.0, preemptions=0)  # not bounded (``BOUNDED_METRICS``): no check reads them
+        solo = solo_result(wl, solo_steps, max_tokens)  # what no target can beat
+        by_load[lo][SOLO] = m = summary(wl, solo)
+        m.update(prefix_hit_rate=0.0, preemptions=0, per_request=per_request(solo))  # the hit rate: not bounded
     ratios = {lo: ratios_to(runs, BASE, RATIO_KEYS) for lo, runs in by_load.items()}
     checks = {lo: {t: check_targets(runs, t, workload) for t in runs if t != SOLO and not direct_target(t)}
               for lo, runs in by_load.items()}

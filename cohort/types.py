@@ -132,6 +132,12 @@ class ProfiledRequest:
         return self.predicted_upper if self.predicted_upper is not None else self.predicted_tokens
 
     @property
+    def run_plan_tokens(self) -> int:
+        """What planning reserves for this run of it: its planned length within ``max_tokens``, at
+        least one token (every running-set plan: the worker's rows, an upstream's, placement)."""
+        return max(1, min(self.planned_tokens, self.max_tokens))
+
+    @property
     def done_tokens(self) -> int:
         """Tokens already generated for this request before this (continuation) run."""
         return len(self.generated_ids)

@@ -47,7 +47,7 @@ class Row:
     @property
     def planned(self) -> int:
         """Tokens planning reserved for this run of it."""
-        return max(1, min(self.req.planned_tokens, self.req.max_tokens))
+        return self.req.run_plan_tokens
 
     @property
     def limit(self) -> int:

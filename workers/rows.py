@@ -59,7 +59,7 @@ class RowState:
     def planned_remaining(self) -> int:
         """Tokens memory planning still reserves for this row: its upper-quantile prediction
         (``planned_tokens``) less what it generated, never past what it may still generate."""
-        return max(1, min(self.req.planned_tokens, self.req.max_tokens) - len(self.new_ids))
+        return max(1, self.req.run_plan_tokens - len(self.new_ids))
 
     def continuation(self) -> ProfiledRequest:
         req = self.req if self.req.prompt_ids is not None else replace(self.req, prompt_ids=self.prompt_ids)

@@ -146,3 +146,39 @@ def test_routing_off_sends_everything_to_the_pool_queue(r, tmp_path):
     arrive(r, "a1", SYSTEM_A)
     svc.step(now=1.0)
     assert [t for _, t in sent] == [None] and svc.placement is None
+
+
+class _Held:
+    """An in-flight batch as placement reads it (``batcher.placement.Placed``)."""
+
+    def __init__(self, batch: Batch, target: str, admitted: bool = True) -> None:
+        self.batch, self.target, self.admitted, self.owner = batch, target, admitted, None
+
+
+def _batch(bid: str, prompt: int, planned: int) -> Batch:
+    return Batch(id=bid, requests=[ProfiledRequest(id=f"{bid}-r", prompt="p", input_tokens=prompt,
+                                                   predicted_tokens=planned, max_tokens=1024, arrival=0.0)],
+                 created=0.0)
+
+
+def test_a_batch_goes_where_it_fits_beside_what_runs_not_to_the_fewest_batches(r, tmp_path):
+    """768 tokens of KV each: w1 runs one long row (400 + 300 planned), w2 two short ones. A batch
+    of 100 + 300 does not fit beside w1's row (1,100 tokens when both end): it goes to w2, though
+    w2 holds more batches. A short one (30 + 40) fits beside the long row (it ends first). One that
+    fits nowhere goes to the pool's queue (None)."""
+    from batcher.placement import Placement
+
+    s = Settings(database_url=f"sqlite:///{tmp_path}/log.db", execution="continuous")
+    place = Placement(s, r)
+    alive = {n: InstanceInfo(name=n, pool="default", model="m", theta_bytes=768, delta_bytes=1) for n in ("w1", "w2")}
+    place.sync(alive, [], now=0.0)
+    held = [_Held(_batch("long", 400, 300), "w1"), _Held(_batch("s1", 20, 10), "w2"), _Held(_batch("s2", 20, 10), "w2")]
+    assert place.with_room(held) == ["w1", "w2"]           # by batches alone, w1 is the less loaded
+    assert place.with_room(held, _batch("short", 30, 40)) == ["w1", "w2"]
+    mid = _batch("mid", 100, 300)
+    assert place.with_room(held, mid) == ["w2"] and place.target(mid, held) == ("w2", False)
+    big = _batch("big", 300, 480)
+    assert place.with_room(held, big) == [] and place.target(big, held) == (None, False)
+    assert place.with_room([], big) == ["w1", "w2"]        # an instance holding nothing takes anything
+    waiting = [_Held(_batch("long", 400, 300), "w1"), _Held(_batch("queued", 100, 300), "w2", admitted=False)]
+    assert place.with_room(waiting, mid) == []             # a waiting batch holds its room too

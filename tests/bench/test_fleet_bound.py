@@ -50,6 +50,43 @@ def test_no_request_of_a_shared_engine_beats_its_solo_time() -> None:
         assert ttft >= solo_ttft - 1e-12 and e2e >= solo_e2e - 1e-12
 
 
+# prompt tokens cost 0.1 ms each here, so what the cache holds shows in the first step
+STEP_PREFILL = FittedStepTime(a=0.005, b=0.0001, c=0.0002, d=0.000002)
+
+
+def _serve_after(first: list[int], second: list[int], gen: int) -> float:
+    """The TTFT of ``second``, submitted alone once ``first`` has run to its end on the same engine
+    (whose prefix cache then holds ``first``'s full pages)."""
+    async def go() -> float:
+        clock = HandClock()
+        eng = SteppedEngine(make_sched(num_blocks=400, max_model_len=4096), STEP_PREFILL, clock, Faults())  # type: ignore[arg-type]
+        a = make_req(first, max_tokens=2, arrival=0.0)
+        eng.submit(a)
+        await asyncio.sleep(0)
+        while a.finish_reason is None:
+            await clock.advance()
+        t0 = clock.now()
+        b = make_req(second, max_tokens=gen, arrival=t0)
+        eng.submit(b)
+        await asyncio.sleep(0)
+        while b.finish_reason is None:
+            await clock.advance()
+        await eng.stop()
+        return b.first_token_at - t0
+    return asyncio.run(go())
+
+
+def test_a_prompt_sharing_an_earlier_ones_prefix_takes_no_less_than_its_bound() -> None:
+    """70 tokens shared with an earlier prompt: the engine caches 4 full pages of 16 (64 tokens) and
+    computes the other 56; the bound, caching all 70, is lower, and exact at 64."""
+    first = list(range(1000, 1100))
+    second = first[:70] + list(range(5000, 5050))
+    ttft = _serve_after(first, second, 3)
+    assert ttft == pytest.approx(alone_on_engine(STEP_PREFILL, 120, 3, cached=64)[0])
+    assert ttft > alone_on_engine(STEP_PREFILL, 120, 3, cached=70)[0]
+    assert alone_on_engine(STEP_PREFILL, 120, 3, cached=70)[0] > alone_on_engine(STEP_PREFILL, 120, 3)[0]
+
+
 class _Workload:
     """What ``solo_result`` reads of a workload."""
 
@@ -69,6 +106,15 @@ def test_the_solo_result_starts_each_request_at_its_arrival() -> None:
         assert res.first[i] == pytest.approx(_Workload.arrival[i] + ttft)
         assert res.done[i] == pytest.approx(_Workload.arrival[i] + e2e)
     assert res.ok.all() and res.wall_s == pytest.approx(res.done[2])
+
+
+def test_a_workload_that_knows_its_shared_prefixes_caches_only_those() -> None:
+    class Shared(_Workload):
+        shared_tokens = np.array([0, 15, 40])  # 40 > the prompt's 30: all but its last token
+    res = solo_result(Shared(), STEP_PREFILL)  # type: ignore[arg-type]
+    for i, (p, g, c) in enumerate([(10, 4, 0), (20, 1, 15), (30, 8, 29)]):
+        assert res.first[i] == pytest.approx(Shared.arrival[i] + alone_on_engine(STEP_PREFILL, p, g, c)[0])
+    assert res.first[0] > solo_result(_Workload(), STEP_PREFILL).first[0]  # type: ignore[arg-type]
 
 
 def test_a_target_below_the_solo_bound_is_reported_unreachable() -> None:

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from bench.fleet_bench import EngineSpec, engine_fleet, scrape
@@ -156,3 +157,8 @@ def test_the_fleet_command_reports_the_solo_bound_no_target_beats(tmp_path):
         assert runs[t]["done"] == 24
         for k in ("mean_latency_s", "p50_latency_s", "p99_latency_s"):
             assert runs[t][k] >= bound[k], (t, k)
+        # request by request too: request i is the same request in every row
+        for key in ("first", "done"):
+            mine = np.subtract(runs[t]["per_request"][key], runs[t]["per_request"]["sent"])
+            floor = np.subtract(bound["per_request"][key], bound["per_request"]["sent"])
+            assert (mine >= floor - 1e-4).all(), (t, key, float((mine - floor).min()))
