@@ -188,7 +188,7 @@ def fleet(
         m.update(prefix_hit_rate=0.0, preemptions=0, per_request=per_request(solo))  # the hit rate: not bounded
     ratios = {lo: ratios_to(runs, BASE, RATIO_KEYS) for lo, runs in by_load.items()}
     checks = {lo: {t: check_targets(runs, t, workload) for t in runs if t != SOLO and not direct_target(t)}
-              for lo, runs in by_load.items()}
+              for lo, runs in by_load.items() if BASE in runs}  # no ratios without the base run
     spreads = {lo: {t: {k: spread([runs[lb][k] for lb, tt in labels(names, repeats) if tt == t])
                         for k in ("mean_latency_s", "p50_latency_s", "p99_latency_s", "throughput_rps",
                                   "goodput_rps")} for t in names} for lo, runs in by_load.items()} \
@@ -206,6 +206,9 @@ def fleet(
                f"{speedup:g}: times in model seconds, ratios to {BASE}")
     for lo, runs in by_load.items():
         typer.echo(f"load {lo}" + ("" if lo == "burst" else f" ({float(lo) * capacity:.1f} model req/s)"))
+        if BASE not in runs:
+            typer.echo(f"  no {BASE} run: no ratios, no target checks")
+            continue
         for t in runs:
             r = ratios[lo][t]
             typer.echo(f"  {t:>10}: mean x{r['mean_latency_s'] or 0:.2f}, p50 x{r['p50_latency_s'] or 0:.2f}, p99 "
