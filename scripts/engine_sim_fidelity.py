@@ -87,10 +87,21 @@ def preemptions(url: str) -> float:
     return metric_value(httpx.get(f"{url}/metrics", timeout=10).text, "vllm:num_preemptions_total") or 0.0
 
 
+def sim_clock(url: str) -> dict[str, float]:
+    """The simulator's step count and its steps that started late (``lag_steps``: its loop could
+    not keep up with the model clock on this core, so the run is slower than its model); {} for vLLM."""
+    models = httpx.get(f"{url}/v1/models", timeout=10).json().get("data") or [{}]
+    state = models[0].get("engine_sim") or {}
+    return {k: float(state[k]) for k in ("steps", "lag_steps") if k in state}
+
+
 def one_run(url: str, wl) -> dict[str, Any]:
-    before = preemptions(url)
+    before, clock = preemptions(url), sim_clock(url)
     res = asyncio.run(replay_streams(wl, f"{url}/v1", direct_body(wl, "tiny")))
-    return {"summary": summarize(wl, res), "preemptions": preemptions(url) - before, "per_request": per_request(res)}
+    out = {"summary": summarize(wl, res), "preemptions": preemptions(url) - before, "per_request": per_request(res)}
+    if clock:
+        out["sim_clock"] = {k: v - clock.get(k, 0.0) for k, v in sim_clock(url).items()}
+    return out
 
 
 def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
@@ -182,7 +193,10 @@ def condition(name: str, blocks: int | None, args, rows, files: list[str]) -> di
                 s = runs[label]["summary"]
                 print(f"[{name} {load}] {label}: {s['throughput_rps']:.2f} req/s, p50 e2e {s['p50_latency_s']:.2f} s, "
                       f"p50 TTFT {s['p50_ttft_s']:.3f} s, preemptions {runs[label]['preemptions']:.0f}, "
-                      f"lost {s['lost']}, {time.time() - t0:.0f} s", flush=True)
+                      f"lost {s['lost']}, {time.time() - t0:.0f} s"
+                      + ("" if "sim_clock" not in runs[label] else
+                         f", {runs[label]['sim_clock'].get('lag_steps', 0):.0f} of "
+                         f"{runs[label]['sim_clock'].get('steps', 0):.0f} steps late"), flush=True)
             if load == "burst":
                 capacity = runs["vllm_a"]["summary"]["throughput_rps"]
             ref = mean_run(runs["vllm_a"], runs["vllm_b"])
