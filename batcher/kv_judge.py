@@ -85,7 +85,7 @@ class KVJudge:
         than planned; a row that does not fit when it arrives waits in the engine's queue in
         cohort's order, and one that outgrows it is the lowest-priority row, the latest admitted,
         preempted and recomputed from its short context — cheaper than holding every row back
-        (docs/fleet.md). The built-in engine keeps 0: it has no queue of its own."""
+        (docs/notes/fleet.md). The built-in engine keeps 0: it has no queue of its own."""
         return (len(contexts) <= self.max_rows
                 and admission_kv_tokens(contexts, remaining, self.page_tokens)
                 <= self.capacity_tokens * (1.0 + self.overcommit)

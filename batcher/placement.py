@@ -6,12 +6,12 @@ Room is counted in batches and in KV: a continuous instance has room for a batch
 batches wait and the batch's rows fit beside the rows of every batch it already holds, each at its
 prompt and planned length, by the one running-set rule (``batcher.kv_judge``). Counting batches
 alone, an engine running one long row looks less loaded than one running two short ones; on a
-KV-bound fleet a short request sent there waited a second for the long row's pages (docs/fleet.md).
+KV-bound fleet a short request sent there waited a second for the long row's pages (docs/notes/fleet.md).
 A batch that fits nowhere goes to the pool's queue, where the first instance with room takes it.
 
 Why the least loaded and not the pool's queue: instances that pull from one queue take batches in
 turn, whatever runs on each, so one engine queues while another has room. On a fleet of four
-KV-bound engines at 0.9 of capacity (docs/fleet.md) the pool's queue gave a mean TTFT twice that of
+KV-bound engines at 0.9 of capacity (docs/notes/fleet.md) the pool's queue gave a mean TTFT twice that of
 a client that sends each request to the engine with the fewest in flight; placing by load beat
 that client.
 

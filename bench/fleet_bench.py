@@ -100,7 +100,7 @@ def saturated_rps(res: StreamResult, lo: float = 0.1, hi: float = 0.9) -> float:
     of a fleet kept full, without the ramp of the first arrivals and the drain of the last long
     requests. A burst's done/span counts both: 200 requests on four KV-bound engines measured 38.1
     model req/s that way, where the fleet completes 46.2 when full, so 0.9 of it left the fleet
-    lightly queued (docs/fleet.md)."""
+    lightly queued (docs/notes/fleet.md)."""
     done = np.sort(res.done[res.ok])
     if len(done) < 10:
         return math.nan

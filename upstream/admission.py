@@ -99,7 +99,7 @@ class UpstreamLoop(Releasing):
         pool's other instances get it instead of a down one bouncing it. While a group waits here
         for room, the thread waits too (up to ``take_wait_s``): the pool's next group stays on the
         pool's list for an instance with room, instead of queueing behind this one's head group
-        (a fleet of KV-bound engines: docs/fleet.md)."""
+        (a fleet of KV-bound engines: docs/notes/fleet.md)."""
         handle = GroupHandle(self, batch.id, TextStage(self.tok))
         self._submitted += 1
         self._room.clear()

@@ -132,7 +132,7 @@ async def fit_replay(url: str, duration_s: float = 150.0, concurrency: tuple[int
     client's text; their length is the ``usage`` the server reports) instead of token ids.
     ``warmup_s``: first, that long at the highest concurrency, not recorded: a freshly started
     engine's first seconds can run slower than the rest (lazy set-up), which the first level would
-    fit. (On vLLM's CPU build it moved the fit by 2 %: docs/engine_sim.md.)"""
+    fit. (On vLLM's CPU build it moved the fit by 2 %: docs/notes/engine_sim_fidelity.md.)"""
     base = _base(url)
     rng = random.Random(seed)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
