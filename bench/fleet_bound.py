@@ -40,9 +40,9 @@ def alone_on_engine(step_time: StepTime, prompt_tokens: int, gen_tokens: int,
     token; ``None``: all but one) against the whole prompt's context, then ``gen_tokens − 1``
     decode steps. One step for the whole rest is the fastest: splitting it adds a step's floor."""
     p = max(1, int(prompt_tokens))
-    k = p - 1 if cached is None else min(max(0, int(cached)), p - 1)
-    n = p - k
-    ttft = step_time.seconds(StepShape(prefill_tokens=n, prefill_pairs=n * (k + n / 2.0), prefill_context=p,
+    hit = p - 1 if cached is None else min(max(0, int(cached)), p - 1)
+    n = p - hit
+    ttft = step_time.seconds(StepShape(prefill_tokens=n, prefill_pairs=n * (hit + n / 2.0), prefill_context=p,
                                        prefill_rows=1))
     e2e = ttft + sum(step_time.seconds(StepShape(decode_rows=1, decode_context=p + k))
                      for k in range(1, max(1, int(gen_tokens))))
