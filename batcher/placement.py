@@ -54,6 +54,7 @@ class Placement:
     router: PrefixRouter = field(default_factory=PrefixRouter)
     model: str = ""
     capacity: dict[str, int] = field(default_factory=dict)  # live instances' KV, in tokens
+    pages: dict[str, int] = field(default_factory=dict)     # and their KV pages' tokens
     _last_summaries: float = float("-inf")
 
     def __post_init__(self) -> None:
@@ -65,6 +66,7 @@ class Placement:
             # by the lost-batch check (its target is gone); an upstream's groups wait on a list of its own
             self.redis.delete(bus.queue_for_instance(name), group_list(self.settings.pool, name))
         self.capacity = {n: i.theta_bytes // max(1, i.delta_bytes) for n, i in alive.items()}
+        self.pages = {n: i.page_tokens or self.settings.continuous.page_tokens for n, i in alive.items()}
         self.router.sync_instances(self.capacity)
         if alive:
             self.model = next(iter(alive.values())).model
@@ -100,12 +102,14 @@ class Placement:
     def fits_beside(self, instance: str, held: list[Batch], batch: Batch) -> bool:
         """Whether ``batch``'s rows fit ``instance``'s KV beside the rows of the batches it holds,
         each planned from its prompt to its planned length (what the batcher knows: not how far a
-        row has got). An instance that holds nothing takes any batch."""
+        row has got), in the instance's own pages (a vLLM CPU build's hold 128 tokens). An instance
+        that holds nothing takes any batch."""
         if not held:
             return True
         rows = [r for b in (*held, batch) for r in b.requests]
         s = self.settings
-        judge = KVJudge(self.capacity.get(instance, 0), s.continuous.page_tokens, s.continuous.max_rows)
+        judge = KVJudge(self.capacity.get(instance, 0), self.pages.get(instance, s.continuous.page_tokens),
+                        s.continuous.max_rows)
         return judge.running_set_fits([r.input_tokens for r in rows],
                                       [r.run_plan_tokens for r in rows])
 

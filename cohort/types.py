@@ -246,6 +246,7 @@ class InstanceInfo:
     started: float = 0.0
     served_model_name: str = ""   # the OpenAI ``model`` id clients use for this pool ("": the model path)
     max_model_len: int = 0        # prompt + generated tokens the instance's model takes (0: not known)
+    page_tokens: int = 0          # tokens per KV page of its engine (0: COHORT_CONTINUOUS__PAGE_TOKENS)
 
     @property
     def upstream(self) -> bool:

@@ -104,9 +104,9 @@ def start_upstream(settings: Settings) -> Runtime:
     if not (published or s.upstream_kv_tokens):
         log.warning("upstream %s publishes no KV capacity and COHORT_UPSTREAM_KV_TOKENS is unset: planning with "
                     "%d tokens", s.upstream, capacity)
-    block = (block_tokens_from_metrics(metrics) if metrics else None) or server.caps.page_tokens
+    block = (block_tokens_from_metrics(metrics) if metrics else None) or server.caps.page_tokens or s.continuous.page_tokens
     name = s.instance_name or f"{socket.gethostname()}-{os.getpid()}-upstream"
-    loop = UpstreamLoop(server, tok, capacity, page_tokens=block or s.continuous.page_tokens,
+    loop = UpstreamLoop(server, tok, capacity, page_tokens=block,
                         max_rows=s.continuous.max_rows, flush_s=s.upstream_flush_s,
                         overcommit=s.upstream_kv_overcommit, take_wait_s=s.upstream_take_wait_s,
                         use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and server.caps.priority),
@@ -115,10 +115,11 @@ def start_upstream(settings: Settings) -> Runtime:
     info = InstanceInfo(name=name, pool=s.pool, model=s.model, theta_bytes=capacity * delta, delta_bytes=delta,
                         device=f"upstream:{s.upstream}", started=time.time(),
                         served_model_name=s.served_model_name or s.model,
-                        max_model_len=server.caps.max_model_len or context_from_config(s.model))
+                        max_model_len=server.caps.max_model_len or context_from_config(s.model), page_tokens=block)
 
     def status() -> InstanceInfo | None:
-        return None if loop.down else replace(info, theta_bytes=loop.capacity_tokens * delta)
+        return None if loop.down else replace(info, theta_bytes=loop.capacity_tokens * delta,
+                                              page_tokens=loop.page_tokens)
 
     rt = Runtime(s, UpstreamPrompts(s.model), bus.connect(s.resolved_redis_url), get_db_engine(s.database_url),
                  info, loop=loop, status=status)

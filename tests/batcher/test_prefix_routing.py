@@ -182,3 +182,21 @@ def test_a_batch_goes_where_it_fits_beside_what_runs_not_to_the_fewest_batches(r
     assert place.with_room([], big) == ["w1", "w2"]        # an instance holding nothing takes anything
     waiting = [_Held(_batch("long", 400, 300), "w1"), _Held(_batch("queued", 100, 300), "w2", admitted=False)]
     assert place.with_room(waiting, mid) == []             # a waiting batch holds its room too
+
+
+def test_placement_plans_each_instance_in_its_own_pages(r, tmp_path):
+    """Two instances of 900 KV tokens holding the same row (300 + 300 planned); w1's engine pages
+    hold 128 tokens (vLLM's CPU build), w2's 16. A batch of 200 + 150 fits beside that row in pages
+    of 16 (816 tokens planned: half a page a row, 8 each) and not in pages of 128 (928: 64 each)."""
+    from batcher.placement import Placement
+
+    place = Placement(Settings(database_url=f"sqlite:///{tmp_path}/log.db", execution="continuous"), r)
+    alive = {n: InstanceInfo(name=n, pool="default", model="m", theta_bytes=900, delta_bytes=1, page_tokens=p)
+             for n, p in (("w1", 128), ("w2", 16))}
+    place.sync(alive, [], now=0.0)
+    held = [_Held(_batch("a", 300, 300), "w1"), _Held(_batch("b", 300, 300), "w2")]
+    assert place.with_room(held, _batch("new", 200, 150)) == ["w2"]
+    assert place.pages == {"w1": 128, "w2": 16}
+    unknown = {"w3": InstanceInfo(name="w3", pool="default", model="m", theta_bytes=1024, delta_bytes=1)}
+    place.sync(unknown, ["w1", "w2"], now=1.0)
+    assert place.pages == {"w3": 16}  # an instance that does not say: COHORT_CONTINUOUS__PAGE_TOKENS
