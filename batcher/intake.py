@@ -9,7 +9,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from cohort import bus
+from cohort import batcher_hunger, bus
 from cohort.types import ProfiledRequest
 
 if TYPE_CHECKING:
@@ -97,3 +97,15 @@ class Intake:
             self.redis.hincrby(bus.STATS, "cancelled_waiting", gone)
             log.info("dropped %d cancelled request(s) from the waiting queue", gone)
         return True
+
+    def _announce_hunger(self) -> None:
+        """Tell the workers whether their admissions and plain batch ends must wake this batcher:
+        only while requests wait (``cohort.batcher_hunger``). Sent when that changes, and renewed
+        while they wait; a round with nothing waiting before or after sends nothing."""
+        hungry, (was, at), now = bool(self._waiting), self._hunger, time.monotonic()
+        if hungry == was and (not hungry or now - at < batcher_hunger.RENEW_EVERY_S):
+            return
+        continuous = self.settings.execution == "continuous"
+        unadmitted = [bid for bid, fl in self.inflight.items() if not fl.admitted] if continuous else []
+        batcher_hunger.announce(self.redis, self.settings.pool, hungry, unadmitted)
+        self._hunger = (hungry, now)

@@ -68,6 +68,7 @@ class BatcherService(Intake):
     _waiting: dict[str, ProfiledRequest] = field(default_factory=dict)  # in the policy, not dispatched
     _cancelled: dict[str, float] = field(default_factory=dict)  # withdrawn, maybe still in the policy
     _worst_sent: tuple = (None, -1)  # the least urgent priority last published, and when (whole seconds)
+    _hunger: tuple = (None, 0.0)  # whether requests waited at the last announcement, and when (monotonic)
 
     def __post_init__(self) -> None:
         if self.settings.prefix_routing and self.placement is None:
@@ -130,11 +131,10 @@ class BatcherService(Intake):
 
     # --- one round ------------------------------------------------------------------------
     def step(self, now: float | None = None, wait_s: float = 0.0) -> bool:
-        """One round: wait for a producer's wake (at most ``wait_s``; a token left while the last
-        round ran ends it at once), take in arrivals, cancels and completions, check for lost
-        batches, dispatch to idle instances. The reads are one round trip (``_read``) and a round
-        that had nothing to do costs nothing more. True when a list held more than one round
-        takes: the next round should not wait."""
+        """One round: wait for a producer's wake (at most ``wait_s``; a token left while the last round
+        ran ends it at once), take in arrivals, cancels and completions, check for lost batches,
+        dispatch, say whether requests still wait. The reads are one round trip (``_read``). True
+        when a list held more than one round takes: the next round should not wait."""
         if self.policy is None:
             if wait_s > 0:
                 bus.wait_for_work(self.redis, self.settings.pool, wait_s)
@@ -151,11 +151,13 @@ class BatcherService(Intake):
             taken.execute()  # a cancel of an arrival of this round takes it out of ``pending`` after it went in
             taken = None
         self._take_cancels(cancels)
-        self._take_completions(now, completions, pipe := self.redis.pipeline() if taken is None else taken)
+        pipe = self.redis.pipeline() if taken is None else taken
+        self._take_completions(now, completions, pipe)
         if now - self._last_lost_check >= LOST_CHECK_EVERY_S:
             self._last_lost_check = now
             self._check_lost(now)
         self._dispatch(now, pipe)
+        self._announce_hunger()
         if now - self._last_sweep > SWEEP_EVERY_S:
             self._sweep(now)
         return more
@@ -241,8 +243,7 @@ class BatcherService(Intake):
         pipe.execute()
 
     def _requeue_requests(self, requests: list[ProfiledRequest], now: float, replaces: str) -> None:
-        """Preempted rows wait again like new requests (their arrival time kept, so HRRN and
-        FCFS still see how long they have waited)."""
+        """Preempted rows wait again like new requests (arrival kept: HRRN and FCFS see their wait)."""
         self._back_to_pending(requests, replaces)
         for r in requests:
             self._add(r, now)
@@ -323,9 +324,8 @@ class BatcherService(Intake):
 
     def _redis_restarted(self) -> bool:
         """Redis started less than a heartbeat TTL ago: a missing heartbeat proves nothing yet (the
-        instance's client may still be reconnecting), so no instance is declared dead — a batch
-        re-queued then would run twice and new requests would meet 503s. Asked only when a heartbeat
-        is missing; a real death is found at most one TTL later."""
+        instance's client may still be reconnecting), so no instance is declared dead — a re-queued
+        batch would run twice, new requests meet 503s. Asked only when a heartbeat is missing."""
         return bus.redis_uptime_s(self.redis) < self.settings.instance_ttl_s
 
     def _has_room(self) -> bool:

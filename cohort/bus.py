@@ -71,6 +71,10 @@ class PoolKeys:
         return self._key("wake")
 
     @property
+    def hungry(self) -> str:        # present while requests wait for room (``cohort.batcher_hunger``)
+        return self._key("hungry")
+
+    @property
     def worst_priority(self) -> str:  # the least urgent priority waiting (absent: nothing waits)
         return self._key("worst_priority")
 

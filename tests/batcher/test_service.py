@@ -458,3 +458,20 @@ def test_an_arrival_cancelled_in_its_own_round_leaves_nothing_in_pending(r, tmp_
     svc.step(now=2.0)
     assert not r.hexists(KEYS.pending, "q1") and r.hexists(KEYS.pending, "q2")
     assert r.llen(KEYS.incoming) == 0 and r.llen(KEYS.cancels) == 0
+
+
+def test_the_batcher_says_whether_requests_wait_for_room(r, tmp_path):
+    """Workers wake it for an admission or a plain end only while this says so (``cohort.batcher_hunger``)."""
+    sent: list = []
+    svc = service(r, tmp_path, sent, execution="continuous", continuous={"max_groups": 3, "lookahead": 1},
+                  fixed_batch_size=1, policy="vs")
+    register(r, "w1")
+    arrive(r, 0, t=0)
+    svc.step(now=1.0)
+    assert len(sent) == 1 and not r.exists(KEYS.hungry)  # it went out: nothing waits
+    arrive(r, 1, t=1)
+    svc.step(now=1.1)
+    assert len(sent) == 1 and r.exists(KEYS.hungry)  # q1 waits for q0's admission
+    r.set(bus.admitted_key(sent[0].id), "w1")
+    svc.step(now=1.2)
+    assert len(sent) == 2 and not r.exists(KEYS.hungry)
