@@ -280,8 +280,8 @@ class Settings(BaseSettings):
     def recompute_cost_file(self) -> Path:
         """Where the worker looks for the fitted recompute-cost model."""
         return self.recompute_cost_path or self.data_dir / "profile" / "recompute-cost.json"
-    batcher_tick_s: float = Field(default=0.25, description="The batcher's longest idle wait: every message wakes "
-                                  "it at once, so the tick only bounds time-based checks (lost batches, heartbeats).")
+    batcher_tick_s: float = Field(default=0.25, description="The batcher's longest idle wait: every message it "
+                                  "must act on wakes it at once, so the tick only bounds time-based checks (lost batches, heartbeats).")
     max_requeues: int = Field(default=3, description="Times a batch may be re-queued after a worker loss.")
     instance_ttl_s: float = Field(default=15.0, description="Worker heartbeat expiry: instance considered dead.")
 
