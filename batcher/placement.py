@@ -7,7 +7,8 @@ batches wait and the batch's rows fit beside the rows of every batch it already 
 prompt and planned length, by the one running-set rule (``batcher.kv_judge``). Counting batches
 alone, an engine running one long row looks less loaded than one running two short ones; on a
 KV-bound fleet a short request sent there waited a second for the long row's pages (docs/notes/fleet.md).
-A batch that fits nowhere goes to the pool's queue, where the first instance with room takes it.
+A batch that fits nowhere goes to the pool's queue, where the first instance with room takes it;
+while it holds one unclaimed batch per instance already, the batch waits in the policy instead.
 
 Why the least loaded and not the pool's queue: instances that pull from one queue take batches in
 turn, whatever runs on each, so one engine queues while another has room. On a fleet of four
