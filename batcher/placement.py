@@ -7,8 +7,7 @@ batches wait and the batch's rows fit beside the rows of every batch it already 
 prompt and planned length, by the one running-set rule (``batcher.kv_judge``). Counting batches
 alone, an engine running one long row looks less loaded than one running two short ones; on a
 KV-bound fleet a short request sent there waited a second for the long row's pages (docs/notes/fleet.md).
-A batch that fits nowhere goes to the pool's queue, where the first instance with room takes it;
-while it holds one unclaimed batch per instance already, the batch waits in the policy instead.
+A batch that fits nowhere goes to the pool's queue, where the first instance with room takes it.
 
 Why the least loaded and not the pool's queue: instances that pull from one queue take batches in
 turn, whatever runs on each, so one engine queues while another has room. On a fleet of four
@@ -125,16 +124,6 @@ class Placement:
             self.router.record(name, batch, self.model)
             self.router.forget(r.id for r in batch.requests)
         return name, cached is not None
-
-    def pool_queue_full(self, inflight: list[Placed]) -> bool:
-        """Whether the pool's queue already holds an unclaimed batch for every live instance. A batch
-        on it is out of the policy's order: the queue is first come, first taken, and a shorter
-        request that arrives later waits behind it. Past one per instance, the batch that fits
-        nowhere waits in the policy instead, where it can be passed, until an instance claims one
-        (its admission wakes the batcher while requests wait). On a KV-bound fleet over load, one
-        group in ten waited 0.2 s on that queue (docs/notes/fleet.md)."""
-        queued = sum(fl.target is None and fl.owner is None and not fl.admitted for fl in inflight)
-        return queued >= max(1, len(self.capacity))
 
     def claimed(self, fl: Placed, owner: str | None) -> None:
         """What an in-flight batch's claim marker says (None: unclaimed yet). The first real claim

@@ -166,8 +166,9 @@ class BatcherService(Intake):
         """Fail log-DB rows left ``queued`` past the gateway's timeout (see logdb.fail_stale_queued)."""
         self._last_sweep = now
         cutoff = now - self.settings.request_timeout_s - SWEEP_EVERY_S
-        if n := fail_stale_queued(get_db_engine(self.settings.database_url), cutoff,
-                                  "never scheduled: lost before the batcher received it"):
+        n = fail_stale_queued(get_db_engine(self.settings.database_url), cutoff,
+                              "never scheduled: lost before the batcher received it")
+        if n:
             log.warning("marked %d request record(s) failed that stayed queued past the timeout", n)
 
     def _add(self, req: ProfiledRequest, now: float) -> None:
@@ -341,8 +342,9 @@ class BatcherService(Intake):
         return sum(not fl.admitted for fl in self.inflight.values()) < n * self.settings.continuous.lookahead
 
     def _dispatch(self, now: float, pipe=None) -> bool:
-        """Every batch the instances have room for, in flight in one transaction (with the least urgent
-        priority left waiting; after ``pipe``'s, the round's arrivals); then any Celery tasks."""
+        """Every batch the instances have room for, recorded in flight in one transaction (with the
+        least urgent priority left waiting; after ``pipe``'s commands, the round's arrivals, when
+        given); then, for pools served through Celery, the tasks."""
         sent: list[tuple[Batch, str | None, bool]] = []
         pipe = self.redis.pipeline() if pipe is None else pipe
         while self._has_room():
@@ -354,11 +356,8 @@ class BatcherService(Intake):
                 batch.requests = [r for r in batch.requests if r.id not in gone]
                 if not batch.requests:
                     continue
-            inflight = list(self.inflight.values())
-            target, cached = (None, False) if self.placement is None else self.placement.target(batch, inflight)
-            if target is None and self.placement is not None and self.placement.pool_queue_full(inflight):
-                self.policy.requeue(batch, now)  # back in the policy's order: a shorter one may pass it
-                break
+            target, cached = (None, False) if self.placement is None else \
+                self.placement.target(batch, list(self.inflight.values()))
             self._send(pipe, batch, now, target)
             sent.append((batch, target, cached))
         if sent:
@@ -375,7 +374,8 @@ class BatcherService(Intake):
         return bool(sent)
 
     def _send(self, pipe, batch: Batch, now: float, target: str | None = None) -> None:
-        """A batch's dispatch in the round's transaction: in flight, out of pending, on an upstream list."""
+        """Queue a batch's dispatch in the round's transaction: in flight, out of ``pending``, on an
+        upstream-only pool's list (no Celery task)."""
         payload = batch.to_dict()
         pipe.hset(self.keys.inflight, batch.id, dumps({"batch": payload, "dispatched": now, "target": target}))
         pipe.hdel(self.keys.pending, *[r.id for r in batch.requests])

@@ -475,24 +475,3 @@ def test_the_batcher_says_whether_requests_wait_for_room(r, tmp_path):
     r.set(bus.admitted_key(sent[0].id), "w1")
     svc.step(now=1.2)
     assert len(sent) == 2 and not r.exists(KEYS.hungry)
-
-
-def test_past_one_per_instance_a_batch_that_fits_nowhere_waits_in_the_policy(r, tmp_path):
-    """Two instances of 768 KV tokens, each request 400 + 300 planned: one fits an instance. The
-    pool's queue (first come, first taken) gets at most one unclaimed batch per instance; the next
-    waits in the batcher, where a shorter request may still pass it, until one is taken."""
-    sent: list = []
-    svc = service(r, tmp_path, sent, execution="continuous", continuous={"max_groups": 8, "lookahead": 4},
-                  fixed_batch_size=1, policy="vs", prefix_routing=True)
-    register(r, "w1", theta=768)
-    register(r, "w2", theta=768)
-    for i in range(5):
-        arrive(r, i, L=400, G=300, t=i)
-    svc.step(now=10.0)
-    targets = [fl.target for fl in svc.inflight.values()]
-    assert sorted(filter(None, targets)) == ["w1", "w2"] and targets.count(None) == 2  # two on the pool's queue
-    assert len(sent) == 4 and r.hexists(KEYS.pending, "q4")                          # q4 waits here
-    queued = [bid for bid, fl in svc.inflight.items() if fl.target is None]
-    r.set(bus.admitted_key(queued[0]), "w1")  # an instance took one (and runs it)
-    svc.step(now=10.1)
-    assert len(sent) == 5 and not r.hexists(KEYS.pending, "q4")
