@@ -35,8 +35,7 @@ class Intake:
         lists = (self.keys.incoming, self.keys.cancels, self.keys.completions)
         for key in lists:
             pipe.lrange(key, -ROUND_LIMIT, -1)
-        continuous = self.settings.execution == "continuous"  # the only execution that waits for admission
-        unknown = [bid for bid, fl in self.inflight.items() if not fl.admitted] if continuous else []
+        unknown = self._unadmitted()
         bus.queue_admitted(pipe, unknown)
         replies = pipe.execute()
         for bid, hit in zip(unknown, replies[1 + len(lists):], strict=True):
@@ -44,6 +43,13 @@ class Intake:
         arrivals, cancels, completions = (list(reversed(msgs)) for msgs in replies[1:1 + len(lists)])
         more = any(len(m) >= ROUND_LIMIT for m in (arrivals, cancels, completions))
         return arrivals, cancels, completions, more
+
+    def _unadmitted(self) -> list[str]:
+        """The in-flight batches whose admission the batcher has not seen (continuous execution is
+        the only one that waits for admission: none otherwise)."""
+        if self.settings.execution != "continuous":
+            return []
+        return [bid for bid, fl in self.inflight.items() if not fl.admitted]
 
     def _take_arrivals(self, now: float, msgs: list[str]) -> Pipeline | None:
         """Every arrival of the round into ``pending`` and off ``incoming``, and the least urgent
@@ -105,7 +111,5 @@ class Intake:
         hungry, (was, at), now = bool(self._waiting), self._hunger, time.monotonic()
         if hungry == was and (not hungry or now - at < batcher_hunger.RENEW_EVERY_S):
             return
-        continuous = self.settings.execution == "continuous"
-        unadmitted = [bid for bid, fl in self.inflight.items() if not fl.admitted] if continuous else []
-        batcher_hunger.announce(self.redis, self.settings.pool, hungry, unadmitted)
+        batcher_hunger.announce(self.redis, self.settings.pool, hungry, self._unadmitted())
         self._hunger = (hungry, now)

@@ -19,6 +19,7 @@ OOM split, a failed batch) always wakes it.
 from __future__ import annotations
 
 from cohort import bus
+from cohort.protocol import BatchOutcome, CompletionEvent
 
 HUNGRY_TTL_S = 10    # a batcher that died while requests waited stops being woken after this
 RENEW_EVERY_S = 1.0  # while requests wait, the announcement is renewed this often
@@ -54,6 +55,15 @@ def wake_if_hungry(pipe, pool: str) -> None:
     """Queue, in ``pipe`` (sync or asyncio), the wake of the pool's batcher if requests wait there."""
     k = bus.pool_keys(pool)
     pipe.eval(_WAKE_IF_HUNGRY, 2, k.hungry, k.wake)
+
+
+def wake_for_end(pipe, pool: str, event: CompletionEvent) -> None:
+    """Queue, in ``pipe``, the wake a batch's end owes the batcher: always when it asks for work
+    (continuations, an OOM split, a failure), else only while requests wait (``wake_if_hungry``)."""
+    if event.outcome is BatchOutcome.DONE and not event.continuations:
+        wake_if_hungry(pipe, pool)
+    else:
+        bus.wake_batcher(pipe, pool)
 
 
 def announce(r, pool: str, hungry: bool, unadmitted: list[str]) -> bool:

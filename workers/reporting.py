@@ -21,7 +21,7 @@ import redis
 
 from cohort import batcher_hunger, bus, engine_counters
 from cohort.logdb import finish_requests
-from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, ScoredIds, StreamEvent, StreamKind
+from cohort.protocol import CompletionEvent, FailureCode, ScoredIds, StreamEvent, StreamKind
 from cohort.settings import Settings
 from cohort.types import Batch, ProfiledRequest
 from workers.step_outputs import RowResult, StepOutput
@@ -71,10 +71,7 @@ def completion_fill(rt: Outlet, event: CompletionEvent) -> Fill:
         pipe.set(bus.done_key(event.batch_id), event.outcome.value, ex=bus.marker_ttl_s(rt.settings.visibility_timeout_s))
         pipe.delete(bus.claim_key(event.batch_id), bus.admitted_key(event.batch_id))
         pipe.lpush(bus.pool_keys(rt.settings.pool).completions, event.to_json())
-        if event.outcome is BatchOutcome.DONE and not event.continuations:
-            batcher_hunger.wake_if_hungry(pipe, rt.settings.pool)  # nothing to act on unless requests wait
-        else:
-            bus.wake_batcher(pipe, rt.settings.pool)
+        batcher_hunger.wake_for_end(pipe, rt.settings.pool, event)
     return fill
 
 
