@@ -1,5 +1,5 @@
 """The live batcher: one active process that turns incoming requests into batches and hands a
-batch to the pool's Celery queue (an upstream-only pool's: a plain list) only when an instance has room.
+batch to the pool's Celery queue (an upstream-only pool's: a sorted set) only when an instance has room.
 
 Its state sits in Redis (``pending`` requests, ``inflight`` batches), so a restart recovers it.
 It also watches for lost work: a batch whose instance stopped heart-beating is re-queued (up to
@@ -29,7 +29,7 @@ from batcher.resume import resume_points
 from cohort import bus
 from cohort.logdb import fail_stale_queued, finish_request, get_db_engine
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, dumps
-from cohort.release_bus import group_list
+from cohort.release_bus import group_list, hand_over, queued_text
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest, new_id
 
@@ -273,13 +273,6 @@ class BatcherService(Intake):
                     batch.id, batch.size, a.size, b.size)
         self._requeue([a, b], now, replaces=batch.id)
 
-    def _queued_ids(self) -> str:
-        """The pool's queues and the routed instances' as raw text (short: only to ones with room)."""
-        targets, pool = sorted({fl.target for fl in self.inflight.values() if fl.target}), self.settings.pool
-        queues = [bus.queue_for_pool(pool), *map(bus.queue_for_instance, targets), group_list(pool),
-                  *(group_list(pool, t) for t in targets)]
-        return "".join(m for q in queues for m in self.redis.lrange(q, 0, -1))
-
     def _check_lost(self, now: float) -> bool:
         """Re-queue batches whose instance died: mid-batch (claimed, heartbeat gone), or after
         Celery delivered the task but before the worker claimed it (unclaimed for two heartbeat
@@ -298,7 +291,8 @@ class BatcherService(Intake):
             elif owner is None and fl.target is not None and fl.target not in self.instances:
                 lost.append((bid, f"{fl.target} (routed, unclaimed)"))
             elif owner is None and now - fl.dispatched > 2 * self.settings.instance_ttl_s:
-                queued = self._queued_ids() if queued is None else queued
+                queued = queued_text(self.redis, self.settings.pool, {f.target for f in self.inflight.values()}) \
+                    if queued is None else queued
                 if bid not in queued:
                     lost.append((bid, "(unclaimed)"))
         for bid, owner in lost:
@@ -375,13 +369,14 @@ class BatcherService(Intake):
 
     def _send(self, pipe, batch: Batch, now: float, target: str | None = None) -> None:
         """Queue a batch's dispatch in the round's transaction: in flight, out of ``pending``, on an
-        upstream-only pool's list (no Celery task)."""
+        upstream-only pool's sorted set (no Celery task)."""
         payload = batch.to_dict()
         pipe.hset(self.keys.inflight, batch.id, dumps({"batch": payload, "dispatched": now, "target": target}))
         pipe.hdel(self.keys.pending, *[r.id for r in batch.requests])
         pipe.hincrby(bus.STATS, "batches_dispatched", 1)
         if bool(self.instances) and all(i.upstream for i in self.instances.values()):
-            pipe.rpush(group_list(self.settings.pool, target), dumps(payload))
+            hand_over(pipe, group_list(self.settings.pool, target), min(r.priority for r in batch.requests),
+                      self.policy.handover_key(batch, now), dumps(payload))
         self.inflight[batch.id] = Inflight(batch, now, target=target)
         for r in batch.requests:
             self._waiting.pop(r.id, None)

@@ -1,5 +1,5 @@
 """The Redis keys of the upstream path's short cuts: the groups the batcher hands an upstream-only
-pool on plain lists (no Celery task per group: ``group_list``), and direct streaming, where a gateway
+pool on sorted sets (no Celery task per group: ``group_list``), and direct streaming, where a gateway
 streams a row from its upstream engine itself (``protocol.Release`` / ``protocol.StreamReport``):
 the gateway's inbox of releases and its liveness, the upstream instance's inbox of reports.
 Everything else crosses on ``cohort.bus``."""
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from cohort.bus import PREFIX
+from cohort.bus import PREFIX, queue_for_instance, queue_for_pool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,8 +38,45 @@ def instance_inbox(instance: str) -> str:
 
 
 def group_list(pool: str, instance: str | None = None) -> str:
-    """A list of ``Batch`` JSON: groups for any upstream instance of ``pool``, or routed to one."""
+    """A sorted set of ``Batch`` JSON (``group_entry``): groups for any upstream instance of
+    ``pool``, or routed to one, taken best first (``hand_over``, ``BZPOPMIN``)."""
     return f"{PREFIX}:groups:{pool}" if instance is None else f"{PREFIX}:groups:{pool}:{instance}"
+
+
+def _sortable(key: float) -> str:
+    """``key`` as 16 hex digits whose text order is the numbers' order (IEEE 754 bits, the sign
+    flipped for positives and every bit for negatives)."""
+    (bits,) = struct.unpack(">Q", struct.pack(">d", float(key)))
+    return f"{bits ^ 0xFFFFFFFFFFFFFFFF if bits >> 63 else bits | 1 << 63:016x}"
+
+
+def hand_over(pipe: Any, key: str, priority: int, rank: float, payload: str) -> None:
+    """Queue (on ``pipe``) a group's ``Batch`` JSON onto its sorted set ``key`` (``group_list``),
+    where instances take the waiting groups in the policy's order rather than the order they were
+    handed over: the most urgent client ``priority`` first (the score), then the lowest ``rank``
+    (the policy's rank at hand-over, or the hand-over time where its order changes with time: the
+    member's sortable prefix, since Redis orders members of one score by their bytes). A group that
+    fits on no instance waits there, and a shorter one handed over after it passes it
+    (docs/notes/fleet.md)."""
+    pipe.zadd(key, {f"{_sortable(rank)}|{payload}": priority})
+
+
+def queued_text(redis: Any, pool: str, targets: set[str | None]) -> str:
+    """Everything waiting to be taken on the pool's queues and those of the instances ``targets``
+    (Celery's lists, an upstream-only pool's sorted sets), as one raw text to look batch ids up in:
+    one round trip."""
+    names = sorted(t for t in targets if t)
+    pipe = redis.pipeline(transaction=False)
+    for q in [queue_for_pool(pool), *map(queue_for_instance, names)]:
+        pipe.lrange(q, 0, -1)
+    for q in [group_list(pool), *(group_list(pool, t) for t in names)]:
+        pipe.zrange(q, 0, -1)
+    return "".join(m for got in pipe.execute() for m in got)
+
+
+def group_payload(member: str) -> str:
+    """The ``Batch`` JSON of a sorted set's member (``hand_over``)."""
+    return member[17:]
 
 
 async def take_inbox(conn, key: str, timeout_s: float = 1.0) -> list[str]:

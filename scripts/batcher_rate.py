@@ -20,7 +20,7 @@ from pathlib import Path
 from batcher.service import BatcherService
 from cohort import bus
 from cohort.protocol import BatchOutcome, CompletionEvent
-from cohort.release_bus import group_list
+from cohort.release_bus import group_list, group_payload
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest
 from predictor.estimator import AnalyticBatchTime
@@ -50,8 +50,8 @@ def main(n: int, policy: str) -> None:
             t0 = time.process_time()
             svc.step()
             cpu += time.process_time() - t0
-            for js in r.lrange(group_list("default"), 0, -1):  # the stand-in worker
-                b = Batch.from_dict(json.loads(js))
+            for js in r.zrange(group_list("default"), 0, -1):  # the stand-in worker
+                b = Batch.from_dict(json.loads(group_payload(js)))
                 r.set(bus.admitted_key(b.id), "u1")
                 r.lpush(keys.completions, CompletionEvent(b.id, BatchOutcome.DONE, instance="u1", size=b.size,
                                                           answered=[q.id for q in b.requests]).to_json())

@@ -13,7 +13,7 @@ rows, metrics and completions as the built-in engine. What differs is who decode
   preemption absorb the rest) and while the server reports no queue of its own (vLLM's
   ``num_requests_waiting``, SGLang's ``num_queue_reqs``; looked at again as soon as a group is
   held by it). An empty instance takes any group. While one waits, the instance takes no other
-  group off the pool's list (``take_wait_s``): the next one goes to an instance with room.
+  group off the pool's set (``take_wait_s``): the next one goes to an instance with room.
 * **Order.** Each row carries ``priority`` = its client priority, then its group's admission
   number, where the server takes one (vLLM, SGLang: ``upstream.api``).
 * **Failure.** A stream that breaks, times out or answers 5xx goes back to the batcher as a
@@ -98,7 +98,7 @@ class UpstreamLoop(Releasing):
         the batcher, and this (Celery) thread waits a moment before taking the next batch, so a
         pool's other instances get it instead of a down one bouncing it. While a group waits here
         for room, the thread waits too (up to ``take_wait_s``): the pool's next group stays on the
-        pool's list for an instance with room, instead of queueing behind this one's head group
+        pool's set for an instance with room, instead of queueing behind this one's head group
         (a fleet of KV-bound engines: docs/notes/fleet.md)."""
         handle = GroupHandle(self, batch.id, TextStage(self.tok))
         self._submitted += 1

@@ -133,6 +133,15 @@ class Policy(ABC):
     def _next_open(self, now: float) -> NextOpen | None:
         """The open batch this policy would dispatch next under its ``order``, or None if none waits."""
 
+    def handover_key(self, batch: Batch, now: float) -> float:
+        """Where a dispatched ``batch`` stands among the pool's batches still waiting for an instance
+        to take them (lower first): its rank where the order does not change with time (oldest,
+        deadline, shortest predicted first), else ``now``, the hand-over order (HRRN's ratios move as
+        batches wait; a re-queued batch keeps the order it came back in)."""
+        if self.order in ("hrrn", "requeued"):
+            return now
+        return float(self._ranks([batch], now)[0][0])
+
     def _ranks(self, batches: Sequence[Batch], now: float) -> list[Rank]:
         """Rank of each batch under ``order``, as ``_next_open`` ranks its own."""
         if self.order == "requeued":

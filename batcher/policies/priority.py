@@ -48,5 +48,9 @@ class PriorityLevels(Policy):
                 return batch
         return None
 
+    def handover_key(self, batch: Batch, now: float) -> float:
+        """The key of the level's own policy (``Policy.handover_key``); the level itself goes first."""
+        return self._level(min(r.priority for r in batch.requests)).handover_key(batch, now)
+
     def _next_open(self, now: float) -> NextOpen | None:  # pragma: no cover - ``pop`` is overridden
         raise NotImplementedError("PriorityLevels decides by level in pop()")

@@ -131,7 +131,7 @@ def test_a_batch_routed_to_an_instance_that_dies_before_claiming_it_is_requeued(
     (first, target), = sent
     assert target == "w2"
     r.lpush(bus.queue_for_instance("w2"), "a message nobody will take")
-    r.lpush(group_list("default", "w2"), "a group nobody will take")  # an upstream's own list
+    r.zadd(group_list("default", "w2"), {"a group nobody will take": 0})  # an upstream's own set
     r.delete(bus.alive_key("w2"))                         # w2 dies with the batch on its own queue
     svc.step(now=3.0)
     assert not r.exists(bus.queue_for_instance("w2"))     # its queue is gone with it
