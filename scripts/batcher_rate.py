@@ -1,6 +1,6 @@
 """How many scheduling decisions the batcher makes per second of its own CPU: requests taken in,
 ordered by the policy and dispatched as groups to an upstream-only pool, against a real (embedded)
-Redis. A stand-in worker takes each group off its list, marks it admitted and completes it, so the
+Redis. A stand-in worker takes each group off its set, marks it admitted and completes it, so the
 batcher always has room; only the batcher's ``step`` is timed (``time.process_time``). Run from the
 repository root:
 
@@ -50,13 +50,14 @@ def main(n: int, policy: str) -> None:
             t0 = time.process_time()
             svc.step()
             cpu += time.process_time() - t0
-            for js in r.zrange(group_list("default"), 0, -1):  # the stand-in worker
+            lists = (group_list("default", "u1"), group_list("default"))  # placed on u1's own, or the pool's
+            for js in (m for key in lists for m in r.zrange(key, 0, -1)):  # the stand-in worker
                 b = Batch.from_dict(json.loads(group_payload(js)))
                 r.set(bus.admitted_key(b.id), "u1")
                 r.lpush(keys.completions, CompletionEvent(b.id, BatchOutcome.DONE, instance="u1", size=b.size,
                                                           answered=[q.id for q in b.requests]).to_json())
                 groups += 1
-            r.delete(group_list("default"))
+            r.delete(*lists)
         wall = time.monotonic() - wall0
         print(f"{policy}: {n} requests in {groups} groups: batcher CPU {cpu:.2f} s = {1000 * cpu / n:.3f} ms a "
               f"request, {n / cpu:.0f} requests per CPU second ({wall:.1f} s wall)")
