@@ -31,7 +31,7 @@ from batcher.kv_judge import KVJudge
 from batcher.prefix_pages import decode_summary
 from batcher.prefix_routing import PrefixRouter
 from cohort import bus
-from cohort.release_bus import group_list
+from cohort.release_bus import group_set
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo
 
@@ -64,7 +64,7 @@ class Placement:
         """Follow the live instances; read their prefix summaries about as often as they write them."""
         for name in gone:  # nobody consumes a gone instance's queue: what waits there is re-queued
             # by the lost-batch check (its target is gone); an upstream's groups wait on a list of its own
-            self.redis.delete(bus.queue_for_instance(name), group_list(self.settings.pool, name))
+            self.redis.delete(bus.queue_for_instance(name), group_set(self.settings.pool, name))
         self.capacity = {n: i.theta_bytes // max(1, i.delta_bytes) for n, i in alive.items()}
         self.pages = {n: i.page_tokens or self.settings.continuous.page_tokens for n, i in alive.items()}
         self.router.sync_instances(self.capacity)

@@ -29,7 +29,7 @@ from batcher.resume import resume_points
 from cohort import bus
 from cohort.logdb import fail_stale_queued, finish_request, get_db_engine
 from cohort.protocol import BatchOutcome, CompletionEvent, FailureCode, StreamEvent, dumps
-from cohort.release_bus import group_list, hand_over, queued_text
+from cohort.release_bus import group_set, hand_over, queued_text
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest, new_id
 
@@ -375,7 +375,7 @@ class BatcherService(Intake):
         pipe.hdel(self.keys.pending, *[r.id for r in batch.requests])
         pipe.hincrby(bus.STATS, "batches_dispatched", 1)
         if bool(self.instances) and all(i.upstream for i in self.instances.values()):
-            hand_over(pipe, group_list(self.settings.pool, target), min(r.priority for r in batch.requests),
+            hand_over(pipe, group_set(self.settings.pool, target), min(r.priority for r in batch.requests),
                       self.policy.handover_key(batch, now), dumps(payload))
         self.inflight[batch.id] = Inflight(batch, now, target=target)
         for r in batch.requests:

@@ -1,5 +1,5 @@
 """The Redis keys of the upstream path's short cuts: the groups the batcher hands an upstream-only
-pool on sorted sets (no Celery task per group: ``group_list``), and direct streaming, where a gateway
+pool on sorted sets (no Celery task per group: ``group_set``), and direct streaming, where a gateway
 streams a row from its upstream engine itself (``protocol.Release`` / ``protocol.StreamReport``):
 the gateway's inbox of releases and its liveness, the upstream instance's inbox of reports.
 Everything else crosses on ``cohort.bus``."""
@@ -37,10 +37,12 @@ def instance_inbox(instance: str) -> str:
     return f"{PREFIX}:instance:{instance}:reports"
 
 
-def group_list(pool: str, instance: str | None = None) -> str:
-    """A sorted set of ``Batch`` JSON (``group_entry``): groups for any upstream instance of
-    ``pool``, or routed to one, taken best first (``hand_over``, ``BZPOPMIN``)."""
-    return f"{PREFIX}:groups:{pool}" if instance is None else f"{PREFIX}:groups:{pool}:{instance}"
+def group_set(pool: str, instance: str | None = None) -> str:
+    """A sorted set of ``Batch`` JSON (``hand_over``): groups for any upstream instance of
+    ``pool``, or routed to one, taken best first (``BZPOPMIN``). Named apart from the plain lists
+    earlier versions kept groups on (``groups:``), so that an upgrade over a live Redis meets no key
+    of the other type: a group left on an old list is unclaimed, and the batcher re-queues it."""
+    return f"{PREFIX}:groupset:{pool}" if instance is None else f"{PREFIX}:groupset:{pool}:{instance}"
 
 
 def _sortable(key: float) -> str:
@@ -51,7 +53,7 @@ def _sortable(key: float) -> str:
 
 
 def hand_over(pipe: Any, key: str, priority: int, rank: float, payload: str) -> None:
-    """Queue (on ``pipe``) a group's ``Batch`` JSON onto its sorted set ``key`` (``group_list``),
+    """Queue (on ``pipe``) a group's ``Batch`` JSON onto its sorted set ``key`` (``group_set``),
     where instances take the waiting groups in the policy's order rather than the order they were
     handed over: the most urgent client ``priority`` first (the score), then the lowest ``rank``
     (the policy's rank at hand-over, or the hand-over time where its order changes with time: the
@@ -69,7 +71,7 @@ def queued_text(redis: Any, pool: str, targets: set[str | None]) -> str:
     pipe = redis.pipeline(transaction=False)
     for q in [queue_for_pool(pool), *map(queue_for_instance, names)]:
         pipe.lrange(q, 0, -1)
-    for q in [group_list(pool), *(group_list(pool, t) for t in names)]:
+    for q in [group_set(pool), *(group_set(pool, t) for t in names)]:
         pipe.zrange(q, 0, -1)
     return "".join(m for got in pipe.execute() for m in got)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from batcher.service import BatcherService
 from cohort import bus
 from cohort.protocol import BatchOutcome, CompletionEvent
-from cohort.release_bus import group_list, group_payload
+from cohort.release_bus import group_payload, group_set
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest
 from predictor.estimator import AnalyticBatchTime
@@ -50,7 +50,7 @@ def main(n: int, policy: str) -> None:
             t0 = time.process_time()
             svc.step()
             cpu += time.process_time() - t0
-            lists = (group_list("default", "u1"), group_list("default"))  # placed on u1's own, or the pool's
+            lists = (group_set("default", "u1"), group_set("default"))  # placed on u1's own, or the pool's
             for js in (m for key in lists for m in r.zrange(key, 0, -1)):  # the stand-in worker
                 b = Batch.from_dict(json.loads(group_payload(js)))
                 r.set(bus.admitted_key(b.id), "u1")

@@ -1,5 +1,5 @@
 """An upstream instance's inbox of groups: the batcher hands an upstream-only pool's groups over on
-Redis sorted sets (``release_bus.group_list``: the pool's, and the instance's own for routed ones),
+Redis sorted sets (``release_bus.group_set``: the pool's, and the instance's own for routed ones),
 taken best first in the policy's order (``release_bus.hand_over``), in the same round trip that records them in flight, instead of one Celery task each (a task cost
 the batcher a publish and the worker a delivery, an ack and their bookkeeping: about half of an
 upstream worker's CPU per request at 30 req/s, measured with `cohort bench front`).
@@ -19,7 +19,7 @@ import time
 
 import redis
 
-from cohort.release_bus import group_list, group_payload
+from cohort.release_bus import group_payload, group_set
 from cohort.types import Batch
 from workers.runtime import Runtime
 from workers.tasks import run_batch
@@ -31,7 +31,7 @@ def serve_groups(rt: Runtime, stop: threading.Event) -> None:
     """Take groups off the instance's sets until ``stop``, the best waiting first (its own set's
     before the pool's: ``BZPOPMIN`` pops from the first key that holds one); each goes to the
     instance's publisher."""
-    keys = [group_list(rt.settings.pool, rt.name), group_list(rt.settings.pool)]  # its own first
+    keys = [group_set(rt.settings.pool, rt.name), group_set(rt.settings.pool)]  # its own first
     backoff = 0.2
     while not stop.is_set():
         try:

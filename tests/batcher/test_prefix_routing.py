@@ -13,7 +13,7 @@ from batcher.prefix_pages import decode_summary, encode_summary, page_hashes, pa
 from batcher.prefix_routing import PrefixRouter
 from batcher.service import BatcherService
 from cohort import bus
-from cohort.release_bus import group_list
+from cohort.release_bus import group_set
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest
 from predictor.estimator import AnalyticBatchTime
@@ -131,11 +131,11 @@ def test_a_batch_routed_to_an_instance_that_dies_before_claiming_it_is_requeued(
     (first, target), = sent
     assert target == "w2"
     r.lpush(bus.queue_for_instance("w2"), "a message nobody will take")
-    r.zadd(group_list("default", "w2"), {"a group nobody will take": 0})  # an upstream's own set
+    r.zadd(group_set("default", "w2"), {"a group nobody will take": 0})  # an upstream's own set
     r.delete(bus.alive_key("w2"))                         # w2 dies with the batch on its own queue
     svc.step(now=3.0)
     assert not r.exists(bus.queue_for_instance("w2"))     # its queue is gone with it
-    assert not r.exists(group_list("default", "w2"))
+    assert not r.exists(group_set("default", "w2"))
     assert r.get(bus.claim_key(first.id)) == bus.CANCELLED
     again, where = sent[-1]
     assert again.id != first.id and [q.id for q in again.requests] == ["a1"] and where != "w2"

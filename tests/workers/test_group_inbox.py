@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import fakeredis
 
-from cohort.release_bus import group_list, hand_over
+from cohort.release_bus import group_set, hand_over
 from cohort.types import Batch, ProfiledRequest
 from workers import group_inbox
 
@@ -31,10 +31,10 @@ def test_the_instance_takes_its_own_groups_first_then_the_pools_best_first(monke
             stop.set()
 
     monkeypatch.setattr(group_inbox, "run_batch", run_batch)
-    _group(r, group_list("default"), "pool-late", 30.0)
-    _group(r, group_list("default"), "pool-early", 10.0)
-    _group(r, group_list("default", "u1"), "own-b", 50.0)
-    _group(r, group_list("default", "u1"), "own-a", 40.0)
+    _group(r, group_set("default"), "pool-late", 30.0)
+    _group(r, group_set("default"), "pool-early", 10.0)
+    _group(r, group_set("default", "u1"), "own-b", 50.0)
+    _group(r, group_set("default", "u1"), "own-a", 40.0)
     rt = SimpleNamespace(settings=SimpleNamespace(pool="default"), name="u1", redis=r)
     group_inbox.serve_groups(rt, stop)
     assert taken == ["own-a", "own-b", "pool-early", "pool-late"]

@@ -10,7 +10,7 @@ import fakeredis
 
 from batcher.service import BatcherService
 from cohort import bus
-from cohort.release_bus import group_list, group_payload
+from cohort.release_bus import group_payload, group_set
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo
 from predictor.estimator import AnalyticBatchTime
@@ -38,15 +38,15 @@ def test_an_upstream_only_pool_gets_its_groups_on_a_list(tmp_path):
     for i in range(3):
         arrive(r, i)
     svc.step(now=100.0)
-    listed = [Batch.from_dict(json.loads(group_payload(js))) for js in r.zrange(group_list("default"), 0, -1)]
+    listed = [Batch.from_dict(json.loads(group_payload(js))) for js in r.zrange(group_set("default"), 0, -1)]
     assert sent == [] and listed and {q.id for b in listed for q in b.requests} == {"q0", "q1", "q2"}
     assert set(r.hkeys(KEYS.inflight)) == {b.id for b in listed} and r.llen(KEYS.incoming) == 0
     # popped by an instance that died before claiming it: re-queued once unclaimed for two TTLs
-    r.delete(group_list("default"))
+    r.delete(group_set("default"))
     svc.step(now=100.5)
-    assert r.zcard(group_list("default")) == 0
+    assert r.zcard(group_set("default")) == 0
     svc.step(now=111.0)
-    again = [Batch.from_dict(json.loads(group_payload(js))) for js in r.zrange(group_list("default"), 0, -1)]
+    again = [Batch.from_dict(json.loads(group_payload(js))) for js in r.zrange(group_set("default"), 0, -1)]
     assert again and all(b.attempt == 1 for b in again)
 
 
@@ -58,7 +58,7 @@ def test_a_pool_with_a_builtin_instance_keeps_celery(tmp_path):
     svc = _service(r, tmp_path, sent)
     arrive(r, 0)
     svc.step(now=100.0)
-    assert len(sent) == 1 and r.zcard(group_list("default")) == 0
+    assert len(sent) == 1 and r.zcard(group_set("default")) == 0
 
 
 def test_placed_groups_go_on_the_least_loaded_instances_list(tmp_path):
@@ -71,8 +71,8 @@ def test_placed_groups_go_on_the_least_loaded_instances_list(tmp_path):
     svc.step(now=100.0)
     arrive(r, 1)
     svc.step(now=100.1)
-    own = {n: [Batch.from_dict(json.loads(group_payload(js))) for js in r.zrange(group_list("default", n), 0, -1)] for n in ("u1", "u2")}
-    assert r.zcard(group_list("default")) == 0 and sent == []
+    own = {n: [Batch.from_dict(json.loads(group_payload(js))) for js in r.zrange(group_set("default", n), 0, -1)] for n in ("u1", "u2")}
+    assert r.zcard(group_set("default")) == 0 and sent == []
     assert sorted(q.id for n in own for b in own[n] for q in b.requests) == ["q0", "q1"]
     assert len(own["u1"]) == 1 and len(own["u2"]) == 1  # the second went where nothing was in flight
 
@@ -93,7 +93,7 @@ def test_instances_take_the_pools_groups_in_the_policys_order_not_the_hand_over_
     arrive(r, "urgent-long", G=150, priority=-1)
     svc.step(now=100.1)
     # handed over long first; the short one passes it, and the more urgent client priority both
-    assert _waiting(r, group_list("default")) == [["urgent-long"], ["short"], ["long"]]
+    assert _waiting(r, group_set("default")) == [["urgent-long"], ["short"], ["long"]]
 
 
 def test_a_policy_whose_order_moves_with_time_keeps_the_hand_over_order(tmp_path):
@@ -104,4 +104,20 @@ def test_a_policy_whose_order_moves_with_time_keeps_the_hand_over_order(tmp_path
     svc.step(now=100.0)
     arrive(r, "short", G=5)
     svc.step(now=100.1)
-    assert _waiting(r, group_list("default")) == [["long"], ["short"]]
+    assert _waiting(r, group_set("default")) == [["long"], ["short"]]
+
+
+def test_a_group_left_on_an_earlier_versions_plain_list_is_requeued_onto_the_sets(tmp_path):
+    r = fakeredis.FakeRedis(decode_responses=True)
+    _register(r, "u1", upstream=True)
+    svc = _service(r, tmp_path, [], prefix_routing=False)
+    arrive(r, 0)
+    svc.step(now=100.0)
+    (member,) = r.zrange(group_set("default"), 0, -1)
+    r.delete(group_set("default"))  # where an earlier version kept it: a plain list nobody reads now
+    r.rpush(f"{bus.PREFIX}:groups:default", group_payload(member))
+    fresh = _service(r, tmp_path, [], prefix_routing=False)  # the upgraded batcher takes over
+    fresh.step(now=100.5)
+    assert r.zcard(group_set("default")) == 0
+    fresh.step(now=111.0)  # unclaimed for two heartbeat TTLs and on no set: re-queued
+    assert _waiting(r, group_set("default")) == [["q0"]]
