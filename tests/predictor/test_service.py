@@ -1,4 +1,5 @@
 import asyncio
+import time
 
 import numpy as np
 
@@ -81,6 +82,15 @@ def _saved(settings, model, name="m"):
     return d
 
 
+def _settle(svc: PredictorService, timeout_s: float = 10.0) -> None:
+    """Wait for the reload check a prediction starts in the background (``reload_interval_s=0``
+    makes every prediction start one): if it ran after the next ``activate`` it would swap the
+    version in itself, and the test's own ``maybe_reload`` would find nothing left to do."""
+    end = time.monotonic() + timeout_s
+    while svc._reloading and time.monotonic() < end:
+        time.sleep(0.005)
+
+
 def test_hot_reload_and_rollback(settings):
     reg = Registry(settings.data_dir, "predictor")
     v1 = reg.register_dir(_saved(settings, MeanPredictor(40), "a"))
@@ -88,10 +98,12 @@ def test_hot_reload_and_rollback(settings):
     svc.warmup()
     assert svc.version == v1
     assert asyncio.run(svc.predict(_item(), 100)) == (40, v1)
+    _settle(svc)
     lin = LinearLengthPredictor(1.0, 3.0)
     v2 = reg.register_dir(_saved(settings, lin, "b"))
     assert svc.maybe_reload() and svc.version == v2
     assert asyncio.run(svc.predict(_item(10), 100)) == (31, v2)
+    _settle(svc)  # a prediction starts a background check: let it end before ACTIVE changes
     reg.activate(v1)
     assert svc.maybe_reload() and svc.version == v1
     assert not svc.maybe_reload()  # unchanged: nothing to do
