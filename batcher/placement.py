@@ -63,7 +63,7 @@ class Placement:
     def sync(self, alive: dict[str, InstanceInfo], gone: list[str], now: float) -> None:
         """Follow the live instances; read their prefix summaries about as often as they write them."""
         for name in gone:  # nobody consumes a gone instance's queue: what waits there is re-queued
-            # by the lost-batch check (its target is gone); an upstream's groups wait on a list of its own
+            # by the lost-batch check (its target is gone); an upstream's groups wait on a set of its own
             self.redis.delete(bus.queue_for_instance(name), group_set(self.settings.pool, name))
         self.capacity = {n: i.theta_bytes // max(1, i.delta_bytes) for n, i in alive.items()}
         self.pages = {n: i.page_tokens or self.settings.continuous.page_tokens for n, i in alive.items()}

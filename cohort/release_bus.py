@@ -77,8 +77,8 @@ def queued_text(redis: Any, pool: str, targets: set[str | None]) -> str:
 
 
 def group_payload(member: str) -> str:
-    """The ``Batch`` JSON of a sorted set's member (``hand_over``)."""
-    return member[17:]
+    """The ``Batch`` JSON of a sorted set's member (``hand_over``: after the rank's prefix)."""
+    return member.partition("|")[2]
 
 
 async def take_inbox(conn, key: str, timeout_s: float = 1.0) -> list[str]:

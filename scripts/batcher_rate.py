@@ -50,14 +50,14 @@ def main(n: int, policy: str) -> None:
             t0 = time.process_time()
             svc.step()
             cpu += time.process_time() - t0
-            lists = (group_set("default", "u1"), group_set("default"))  # placed on u1's own, or the pool's
-            for js in (m for key in lists for m in r.zrange(key, 0, -1)):  # the stand-in worker
+            sets = (group_set("default", "u1"), group_set("default"))  # placed on u1's own, or the pool's
+            for js in (m for key in sets for m in r.zrange(key, 0, -1)):  # the stand-in worker
                 b = Batch.from_dict(json.loads(group_payload(js)))
                 r.set(bus.admitted_key(b.id), "u1")
                 r.lpush(keys.completions, CompletionEvent(b.id, BatchOutcome.DONE, instance="u1", size=b.size,
                                                           answered=[q.id for q in b.requests]).to_json())
                 groups += 1
-            r.delete(*lists)
+            r.delete(*sets)
         wall = time.monotonic() - wall0
         print(f"{policy}: {n} requests in {groups} groups: batcher CPU {cpu:.2f} s = {1000 * cpu / n:.3f} ms a "
               f"request, {n / cpu:.0f} requests per CPU second ({wall:.1f} s wall)")
