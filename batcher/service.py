@@ -341,6 +341,7 @@ class BatcherService(Intake):
         given); then, for pools served through Celery, the tasks."""
         sent: list[tuple[Batch, str | None, bool]] = []
         pipe = self.redis.pipeline() if pipe is None else pipe
+        listed = bool(self.instances) and all(i.upstream for i in self.instances.values())  # no Celery
         while self._has_room():
             batch = self.policy.pop(now)
             if batch is None:
@@ -352,13 +353,12 @@ class BatcherService(Intake):
                     continue
             target, cached = (None, False) if self.placement is None else \
                 self.placement.target(batch, list(self.inflight.values()))
-            self._send(pipe, batch, now, target)
+            self._send(pipe, batch, now, target, listed)
             sent.append((batch, target, cached))
         if sent:
             self._publish_worst(pipe)  # what left changes the least urgent priority still waiting
         if len(pipe):
             pipe.execute()
-        listed = bool(self.instances) and all(i.upstream for i in self.instances.values())
         for batch, target, cached in sent:
             if not listed:  # after the transaction: a worker's completion always finds its batch in flight
                 self.send_task(batch, target)
@@ -367,14 +367,14 @@ class BatcherService(Intake):
                      batch.predicted_gen_len, where)
         return bool(sent)
 
-    def _send(self, pipe, batch: Batch, now: float, target: str | None = None) -> None:
-        """Queue a batch's dispatch in the round's transaction: in flight, out of ``pending``, on an
-        upstream-only pool's sorted set (no Celery task)."""
+    def _send(self, pipe, batch: Batch, now: float, target: str | None, listed: bool) -> None:
+        """Queue a batch's dispatch in the round's transaction: in flight, out of ``pending``, and,
+        when ``listed`` (an upstream-only pool: no Celery task), on its sorted set."""
         payload = batch.to_dict()
         pipe.hset(self.keys.inflight, batch.id, dumps({"batch": payload, "dispatched": now, "target": target}))
         pipe.hdel(self.keys.pending, *[r.id for r in batch.requests])
         pipe.hincrby(bus.STATS, "batches_dispatched", 1)
-        if bool(self.instances) and all(i.upstream for i in self.instances.values()):
+        if listed:
             hand_over(pipe, group_set(self.settings.pool, target), min(r.priority for r in batch.requests),
                       self.policy.handover_key(batch, now), dumps(payload))
         self.inflight[batch.id] = Inflight(batch, now, target=target)
