@@ -83,8 +83,11 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def preemptions(url: str) -> float:
-    return metric_value(httpx.get(f"{url}/metrics", timeout=10).text, "vllm:num_preemptions_total") or 0.0
+def counters(url: str) -> dict[str, float]:
+    """The engine's preemptions and prefix-cache lookups so far (vLLM's names; the simulator's are the same)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {k: metric_value(text, f"vllm:{k}_total") or 0.0 for k in ("num_preemptions", "prefix_cache_queries",
+                                                                       "prefix_cache_hits")}
 
 
 def sim_clock(url: str) -> dict[str, float]:
@@ -96,9 +99,15 @@ def sim_clock(url: str) -> dict[str, float]:
 
 
 def one_run(url: str, wl) -> dict[str, Any]:
-    before, clock = preemptions(url), sim_clock(url)
+    """One replay of ``wl``: its summary, per-request times, the engine's preemptions and the share of
+    prompt tokens its prefix cache served (a pool of 40 blocks keeps less of the shared prefixes)."""
+    before, clock = counters(url), sim_clock(url)
     res = asyncio.run(replay_streams(wl, f"{url}/v1", direct_body(wl, "tiny")))
-    out = {"summary": summarize(wl, res), "preemptions": preemptions(url) - before, "per_request": per_request(res)}
+    after = counters(url)
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    out = {"summary": summarize(wl, res), "preemptions": after["num_preemptions"] - before["num_preemptions"],
+           "prefix_hit_rate": (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / queries if queries else None,
+           "per_request": per_request(res)}
     if clock:
         out["sim_clock"] = {k: v - clock.get(k, 0.0) for k, v in sim_clock(url).items()}
     return out
@@ -193,6 +202,7 @@ def condition(name: str, blocks: int | None, args, rows, files: list[str]) -> di
                 s = runs[label]["summary"]
                 print(f"[{name} {load}] {label}: {s['throughput_rps']:.2f} req/s, p50 e2e {s['p50_latency_s']:.2f} s, "
                       f"p50 TTFT {s['p50_ttft_s']:.3f} s, preemptions {runs[label]['preemptions']:.0f}, "
+                      f"prefix hits {runs[label]['prefix_hit_rate'] or 0:.2f}, "
                       f"lost {s['lost']}, {time.time() - t0:.0f} s"
                       + ("" if "sim_clock" not in runs[label] else
                          f", {runs[label]['sim_clock'].get('lag_steps', 0):.0f} of "
