@@ -68,7 +68,7 @@ class KVJudge:
         return pages_for(tokens, self.page_tokens) * self.page_tokens <= self.capacity_tokens
 
     def running_set_fits(self, contexts: Sequence[int], remaining: Sequence[int],
-                         step_cost: DecodeStepCost | None = None) -> bool:
+                         step_cost: DecodeStepCost | None = None, shared: Sequence[int] = ()) -> bool:
         """Whether a continuous instance may run these rows together (its running rows plus a
         joining group, each row's context and planned remaining tokens): their planned KV
         (``batcher.elastic.admission_kv_tokens``) within capacity, at most ``max_rows`` of them,
@@ -85,9 +85,14 @@ class KVJudge:
         than planned; a row that does not fit when it arrives waits in the engine's queue in
         cohort's order, and one that outgrows it is the lowest-priority row, the latest admitted,
         preempted and recomputed from its short context — cheaper than holding every row back
-        (docs/notes/fleet.md). The built-in engine keeps 0: it has no queue of its own."""
+        (docs/notes/fleet.md). The built-in engine keeps 0: it has no queue of its own.
+
+        ``shared``: tokens of each row's context held once for rows that share them
+        (``batcher.prefix_groups.shared_by_longer_lived``): left out of the KV, not of the step cost
+        (each row still attends over its whole context)."""
+        kv = [c - s for c, s in zip(contexts, shared, strict=True)] if shared else contexts
         return (len(contexts) <= self.max_rows
-                and admission_kv_tokens(contexts, remaining, self.page_tokens)
+                and admission_kv_tokens(kv, remaining, self.page_tokens)
                 <= self.capacity_tokens * (1.0 + self.overcommit)
                 and row_pays(step_cost, len(contexts), sum(contexts), self.marginal_cost))
 

@@ -28,12 +28,13 @@ from typing import Protocol
 import redis
 
 from batcher.kv_judge import KVJudge
+from batcher.prefix_groups import prompt_pages, shared_by_longer_lived
 from batcher.prefix_pages import decode_summary
-from batcher.prefix_routing import PrefixRouter
+from batcher.prefix_routing import MAX_REMEMBERED, PrefixRouter
 from cohort import bus
 from cohort.release_bus import group_set
 from cohort.settings import Settings
-from cohort.types import Batch, InstanceInfo
+from cohort.types import Batch, InstanceInfo, ProfiledRequest
 
 
 class Placed(Protocol):
@@ -56,6 +57,7 @@ class Placement:
     capacity: dict[str, int] = field(default_factory=dict)  # live instances' KV, in tokens
     pages: dict[str, int] = field(default_factory=dict)     # and their KV pages' tokens
     _last_summaries: float = float("-inf")
+    _row_pages: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (request id, page size) -> pages
 
     def __post_init__(self) -> None:
         self.router.page_tokens = self.settings.continuous.page_tokens
@@ -108,10 +110,22 @@ class Placement:
             return True
         rows = [r for b in (*held, batch) for r in b.requests]
         s = self.settings
-        judge = KVJudge(self.capacity.get(instance, 0), self.pages.get(instance, s.continuous.page_tokens),
-                        s.continuous.max_rows)
-        return judge.running_set_fits([r.input_tokens for r in rows],
-                                      [r.run_plan_tokens for r in rows])
+        page = self.pages.get(instance, s.continuous.page_tokens)
+        judge = KVJudge(self.capacity.get(instance, 0), page, s.continuous.max_rows)
+        remaining = [r.run_plan_tokens for r in rows]
+        shared = shared_by_longer_lived([self._pages(r, page) for r in rows], remaining, page)
+        return judge.running_set_fits([r.input_tokens for r in rows], remaining, shared=shared)
+
+    def _pages(self, req: ProfiledRequest, page_tokens: int) -> list[int]:
+        """The request's prompt pages at an instance's page size, kept while it may be in flight
+        (the same request is judged beside every batch placed after it)."""
+        key = (req.id, page_tokens)
+        got = self._row_pages.get(key)
+        if got is None:
+            if len(self._row_pages) >= MAX_REMEMBERED:  # requests long gone: start over
+                self._row_pages.clear()
+            got = self._row_pages[key] = prompt_pages(req, page_tokens)
+        return got
 
     def target(self, batch: Batch, inflight: list[Placed]) -> tuple[str | None, bool]:
         """The instance to route ``batch`` to: of those with room, the one holding most of its

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from batcher.kv_judge import KVJudge
+from batcher.prefix_groups import shared_by_longer_lived
 from cohort.protocol import FailureCode, FinishReason
 from cohort.types import Batch
 from upstream.api import (
@@ -156,7 +157,8 @@ class UpstreamLoop(Releasing):
         rows = running + g.rows
         judge = KVJudge(self.capacity_tokens, self.page_tokens, self.max_rows,
                         overcommit=self.reach.overcommit(self.overcommit))
-        return judge.running_set_fits(self._held(rows), [r.remaining for r in rows])
+        left, pages = [r.remaining for r in rows], [r.pages(self.page_tokens) for r in rows]
+        return judge.running_set_fits(self._held(rows), left, shared=shared_by_longer_lived(pages, left, self.page_tokens))
 
     def _admit(self) -> None:
         if self.down:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from batcher.prefix_pages import page_hashes
 from cohort.types import Batch, ProfiledRequest
 from workers.continuous_loop import GroupHandle
 from workers.step_outputs import StepOutput
@@ -25,6 +26,15 @@ class Row:
     released: bool = False  # streamed by its gateway (``protocol.Release``), not by this worker
     handed_back: bool = False  # evicted: it continues elsewhere, so it did not show its length here
     heard_at: float = 0.0   # released: when its gateway last reported on it (monotonic)
+    _pages: list[int] | None = field(default=None, repr=False)
+
+    def pages(self, page_tokens: int) -> list[int]:
+        """Its prompt's page keys at the engine's page size (one engine: computed once), which rows
+        running beside it may share (``batcher.prefix_groups.shared_by_longer_lived``)."""
+        if self._pages is None:
+            ids = self.prompt_ids
+            self._pages = page_hashes(ids, page_tokens) if 0 < page_tokens <= len(ids) else []
+        return self._pages
 
     @property
     def context(self) -> int:

@@ -200,3 +200,49 @@ def test_placement_plans_each_instance_in_its_own_pages(r, tmp_path):
     unknown = {"w3": InstanceInfo(name="w3", pool="default", model="m", theta_bytes=1024, delta_bytes=1)}
     place.sync(unknown, ["w1", "w2"], now=1.0)
     assert place.pages == {"w3": 16}  # an instance that does not say: COHORT_CONTINUOUS__PAGE_TOKENS
+
+
+def test_pages_that_rows_share_are_charged_once_to_the_longest_lived():
+    """A (planned 300 more) and B (100) share A's prompt's four pages, C (500) shares nothing:
+    B's four pages are A's, which runs longer and keeps them to its end; with B planned longer
+    than A, A's would be B's instead. Chained keys: a page after a difference is never shared."""
+    from batcher.kv_judge import KVJudge
+    from batcher.prefix_groups import shared_by_longer_lived
+
+    a, b, c = keys(SYSTEM_A), keys(SYSTEM_A + list(range(900, 916))), keys(SYSTEM_B)
+    assert shared_by_longer_lived([a, b, c], [300, 100, 500], 16) == [0, 64, 0]
+    assert shared_by_longer_lived([a, b, c], [100, 300, 500], 16) == [64, 0, 0]
+    forked = keys([7] + SYSTEM_A[1:])                              # differs in its first token
+    assert shared_by_longer_lived([a, forked], [300, 100], 16) == [0, 0]
+    # the KV leaves the shared tokens out, the row count and step cost do not
+    judge = KVJudge(capacity_tokens=930, page_tokens=16)
+    contexts, left = [64, 80, 64], [300, 250, 500]
+    shared = shared_by_longer_lived([a, b, c], left, 16)
+    assert shared == [0, 64, 0]
+    assert not judge.running_set_fits(contexts, left)              # peak as B ends: 208 + 3 x 250 + 3 x 8 = 982
+    assert judge.running_set_fits(contexts, left, shared=shared)   # 64 fewer: 918
+    assert not KVJudge(930, 16, max_rows=2).running_set_fits(contexts, left, shared=shared)
+
+
+def _chat_batch(bid: str, ids: list[int], planned: int) -> Batch:
+    return Batch(id=bid, requests=[ProfiledRequest(id=f"{bid}-r", prompt="p", input_tokens=len(ids), prompt_ids=ids,
+                                                   predicted_tokens=planned, max_tokens=1024, arrival=0.0)],
+                 created=0.0)
+
+
+def test_a_batch_that_shares_an_instances_running_prompt_fits_beside_it(r, tmp_path):
+    """Two instances of 640 KV tokens, each running one row of a 320-token prompt planned 200 more
+    (w1: system prompt A's, w2: B's). A second row of prompt A (plus 16 tokens) planned 100 more
+    needs 336 + 100 tokens of its own, too many beside either row; but beside w1's row it shares
+    A's 320 tokens, which that row holds anyway: it fits there, and only there."""
+    from batcher.placement import Placement
+
+    long_a, long_b = SYSTEM_A * 5, SYSTEM_B * 5                     # 20 pages each
+    place = Placement(Settings(database_url=f"sqlite:///{tmp_path}/log.db", execution="continuous"), r)
+    alive = {n: InstanceInfo(name=n, pool="default", model="m", theta_bytes=640, delta_bytes=1) for n in ("w1", "w2")}
+    place.sync(alive, [], now=0.0)
+    held = [_Held(_chat_batch("a", long_a, 200), "w1"), _Held(_chat_batch("b", long_b, 200), "w2")]
+    joining = _chat_batch("a2", long_a + list(range(900, 916)), 100)
+    assert place.with_room(held, joining) == ["w1"]
+    unshared = _chat_batch("c", list(range(2000, 2336)), 100)
+    assert place.with_room(held, unshared) == []

@@ -327,3 +327,25 @@ def test_the_overcommit_follows_how_far_plans_reached_past_the_rows(tok):
     _run(loop, [Batch("bf", far, time.time())])
     assert loop.reach.overcommit(0.5) == 0.5  # plans ran far past the rows: up to the cap
     loop.stop()
+
+
+def test_a_group_sharing_a_running_rows_prompt_is_planned_without_the_shared_pages(tok):
+    """A server of 40 pages of 16 runs one row of a 400-token prompt (100 tokens planned, 10 in).
+    A joining row of the same prompt plus 16 tokens (100 planned) needs 416 + 100 of its own beside
+    the running row's 410 + 90, past 640; the server holds the 400 shared tokens once (charged to the
+    joining row, which runs longer), so it fits. A row of another prompt of that length does not."""
+    loop = UpstreamLoop(ScriptedServer(), tok, capacity_tokens=40 * 16, page_tokens=16, poll_s=60)
+    system = list(range(1000, 1400))
+    running = Batch("ba", [_req("a1", 100)], time.time())
+    g = AdmissionGroup(running, GroupHandle(loop, "ba", TextStage(tok)))
+    loop._rows["a1"] = Row(running.requests[0], system, g, new_ids=[0] * 10)
+
+    def joining(ids: list[int]) -> AdmissionGroup:
+        b = Batch("bb", [_req("b1", 100)], time.time())
+        nxt = AdmissionGroup(b, GroupHandle(loop, "bb", TextStage(tok)))
+        nxt.rows = [Row(b.requests[0], ids, nxt)]
+        return nxt
+
+    assert loop._fits(joining(system + list(range(16))))
+    assert not loop._fits(joining(list(range(5000, 5416))))
+    loop.stop()
