@@ -8,12 +8,12 @@ rows, metrics and completions as the built-in engine. What differs is who decode
 * **Admission.** Groups wait in the order the batcher sent them (the policy's order) and join
   while the running rows plus the group fit the server's KV capacity by the one running-set rule
   (``batcher.kv_judge.KVJudge.running_set_fits``: contexts, with tokens the server holds unsent,
-  and planned remaining tokens, past the server's KV by as far as plans have reached past what rows
-  generated, up to ``overcommit`` (``upstream.rows.PlanReach``): the server's own queue and
-  preemption absorb the rest) and while the server reports no queue of its own (vLLM's
-  ``num_requests_waiting``, SGLang's ``num_queue_reqs``; looked at again as soon as a group is
-  held by it). An empty instance takes any group. While one waits, the instance takes no other
-  group off the pool's set (``take_wait_s``): the next one goes to an instance with room.
+  less prompt pages rows share (held once by the server's prefix cache), and planned remaining
+  tokens, past the server's KV by as far as plans have reached past what rows generated, up to
+  ``overcommit`` (``upstream.rows.PlanReach``): the server's own queue and preemption absorb the
+  rest) and while the server reports no queue of its own (vLLM's ``num_requests_waiting``, SGLang's
+  ``num_queue_reqs``; looked at again as soon as a group is held by it). An empty instance takes any
+  group. While one waits, the instance takes no other group off the pool's set (``take_wait_s``).
 * **Order.** Each row carries ``priority`` = its client priority, then its group's admission
   number, where the server takes one (vLLM, SGLang: ``upstream.api``).
 * **Failure.** A stream that breaks, times out or answers 5xx goes back to the batcher as a
