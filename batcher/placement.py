@@ -34,11 +34,13 @@ import redis
 from batcher.kv_judge import KVJudge
 from batcher.prefix_groups import prompt_pages, shared_by_longer_lived
 from batcher.prefix_pages import decode_summary
-from batcher.prefix_routing import MAX_REMEMBERED, PrefixRouter
+from batcher.prefix_routing import PrefixRouter
 from cohort import bus
 from cohort.release_bus import group_set
 from cohort.settings import Settings
 from cohort.types import Batch, InstanceInfo, ProfiledRequest
+
+PAGES_KEPT_SPARE = 1024  # requests' pages kept beyond twice those in flight before the gone ones are dropped
 
 
 class Placed(Protocol):
@@ -99,6 +101,7 @@ class Placement:
                 waiting[where] += not fl.admitted
                 held[where].append(fl.batch)
         if s.execution == "continuous":
+            self._keep_pages_of(inflight, batch)
             ok = [n for n in total if waiting[n] < s.continuous.lookahead and total[n] < s.continuous.max_groups
                   and (batch is None or self.fits_beside(n, held[n], batch))]
         else:
@@ -126,10 +129,15 @@ class Placement:
         key = (req.id, page_tokens)
         got = self._row_pages.get(key)
         if got is None:
-            if len(self._row_pages) >= MAX_REMEMBERED:  # requests long gone: start over
-                self._row_pages.clear()
             got = self._row_pages[key] = prompt_pages(req, page_tokens)
         return got
+
+    def _keep_pages_of(self, inflight: list[Placed], batch: Batch | None) -> None:
+        """Forget the pages of requests no longer in flight, once they outnumber those that are
+        (a chat prompt's pages are a few hundred bytes; a day of requests would hold gigabytes)."""
+        live = {r.id for fl in inflight for r in fl.batch.requests} | {r.id for r in (batch.requests if batch else ())}
+        if len(self._row_pages) > 2 * len(live) + PAGES_KEPT_SPARE:
+            self._row_pages = {k: v for k, v in self._row_pages.items() if k[0] in live}
 
     def target(self, batch: Batch, inflight: list[Placed]) -> tuple[str | None, bool]:
         """The instance to route ``batch`` to: of those with room, the one holding most of its

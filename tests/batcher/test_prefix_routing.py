@@ -246,3 +246,18 @@ def test_a_batch_that_shares_an_instances_running_prompt_fits_beside_it(r, tmp_p
     assert place.with_room(held, joining) == ["w1"]
     unshared = _chat_batch("c", list(range(2000, 2336)), 100)
     assert place.with_room(held, unshared) == []
+
+
+def test_placement_forgets_the_pages_of_requests_no_longer_in_flight(r, tmp_path):
+    from batcher import placement as pl
+
+    place = pl.Placement(Settings(database_url=f"sqlite:///{tmp_path}/log.db", execution="continuous"), r)
+    alive = {"w1": InstanceInfo(name="w1", pool="default", model="m", theta_bytes=100_000, delta_bytes=1)}
+    place.sync(alive, [], now=0.0)
+    rows = [_chat_batch(f"old{i}", SYSTEM_A, 10).requests[0] for i in range(pl.PAGES_KEPT_SPARE + 10)]
+    held = [_Held(Batch(id="big", requests=rows, created=0.0), "w1")]
+    place.with_room(held, _chat_batch("new", SYSTEM_A, 10))
+    assert len(place._row_pages) == pl.PAGES_KEPT_SPARE + 11   # every one in flight is judged and kept
+    now = [_Held(_chat_batch("kept", SYSTEM_B, 10), "w1")]
+    place.with_room(now, _chat_batch("next", SYSTEM_B, 10))
+    assert {k[0] for k in place._row_pages} == {"kept-r", "next-r"}
