@@ -120,7 +120,8 @@ class Placement:
         page = self.pages.get(instance, s.continuous.page_tokens)
         judge = KVJudge(self.capacity.get(instance, 0), page, s.continuous.max_rows)
         remaining = [r.run_plan_tokens for r in rows]
-        shared = shared_by_longer_lived([self._pages(r, page) for r in rows], remaining, page)
+        sizes = [len(r.prompt_ids or []) + len(r.generated_ids) for r in rows]  # what ``prompt_pages`` pages
+        shared = shared_by_longer_lived([self._pages(r, page) for r in rows], remaining, sizes, page)
         return judge.running_set_fits([r.input_tokens for r in rows], remaining, shared=shared)
 
     def _pages(self, req: ProfiledRequest, page_tokens: int) -> list[int]:

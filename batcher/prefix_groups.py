@@ -52,16 +52,21 @@ class GroupPages:
         self.held.update(pages)
 
 
-def shared_by_longer_lived(pages: Sequence[Sequence[int]], remaining: Sequence[int], page_tokens: int) -> list[int]:
+def shared_by_longer_lived(pages: Sequence[Sequence[int]], remaining: Sequence[int], prompt_tokens: Sequence[int],
+                           page_tokens: int) -> list[int]:
     """Tokens of each row's prompt that a row planned to run at least as long holds already: what
     the row's KV need leaves out where one instance runs them together. An engine with a prefix
     cache (vLLM's blocks, the built-in page pool) holds a page that running rows share once, for as
     long as any of them runs; so each shared page is charged to its longest-lived holder, which keeps
-    it to that holder's end, and the running set's planned peak stays exact (``pages``: each row's
-    ``batcher.prefix_pages.page_hashes`` at the engine's page size; ties keep the given order)."""
+    it to that holder's end, and the running set's planned peak stays exact. A row holds every full
+    page of its prompt, and finds the others' pages for all of its own but the page of its last
+    token, which an engine computes again to sample the next one (``pages``: each row's
+    ``batcher.prefix_pages.page_hashes`` at the engine's page size, of its ``prompt_tokens``; ties
+    keep the given order)."""
     held: set[int] = set()
     out = [0] * len(pages)
     for i in sorted(range(len(pages)), key=lambda i: -remaining[i]):
-        out[i] = held_prefix_pages(pages[i], held) * page_tokens
+        reusable = pages[i][:max(0, prompt_tokens[i] - 1) // page_tokens]
+        out[i] = held_prefix_pages(reusable, held) * page_tokens
         held.update(pages[i])
     return out

@@ -35,7 +35,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from batcher.kv_judge import KVJudge
-from batcher.prefix_groups import shared_by_longer_lived
 from cohort.protocol import FailureCode, FinishReason
 from cohort.types import Batch
 from upstream.api import (
@@ -49,7 +48,7 @@ from upstream.api import (
     queue_from_metrics,
 )
 from upstream.release import ReleaseLink, Releasing
-from upstream.rows import AdmissionGroup, PlanReach, ReportPace, Row
+from upstream.rows import AdmissionGroup, PlanReach, ReportPace, Row, shared_tokens
 from workers.continuous_loop import GroupHandle, GroupUpdate, Update, drain
 from workers.row_text import TextStage
 from workers.step_outputs import StepOutput, TokenEvent
@@ -157,8 +156,7 @@ class UpstreamLoop(Releasing):
         rows = running + g.rows
         judge = KVJudge(self.capacity_tokens, self.page_tokens, self.max_rows,
                         overcommit=self.reach.overcommit(self.overcommit))
-        left, pages = [r.remaining for r in rows], [r.pages(self.page_tokens) for r in rows]
-        return judge.running_set_fits(self._held(rows), left, shared=shared_by_longer_lived(pages, left, self.page_tokens))
+        return judge.running_set_fits(self._held(rows), [r.remaining for r in rows], shared=shared_tokens(rows, self.page_tokens))
 
     def _admit(self) -> None:
         if self.down:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from batcher.prefix_groups import shared_by_longer_lived
 from batcher.prefix_pages import page_hashes
 from cohort.types import Batch, ProfiledRequest
 from workers.continuous_loop import GroupHandle
@@ -64,6 +65,13 @@ class Row:
         """Tokens it may still generate: an emulated length (benchmarks) or max_tokens."""
         e = self.req.emulated_tokens
         return self.req.max_tokens if e is None else max(1, min(e, self.req.max_tokens))
+
+
+def shared_tokens(rows: list[Row], page_tokens: int) -> list[int]:
+    """Tokens of each row's prompt that the server holds once for rows that share them (the one
+    rule: ``batcher.prefix_groups.shared_by_longer_lived``), left out of the rows' KV."""
+    return shared_by_longer_lived([r.pages(page_tokens) for r in rows], [r.remaining for r in rows],
+                                  [len(r.prompt_ids) for r in rows], page_tokens)
 
 
 @dataclass

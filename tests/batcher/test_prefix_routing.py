@@ -9,6 +9,7 @@ import fakeredis
 import pytest
 
 from batcher.page_pool import PagePool
+from batcher.prefix_groups import shared_by_longer_lived
 from batcher.prefix_pages import decode_summary, encode_summary, page_hashes, page_salt
 from batcher.prefix_routing import PrefixRouter
 from batcher.service import BatcherService
@@ -207,17 +208,18 @@ def test_pages_that_rows_share_are_charged_once_to_the_longest_lived():
     B's four pages are A's, which runs longer and keeps them to its end; with B planned longer
     than A, A's would be B's instead. Chained keys: a page after a difference is never shared."""
     from batcher.kv_judge import KVJudge
-    from batcher.prefix_groups import shared_by_longer_lived
 
     a, b, c = keys(SYSTEM_A), keys(SYSTEM_A + list(range(900, 916))), keys(SYSTEM_B)
-    assert shared_by_longer_lived([a, b, c], [300, 100, 500], 16) == [0, 64, 0]
-    assert shared_by_longer_lived([a, b, c], [100, 300, 500], 16) == [64, 0, 0]
+    sizes = [64, 80, 64]
+    assert shared_by_longer_lived([a, b, c], [300, 100, 500], sizes, 16) == [0, 64, 0]
+    # A's last page holds its last token, which it computes again: it finds 3 of its 4 pages in B
+    assert shared_by_longer_lived([a, b, c], [100, 300, 500], sizes, 16) == [48, 0, 0]
     forked = keys([7] + SYSTEM_A[1:])                              # differs in its first token
-    assert shared_by_longer_lived([a, forked], [300, 100], 16) == [0, 0]
+    assert shared_by_longer_lived([a, forked], [300, 100], [64, 64], 16) == [0, 0]
     # the KV leaves the shared tokens out, the row count and step cost do not
     judge = KVJudge(capacity_tokens=930, page_tokens=16)
     contexts, left = [64, 80, 64], [300, 250, 500]
-    shared = shared_by_longer_lived([a, b, c], left, 16)
+    shared = shared_by_longer_lived([a, b, c], left, sizes, 16)
     assert shared == [0, 64, 0]
     assert not judge.running_set_fits(contexts, left)              # peak as B ends: 208 + 3 x 250 + 3 x 8 = 982
     assert judge.running_set_fits(contexts, left, shared=shared)   # 64 fewer: 918
@@ -246,6 +248,9 @@ def test_a_batch_that_shares_an_instances_running_prompt_fits_beside_it(r, tmp_p
     assert place.with_room(held, joining) == ["w1"]
     unshared = _chat_batch("c", list(range(2000, 2336)), 100)
     assert place.with_room(held, unshared) == []
+    # a request's n choices: identical prompts, each computing its last token's page again
+    same = [_chat_batch(f"n{i}", SYSTEM_A, 10).requests[0] for i in range(3)]
+    assert shared_by_longer_lived([place._pages(q, 16) for q in same], [30, 20, 10], [64] * 3, 16) == [0, 48, 48]
 
 
 def test_placement_forgets_the_pages_of_requests_no_longer_in_flight(r, tmp_path):

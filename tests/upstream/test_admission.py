@@ -332,8 +332,8 @@ def test_the_overcommit_follows_how_far_plans_reached_past_the_rows(tok):
 def test_a_group_sharing_a_running_rows_prompt_is_planned_without_the_shared_pages(tok):
     """A server of 40 pages of 16 runs one row of a 400-token prompt (100 tokens planned, 10 in).
     A joining row of the same prompt plus 16 tokens (100 planned) needs 416 + 100 of its own beside
-    the running row's 410 + 90, past 640; the server holds the 400 shared tokens once (charged to the
-    joining row, which runs longer), so it fits. A row of another prompt of that length does not."""
+    the running row's 410 + 90, past 640; the server holds the 400 tokens they share once (charged to
+    the joining row, which runs longer), so it fits. A row of another prompt of that length does not."""
     loop = UpstreamLoop(ScriptedServer(), tok, capacity_tokens=40 * 16, page_tokens=16, poll_s=60)
     system = list(range(1000, 1400))
     running = Batch("ba", [_req("a1", 100)], time.time())
