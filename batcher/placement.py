@@ -136,6 +136,8 @@ class Placement:
     def _keep_pages_of(self, inflight: list[Placed], batch: Batch | None) -> None:
         """Forget the pages of requests no longer in flight, once they outnumber those that are
         (a chat prompt's pages are a few hundred bytes; a day of requests would hold gigabytes)."""
+        if len(self._row_pages) <= PAGES_KEPT_SPARE:  # the common case: not worth listing who is in flight
+            return
         live = {r.id for fl in inflight for r in fl.batch.requests} | {r.id for r in (batch.requests if batch else ())}
         if len(self._row_pages) > 2 * len(live) + PAGES_KEPT_SPARE:
             self._row_pages = {k: v for k, v in self._row_pages.items() if k[0] in live}
