@@ -62,6 +62,7 @@ class Placement:
     model: str = ""
     capacity: dict[str, int] = field(default_factory=dict)  # live instances' KV, in tokens
     pages: dict[str, int] = field(default_factory=dict)     # and their KV pages' tokens
+    overcommit: dict[str, float] = field(default_factory=dict)  # and how far past it a plan may reach
     _last_summaries: float = float("-inf")
     _row_pages: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (request id, page size) -> pages
 
@@ -75,6 +76,7 @@ class Placement:
             self.redis.delete(bus.queue_for_instance(name), group_set(self.settings.pool, name))
         self.capacity = {n: i.theta_bytes // max(1, i.delta_bytes) for n, i in alive.items()}
         self.pages = {n: i.page_tokens or self.settings.continuous.page_tokens for n, i in alive.items()}
+        self.overcommit = {n: self.settings.upstream_kv_overcommit if i.upstream else 0.0 for n, i in alive.items()}
         self.router.sync_instances(self.capacity)
         if alive:
             self.model = next(iter(alive.values())).model
@@ -112,13 +114,20 @@ class Placement:
         """Whether ``batch``'s rows fit ``instance``'s KV beside the rows of the batches it holds,
         each planned from its prompt to its planned length (what the batcher knows: not how far a
         row has got), in the instance's own pages (a vLLM CPU build's hold 128 tokens). An instance
-        that holds nothing takes any batch."""
+        that holds nothing takes any batch.
+
+        An upstream instance is judged with the overcommit its worker may admit with
+        (``COHORT_UPSTREAM_KV_OVERCOMMIT``, the cap of ``upstream.rows.PlanReach``): judged stricter
+        than its worker admits, an engine that holds a batch's prefix looked full while its worker
+        would have taken the batch, and the batch went to an engine without the prefix (chat-prefix
+        trace, 200-block engines: docs/notes/fleet.md)."""
         if not held:
             return True
         rows = [r for b in (*held, batch) for r in b.requests]
         s = self.settings
         page = self.pages.get(instance, s.continuous.page_tokens)
-        judge = KVJudge(self.capacity.get(instance, 0), page, s.continuous.max_rows)
+        judge = KVJudge(self.capacity.get(instance, 0), page, s.continuous.max_rows,
+                        overcommit=self.overcommit.get(instance, 0.0))
         remaining = [r.run_plan_tokens for r in rows]
         sizes = [len(r.prompt_ids or []) + len(r.generated_ids) for r in rows]  # what ``prompt_pages`` pages
         shared = shared_by_longer_lived([self._pages(r, page) for r in rows], remaining, sizes, page)

@@ -185,6 +185,27 @@ def test_a_batch_goes_where_it_fits_beside_what_runs_not_to_the_fewest_batches(r
     assert place.with_room(waiting, mid) == []             # a waiting batch holds its room too
 
 
+def test_an_upstream_instance_is_judged_with_the_overcommit_its_worker_admits_with(r, tmp_path):
+    """768 tokens of KV each, each running one long row (400 + 300 planned). A batch of 100 + 300
+    plans 1,100 tokens beside it: past a built-in instance's KV, within an upstream's 768 x 1.5
+    (``COHORT_UPSTREAM_KV_OVERCOMMIT``, the most its worker admits past the plan), so only the
+    upstream has room for it; with the overcommit at 0, neither has."""
+    from batcher.placement import Placement
+
+    def placed(overcommit: float) -> list[str]:
+        s = Settings(database_url=f"sqlite:///{tmp_path}/log.db", execution="continuous",
+                     upstream_kv_overcommit=overcommit)
+        place = Placement(s, r)
+        place.sync({"built-in": InstanceInfo(name="built-in", pool="default", model="m", theta_bytes=768, delta_bytes=1),
+                    "vllm": InstanceInfo(name="vllm", pool="default", model="m", theta_bytes=768, delta_bytes=1,
+                                         device="upstream:http://127.0.0.1:8000")}, [], now=0.0)
+        held = [_Held(_batch("long1", 400, 300), "built-in"), _Held(_batch("long2", 400, 300), "vllm")]
+        return place.with_room(held, _batch("mid", 100, 300))
+
+    assert placed(0.5) == ["vllm"]
+    assert placed(0.0) == []
+
+
 def test_placement_plans_each_instance_in_its_own_pages(r, tmp_path):
     """Two instances of 900 KV tokens holding the same row (300 + 300 planned); w1's engine pages
     hold 128 tokens (vLLM's CPU build), w2's 16. A batch of 200 + 150 fits beside that row in pages
