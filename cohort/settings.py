@@ -208,7 +208,7 @@ class Settings(BaseSettings):
         "row as its own stream in the group's order, so a group is only how rows travel, and each one costs a "
         "Celery task and a round of bookkeeping (measured in docs/notes/upstream.md).")
     upstream_kv_overcommit: float = Field(default=0.5, ge=0.0, le=4.0, description="The most an upstream's rows' "
-        "KV plan may pass its KV: as far as plans passed what rows generated, up to this share (docs/notes/fleet.md).")
+        "KV plan may pass its KV, as far as plans passed what rows generated; a prefix holder's, to the batcher (docs/notes/fleet.md).")
     upstream_take_wait_s: float = Field(default=2.0, ge=0.0, description="An upstream worker whose group waits for "
         "room waits up to this long before it takes the pool's next one (docs/notes/fleet.md). 0: at once.")
     upstream_stream_interval: int = Field(

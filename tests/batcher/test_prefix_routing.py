@@ -185,25 +185,42 @@ def test_a_batch_goes_where_it_fits_beside_what_runs_not_to_the_fewest_batches(r
     assert place.with_room(waiting, mid) == []             # a waiting batch holds its room too
 
 
-def test_an_upstream_instance_is_judged_with_the_overcommit_its_worker_admits_with(r, tmp_path):
-    """768 tokens of KV each, each running one long row (400 + 300 planned). A batch of 100 + 300
-    plans 1,100 tokens beside it: past a built-in instance's KV, within an upstream's 768 x 1.5
-    (``COHORT_UPSTREAM_KV_OVERCOMMIT``, the most its worker admits past the plan), so only the
-    upstream has room for it; with the overcommit at 0, neither has."""
+def test_a_prefix_holder_has_room_as_far_past_its_kv_as_its_worker_admits(r, tmp_path):
+    """768 tokens of KV each, each instance running one row of 400 + 300 planned. A batch of
+    100 + 300 plans 1,100 tokens beside it: past either KV, within an upstream's 768 x 1.5
+    (``COHORT_UPSTREAM_KV_OVERCOMMIT``, the most its worker admits past the plan). Sharing the
+    upstream's prompt, it goes there, to wait for that worker's admission beside its prefix; with a
+    prompt no instance holds it waits on the pool's queue (None); with the overcommit at 0, or
+    on a built-in instance (it has no queue of its own), the holder has no room."""
     from batcher.placement import Placement
 
-    def placed(overcommit: float) -> list[str]:
+    long_a, other = SYSTEM_A * 6, list(range(3000, 3100))
+    def place_on(upstream: bool, overcommit: float) -> Placement:
         s = Settings(database_url=f"sqlite:///{tmp_path}/log.db", execution="continuous",
                      upstream_kv_overcommit=overcommit)
         place = Placement(s, r)
-        place.sync({"built-in": InstanceInfo(name="built-in", pool="default", model="m", theta_bytes=768, delta_bytes=1),
-                    "vllm": InstanceInfo(name="vllm", pool="default", model="m", theta_bytes=768, delta_bytes=1,
-                                         device="upstream:http://127.0.0.1:8000")}, [], now=0.0)
-        held = [_Held(_batch("long1", 400, 300), "built-in"), _Held(_batch("long2", 400, 300), "vllm")]
-        return place.with_room(held, _batch("mid", 100, 300))
+        device = "upstream:http://127.0.0.1:8000" if upstream else "cpu"
+        place.sync({n: InstanceInfo(name=n, pool="default", model="m", theta_bytes=768, delta_bytes=1, device=device)
+                    for n in ("w1", "w2")}, [], now=0.0)
+        return place
 
-    assert placed(0.5) == ["vllm"]
-    assert placed(0.0) == []
+    def held(place: Placement) -> list[_Held]:
+        first, second = _chat_batch("a", long_a[:384] + [1] * 16, 300), _chat_batch("b", other * 4, 300)
+        for b, n in ((first, "w1"), (second, "w2")):
+            place.router.record(n, b, "m")
+        return [_Held(first, "w1"), _Held(second, "w2")]
+
+    place = place_on(upstream=True, overcommit=0.5)
+    running = held(place)
+    joining = _chat_batch("a2", long_a[:96] + [2] * 4, 300)       # 100 tokens, 96 of them w1's prompt
+    assert place.with_room(running, joining) == []
+    assert place.with_room(running, joining, stretch=True) == ["w1", "w2"]
+    assert place.target(joining, running) == ("w1", True)
+    assert place.target(_chat_batch("c", list(range(5000, 5100)), 300), running) == (None, False)
+    for upstream, overcommit in ((True, 0.0), (False, 0.5)):
+        place = place_on(upstream, overcommit)
+        running = held(place)
+        assert place.target(_chat_batch("a3", long_a[:96] + [2] * 4, 300), running) == (None, False)
 
 
 def test_placement_plans_each_instance_in_its_own_pages(r, tmp_path):
