@@ -91,7 +91,8 @@ class Placement:
         Continuous: fewer than ``lookahead`` of its batches wait to be admitted, fewer than
         ``max_groups`` run, and ``batch`` fits beside them (``fits_beside``); padded execution: none
         of its batches is in flight. Batches still on the pool queue count for no instance until one
-        claims them. ``stretch``: upstream instances' KV as far as their workers admit past it."""
+        claims them. ``stretch``: upstream instances' KV as far as their workers admit past it, where
+        no batch waits (the batch is the next its worker admits)."""
         s = self.settings
         total = dict.fromkeys(self.router.views, 0)
         waiting = dict.fromkeys(self.router.views, 0)
@@ -104,7 +105,8 @@ class Placement:
                 held[where].append(fl.batch)
         if s.execution == "continuous":
             self._keep_pages_of(inflight, batch)
-            ok = [n for n in total if waiting[n] < s.continuous.lookahead and total[n] < s.continuous.max_groups
+            ahead = 1 if stretch else s.continuous.lookahead  # past the plan: as the next group its worker admits
+            ok = [n for n in total if waiting[n] < ahead and total[n] < s.continuous.max_groups
                   and (batch is None or self.fits_beside(n, held[n], batch, stretch))]
         else:
             ok = [n for n in total if total[n] == 0]
@@ -153,22 +155,32 @@ class Placement:
         prompts' pages, else the least loaded; None (the pool queue) when none has room. The flag:
         chosen for its cached prefix (the log says which).
 
-        An upstream instance holding the prefix has room as far past its KV as its worker admits
-        (``stretch``): the batch waits there for its worker's admission, beside the rows that hold
-        its prefix, rather than go to an engine without it (chat-prefix trace on 200-block engines:
-        hit rate 0.60 -> 0.63, docs/notes/fleet.md). A batch whose prefix no instance holds waits
-        on the pool's queue when no instance has room by the plan, where the first instance to free
-        room takes the best one: sent to the least loaded engine past the plan, it waited there
-        while another freed room first (Magnus tasks, 48-block engines)."""
+        An upstream instance holding at least half of the batch's prompt has room as far past its
+        KV as its worker admits (``stretch``): the batch waits there for that worker's admission,
+        beside the rows that hold its prefix, rather than go to an engine without it (chat-prefix
+        trace on 200-block engines: hit rate 0.60 -> 0.63, docs/notes/fleet.md). Any other batch
+        waits on the pool's queue when no instance has room by the plan, where the first instance
+        to free room takes the best one: sent past the plan to an engine holding a page or two of
+        it, a Magnus group waited there while another engine freed room first."""
         room = self.with_room(inflight, batch)
         cached = self.router.choose(batch, room, self.model)
-        if cached is None and any(self.overcommit.values()) and self.router.choose(batch, list(self.router.views), self.model):
-            cached = self.router.choose(batch, self.with_room(inflight, batch, stretch=True), self.model)
+        if cached is None and any(self.overcommit.values()) and self._mostly_held(batch, list(self.router.views)):
+            cached = self._mostly_held(batch, self.with_room(inflight, batch, stretch=True))
         name = cached or (room[0] if room else None)
         if name is not None:
             self.router.record(name, batch, self.model)
             self.router.forget(r.id for r in batch.requests)
         return name, cached is not None
+
+    def _mostly_held(self, batch: Batch, instances: list[str]) -> str | None:
+        """Of ``instances``, the one holding the most of the batch's prompt tokens, if that is at
+        least half of them: worth waiting for (a system prompt), where a task's one-line
+        instruction is not (the Magnus tasks share a page or two)."""
+        name = self.router.choose(batch, instances, self.model)
+        if name is None:
+            return None
+        prompt = sum(r.input_tokens for r in batch.requests)
+        return name if 2 * self.router.cached_tokens(batch, name, self.model) >= prompt else None
 
     def claimed(self, fl: Placed, owner: str | None) -> None:
         """What an in-flight batch's claim marker says (None: unclaimed yet). The first real claim

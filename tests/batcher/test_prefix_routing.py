@@ -189,9 +189,10 @@ def test_a_prefix_holder_has_room_as_far_past_its_kv_as_its_worker_admits(r, tmp
     """768 tokens of KV each, each instance running one row of 400 + 300 planned. A batch of
     100 + 300 plans 1,100 tokens beside it: past either KV, within an upstream's 768 x 1.5
     (``COHORT_UPSTREAM_KV_OVERCOMMIT``, the most its worker admits past the plan). Sharing the
-    upstream's prompt, it goes there, to wait for that worker's admission beside its prefix; with a
-    prompt no instance holds it waits on the pool's queue (None); with the overcommit at 0, or
-    on a built-in instance (it has no queue of its own), the holder has no room."""
+    upstream's prompt, it goes there, to wait for that worker's admission beside its prefix, unless
+    a batch already waits there. With a prompt no instance holds, or holds less than half of, it
+    waits on the pool's queue (None); with the overcommit at 0, or on a built-in instance (it has
+    no queue of its own), the holder has no room."""
     from batcher.placement import Placement
 
     long_a, other = SYSTEM_A * 6, list(range(3000, 3100))
@@ -217,6 +218,13 @@ def test_a_prefix_holder_has_room_as_far_past_its_kv_as_its_worker_admits(r, tmp
     assert place.with_room(running, joining, stretch=True) == ["w1", "w2"]
     assert place.target(joining, running) == ("w1", True)
     assert place.target(_chat_batch("c", list(range(5000, 5100)), 300), running) == (None, False)
+    # past the plan only as the next batch its worker admits: not behind one already waiting there
+    tiny = _chat_batch("q", [3] * 4, 2)
+    assert place.target(_chat_batch("a4", long_a[:96] + [2] * 4, 300), [*running, _Held(tiny, "w1")]) == ("w1", True)
+    queued = [*running, _Held(tiny, "w1", admitted=False)]
+    assert place.target(_chat_batch("a5", long_a[:96] + [2] * 4, 300), queued) == (None, False)
+    # one page of 100 tokens held (a task's instruction, not a system prompt): not worth the wait
+    assert place.target(_chat_batch("d", long_a[:16] + list(range(6000, 6084)), 300), running) == (None, False)
     for upstream, overcommit in ((True, 0.0), (False, 0.5)):
         place = place_on(upstream, overcommit)
         running = held(place)
