@@ -119,7 +119,8 @@ class Placement:
         that holds nothing takes any batch.
 
         ``stretch``: an upstream instance is judged with the overcommit its worker may admit with
-        (``COHORT_UPSTREAM_KV_OVERCOMMIT``, the cap of ``upstream.rows.PlanReach``) (``target``)."""
+        (``COHORT_UPSTREAM_KV_OVERCOMMIT``, the cap of ``upstream.rows.PlanReach``); ``target``
+        says when."""
         if not held:
             return True
         rows = [r for b in (*held, batch) for r in b.requests]
@@ -155,13 +156,14 @@ class Placement:
         prompts' pages, else the least loaded; None (the pool queue) when none has room. The flag:
         chosen for its cached prefix (the log says which).
 
-        An upstream instance holding at least half of the batch's prompt has room as far past its
-        KV as its worker admits (``stretch``): the batch waits there for that worker's admission,
-        beside the rows that hold its prefix, rather than go to an engine without it (chat-prefix
-        trace on 200-block engines: hit rate 0.60 -> 0.63, docs/notes/fleet.md). Any other batch
-        waits on the pool's queue when no instance has room by the plan, where the first instance
-        to free room takes the best one: sent past the plan to an engine holding a page or two of
-        it, a Magnus group waited there while another engine freed room first."""
+        An upstream instance holding at least half of the batch's prompt, where no batch waits, has
+        room as far past its KV as its worker admits (``stretch``): the batch waits there as the
+        next its worker admits, beside the rows that hold its prefix, rather than go to an engine
+        without it (chat-prefix trace on 200-block engines: hit rate 0.58 -> 0.62 on the mean,
+        docs/notes/fleet.md). Every other batch waits on the pool's queue when no instance has room
+        by the plan, where the first instance to free room takes the best one: sent past the plan
+        to the least loaded engine, or behind another batch at its prefix's holder (the Magnus
+        tasks' prompts repeat), a Magnus group waited there while another engine freed room first."""
         room = self.with_room(inflight, batch)
         cached = self.router.choose(batch, room, self.model)
         if cached is None and any(self.overcommit.values()) and self._mostly_held(batch, list(self.router.views)):
