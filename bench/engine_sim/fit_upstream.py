@@ -56,6 +56,7 @@ from bench.engine_sim.step_time import FIT_FORM, FIT_FORM_V2, FittedStepTime, St
 
 OUTLIER_MADS = 5.0
 RUN_STEPS = 8
+DROPPED_BACKOFF_S = 0.1  # after a request whose connection dropped
 FRONT_FIT = "linear-v2+front"   # the chosen fit: linear-v2 and the front end (fit_front)
 WORDS = ("the of and to in is for on that with as it at by from this be are was or have an not but all "
          "they we you he she one time year people way day man thing woman life child world school state "
@@ -98,25 +99,32 @@ def _base(url: str) -> str:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], tr: Trace, t0: float) -> None:
+    """One streamed completion into ``tr``. A request whose connection drops (a server closing a
+    kept-alive connection as the client reuses it) stays not ``ok``, like one answered with an
+    error: the fit leaves it out, and the replay goes on."""
     tr.sent = time.perf_counter() - t0
-    async with session.post(url, json=body) as r:
-        if r.status != 200:
-            await r.read()
-            return
-        async for line in r.content:
-            if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
-                continue
-            now = time.perf_counter() - t0
-            d = json.loads(line[5:])
-            usage = d.get("usage")
-            if usage and usage.get("prompt_tokens"):   # the engine's own count (text prompts)
-                tr.prompt_tokens = int(usage["prompt_tokens"])
-            ch = d.get("choices")
-            if ch:
-                n = len(ch[0].get("token_ids") or ()) or 1
-                if n > 1:
-                    tr.multi = True
-                tr.times.extend([now] * n)
+    try:
+        async with session.post(url, json=body) as r:
+            if r.status != 200:
+                await r.read()
+                return
+            async for line in r.content:
+                if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
+                    continue
+                now = time.perf_counter() - t0
+                d = json.loads(line[5:])
+                usage = d.get("usage")
+                if usage and usage.get("prompt_tokens"):   # the engine's own count (text prompts)
+                    tr.prompt_tokens = int(usage["prompt_tokens"])
+                ch = d.get("choices")
+                if ch:
+                    n = len(ch[0].get("token_ids") or ()) or 1
+                    if n > 1:
+                        tr.multi = True
+                    tr.times.extend([now] * n)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        await asyncio.sleep(DROPPED_BACKOFF_S)  # a server that went away is not asked again at once
+        return
     tr.ok = True
 
 
@@ -293,6 +301,7 @@ def fit_upstream(url: str, duration_s: float = 150.0, concurrency: tuple[int, ..
             "replay": {"duration_s": duration_s, "warmup_s": warmup_s, "wall_s": run.wall_s, "concurrency": list(concurrency),
                        "max_prompt": max_prompt, "max_output": max_output, "seed": seed,
                        "prompts": "text" if text_prompts else "token ids",
-                       "requests": len(run.traces), "done": len(done), "tokens": sum(len(t.times) for t in done)},
+                       "requests": len(run.traces), "done": len(done), "failed": len(run.traces) - len(done),
+                       "tokens": sum(len(t.times) for t in done)},
             "samples": len(samples), "run_steps": RUN_STEPS, "least_squares": "relative" if relative else "plain", "steps": why, "fits": fits,
             "fit_error": fits[FRONT_FIT]["error_all"]}

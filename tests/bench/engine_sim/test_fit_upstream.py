@@ -139,3 +139,49 @@ def test_a_warm_up_runs_first_and_is_not_recorded(token_table) -> None:
     # the counters are read after the warm-up: the recorded replay is what they grew by since
     assert recorded == served - metric_value(run.metrics_before, "vllm:prompt_tokens_total") and recorded < served
     assert min(min(t.times) for t in done) >= 0  # times from the recorded replay's start
+
+
+def test_a_dropped_connection_leaves_its_request_out_and_the_replay_goes_on() -> None:
+    """A server closing a connection mid-stream (as one closes a kept-alive connection the client
+    reuses) fails that request alone; the next one is recorded."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from bench.engine_sim.fit_upstream import Trace, _one
+
+    served = 0
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        nonlocal served
+        served += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"token_ids": [7]}]}\n\n')
+        if served == 1:
+            request.transport.close()  # the connection drops before the end
+            return resp
+        await resp.write(b'data: {"choices": [{"token_ids": [8]}], "usage": {"prompt_tokens": 3}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    async def main() -> list[Trace]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        traces = [Trace(3, 0.0), Trace(3, 0.0)]
+        try:
+            async with aiohttp.ClientSession() as session:
+                for tr in traces:
+                    await _one(session, f"http://127.0.0.1:{port}/v1/completions", {}, tr, 0.0)
+        finally:
+            await runner.cleanup()
+        return traces
+
+    dropped, kept = asyncio.run(main())
+    assert not dropped.ok
+    assert kept.ok and len(kept.times) == 2
