@@ -4,15 +4,20 @@ times, and the file it writes read back by ``--fit``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
 from bench.engine_sim.config import SimConfig
 from bench.engine_sim.fit import fit_errors
 from bench.engine_sim.fit_upstream import (
     FRONT_FIT,
+    Trace,
+    _one,
     fit_replay,
     fit_upstream,
     metric_labels,
@@ -144,13 +149,6 @@ def test_a_warm_up_runs_first_and_is_not_recorded(token_table) -> None:
 def test_a_dropped_connection_leaves_its_request_out_and_the_replay_goes_on() -> None:
     """A server closing a connection mid-stream (as one closes a kept-alive connection the client
     reuses) fails that request alone; the next one is recorded."""
-    import asyncio
-
-    import aiohttp
-    from aiohttp import web
-
-    from bench.engine_sim.fit_upstream import Trace, _one
-
     served = 0
 
     async def completions(request: web.Request) -> web.StreamResponse:
