@@ -138,10 +138,14 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+# A run kept the model clock when at most this share of its engines' steps started late (over
+# 20 ms of wall time behind their schedule): the box then held that fleet at that speedup.
+HELD_LATE_SHARE = 0.01
 ENGINE_KEYS = {"preemptions": "vllm:num_preemptions_total", "prefix_queries": "vllm:prefix_cache_queries_total",
                "prefix_hits": "vllm:prefix_cache_hits_total", "generation_tokens": "vllm:generation_tokens_total",
                "prompt_tokens": "vllm:prompt_tokens_total", "finished": "vllm:request_success_total",
-               "aborted": "engine_sim_requests_aborted_total"}
+               "aborted": "engine_sim_requests_aborted_total", "steps": "engine_sim_steps_total",
+               "late_steps": "engine_sim_late_steps_total"}
 
 
 def engine_totals(per_engine: Sequence[dict[str, float]]) -> dict[str, Any]:
@@ -149,6 +153,7 @@ def engine_totals(per_engine: Sequence[dict[str, float]]) -> dict[str, Any]:
     rows = [{k: m.get(v, 0.0) for k, v in ENGINE_KEYS.items()} for m in per_engine]
     tot = {k: sum(r[k] for r in rows) for k in ENGINE_KEYS}
     tot["prefix_hit_rate"] = tot["prefix_hits"] / tot["prefix_queries"] if tot["prefix_queries"] else 0.0
+    tot["late_step_share"] = tot["late_steps"] / tot["steps"] if tot["steps"] else 0.0
     tot["per_engine"] = rows
     return tot
 

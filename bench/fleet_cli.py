@@ -22,6 +22,7 @@ from bench.chat_prefix import ChatPrefixConfig, make_chat_prefix_workload, prefi
 from bench.engine_sim.roofline_steps import roofline_step_time
 from bench.fleet_bench import (
     BASE,
+    HELD_LATE_SHARE,
     SOLO,
     EngineSpec,
     check_targets,
@@ -152,6 +153,7 @@ def fleet(
         m["per_request"] = per_request(res)  # paired comparisons: request i is the same in every run
         m["prefix_hit_rate"] = eng["prefix_hit_rate"]
         m["preemptions"] = eng["preemptions"]
+        m["late_step_share"] = eng["late_step_share"]
         m["engines"] = eng
         m["run_wall_s"] = round(time.time() - t0, 1)
         if direct:
@@ -182,7 +184,8 @@ def fleet(
             typer.echo(f"  {lo:>5} {label:>10}: {m['throughput_rps']:7.2f} req/s, e2e mean/p50/p99 "
                        f"{m['mean_latency_s']:.3f}/{m['p50_latency_s']:.3f}/{m['p99_latency_s']:.3f} s, TTFT mean "
                        f"{m['mean_ttft_s']:.3f} s, goodput {m['goodput_rps']:.2f}, hit {m['prefix_hit_rate']:.3f}, "
-                       f"preempt {m['preemptions']:g}, lost {m['lost']} ({m['run_wall_s']:g} s)")
+                       f"preempt {m['preemptions']:g}, late steps {100 * m['late_step_share']:.1f} %, lost "
+                       f"{m['lost']} ({m['run_wall_s']:g} s)")
         solo = solo_result(wl, solo_steps, max_tokens)  # what no target can beat
         by_load[lo][SOLO] = m = summary(wl, solo)
         m.update(prefix_hit_rate=0.0, preemptions=0, per_request=per_request(solo))  # the hit rate: not bounded
@@ -222,6 +225,13 @@ def fleet(
                     f"{'met' if c['met'] else 'NOT met'}"
                     + ("" if "best_possible" not in c else f" (best possible {c['best_possible']:.2f}"
                        + ("" if c["reachable"] else ": unreachable") + ")") for c in cs))
+    late = max((m.get("late_step_share", 0.0) for runs in by_load.values() for m in runs.values()), default=0.0)
+    out["held_model_clock"] = late <= HELD_LATE_SHARE
+    typer.echo(f"speedup {speedup:g}: " + (f"the engines kept their model clock (at most {100 * late:.1f} % of steps "
+                                            "late); whether cohort's front kept up, a run at a lower --speedup tells"
+                                            if late <= HELD_LATE_SHARE else
+                                            f"the engines did NOT keep their model clock (up to {100 * late:.1f} % of a "
+                                            "run's steps late): this box does not hold this fleet; lower --speedup"))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(out, indent=2, default=float))

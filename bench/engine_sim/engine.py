@@ -134,7 +134,7 @@ class SteppedEngine:
         st = self.kv.stats
         return {"running": len(self.sched.running), "waiting": len(self.sched.waiting),
                 "kv_usage": self.kv.usage, "prefix_queries": st.queries, "prefix_hits": st.hits,
-                "preemptions": self.sched.num_preemptions}
+                "preemptions": self.sched.num_preemptions, "steps": self.steps, "lag_steps": self.lag_steps}
 
     def describe(self) -> dict[str, Any]:
         return {"mode": "engine", "step_time": self.step_time.describe(), "steps": self.steps,

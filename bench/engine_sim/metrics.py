@@ -108,4 +108,7 @@ class SimMetrics:
         one("engine_sim_requests_aborted_total", "counter", self.aborted)
         one("engine_sim_requests_rejected_total", "counter", self.rejected)
         one("engine_sim_requests_errored_total", "counter", self.errors)
+        # steps run, and those that started over 20 ms (wall) late: the box did not keep the model clock
+        one("engine_sim_steps_total", "counter", g.get("steps", 0))
+        one("engine_sim_late_steps_total", "counter", g.get("lag_steps", 0))
         return "\n".join(lines) + "\n"

@@ -104,6 +104,8 @@ vllm:prefix_cache_queries_total{engine="0",model_name="m"} 200.0
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 50.0
 vllm:request_success_total{engine="0",model_name="m",finished_reason="length"} 7.0
 vllm:time_to_first_token_seconds_bucket{engine="0",model_name="m",le="+Inf"} 7
+engine_sim_steps_total{engine="0",model_name="m"} 400.0
+engine_sim_late_steps_total{engine="0",model_name="m"} 2.0
 """
 
 
@@ -114,6 +116,7 @@ def test_engine_counters_sum_over_the_fleet_with_the_hit_rate():
     assert tot["preemptions"] == 6 and tot["finished"] == 14
     assert tot["prefix_hit_rate"] == pytest.approx(200 / 400)
     assert len(tot["per_engine"]) == 2 and engine_totals([{}])["prefix_hit_rate"] == 0.0
+    assert tot["late_step_share"] == pytest.approx(4 / 800) and engine_totals([{}])["late_step_share"] == 0.0
 
 
 def test_ratios_targets_and_spread():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import openai
@@ -154,3 +155,19 @@ def test_preemption_under_kv_pressure_still_answers_everyone(sim) -> None:
         gauges = s.call(lambda: s.server.engine.gauges())
     assert counts == [30] * 8
     assert gauges["preemptions"] > 0 and gauges["running"] == 0 and gauges["kv_usage"] == 0.0
+
+
+def test_a_step_that_starts_late_is_counted(sim) -> None:
+    """A loop held past the step's deadline (a busy box) starts the next step late: the counter a
+    fleet run reads to say whether the box kept the model clock."""
+    with sim(speedup=1.0) as s:
+        stream = client(s.url).completions.create(model="sim-model", prompt="one two", max_tokens=40, stream=True,
+                                                  extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)                            # running: its decode steps are due every few ms
+        s.call(lambda: time.sleep(0.3))         # the server's loop held for 300 ms
+        rest = sum(1 for _ in chunks)
+        text = s.call(lambda: s.server.metrics.render())
+    assert rest >= 1
+    assert gauge(text, "engine_sim_late_steps_total") >= 1
+    assert gauge(text, "engine_sim_steps_total") >= gauge(text, "engine_sim_late_steps_total")
