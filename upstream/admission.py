@@ -167,7 +167,7 @@ class UpstreamLoop(Releasing):
             return
         while self._waiting and self._fits(self._waiting[0]):
             g = self._waiting.pop(0)
-            g.admitted = g.dirty = True
+            g.admitted, g.dirty, g.admitted_at = True, True, time.time()
             self._admissions += 1
             ranked = sorted(g.rows, key=lambda r: r.req.predicted_tokens)
             for rank, row in enumerate(ranked):
@@ -339,7 +339,8 @@ class UpstreamLoop(Releasing):
             if not g.dirty:
                 continue
             done = all(r.ended for r in g.rows) and (g.admitted or g not in self._waiting)
-            upd = GroupUpdate(g.out, g.alive, g.generated, g.admitted and not g.told_admitted, done)
+            news = g.admitted and not g.told_admitted
+            upd = GroupUpdate(g.out, g.alive, g.generated, news, done, admitted_at=g.admitted_at if news else None)
             g.told_admitted = g.told_admitted or g.admitted
             g.out, g.dirty = StepOutput(), False
             bundle.append((g.handle, upd))

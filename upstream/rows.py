@@ -82,6 +82,7 @@ class AdmissionGroup:
     handle: GroupHandle
     rows: list[Row] = field(default_factory=list)
     admitted: bool = False
+    admitted_at: float | None = None  # wall time of the admission (the rows' queue time ends there)
     told_admitted: bool = False
     out: StepOutput = field(default_factory=StepOutput)
     generated: int = 0

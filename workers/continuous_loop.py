@@ -40,6 +40,9 @@ class GroupUpdate:
     admitted: bool = False
     done: bool = False
     error: str | None = None
+    # when (wall time) the group joined the engine's rows, where that comes before its news goes out
+    # (an upstream worker's flush waits): its rows' queue time ends there, not at the publishing round
+    admitted_at: float | None = None
 
 
 class GroupHandle:

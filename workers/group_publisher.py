@@ -115,7 +115,7 @@ class GroupPublisher:
             if g is None:  # failed in an earlier round: what the engine made since is dropped
                 continue
             if upd.admitted:
-                g.reporter.started = now  # queued until the group joined the running rows
+                g.reporter.started = upd.admitted_at or now  # queued until the group joined the running rows
                 extra.append(admitted_fill(self.rt, g.batch.id))
             if upd.error is not None:
                 failed[g.batch.id] = upd.error

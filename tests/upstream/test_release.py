@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import fakeredis
 import pytest
+from sqlalchemy import select
 
+from cohort.logdb import get_db_engine, record_requests, requests
 from cohort.protocol import FailureCode, FinishReason, Release, ReportKind, StreamReport
 from cohort.release_bus import gateway_inbox
+from cohort.settings import Settings
 from cohort.tokenizer import load_tokenizer
 from cohort.types import Batch, ProfiledRequest
 from tests.redis_stalls import FirstPushWaits
 from tests.upstream.test_admission import ScriptedServer
 from upstream import release as upstream_release
 from upstream.admission import UpstreamLoop
+from workers.continuous_loop import GroupUpdate
+from workers.group_publisher import GroupPublisher
+from workers.step_outputs import RowResult, StepOutput
 
 
 class Server(ScriptedServer):
@@ -44,6 +51,7 @@ class Link:
 
     def send(self, owner, rel) -> None:
         self.sent.append((owner, rel))
+        self.sent_at = time.time()
 
     async def dead(self, owners):
         return owners & self.gone
@@ -150,3 +158,38 @@ def test_releases_reach_their_gateway_in_order_while_a_push_waits_for_redis():
         return [(r.request_id, r.done_tokens) for r in map(Release.from_json, listed)]
 
     assert asyncio.run(scenario()) == [("r1", 0), ("r1", 5), ("r2", 0)]
+
+
+def test_a_rows_queue_time_ends_at_its_admission_not_at_the_flush_that_tells_of_it(tmp_path):
+    """The worker tells of an admission with its next flush (``flush_s`` later); the log DB's queue
+    time of the rows still ends when they joined the engine's rows (released to their gateway)."""
+    link = Link()
+    loop = UpstreamLoop(Server(), load_tokenizer(), capacity_tokens=4000, page_tokens=16, poll_s=60, link=link,
+                        flush_s=0.4)
+    try:
+        req = _req("r1", 5)
+        loop.submit(Batch("b1", [req], time.time()), [[1, 2, 3]])
+        upd = next(u for u in _updates(loop, lambda out: any(u.admitted for u in out)) if u.admitted)
+        told = time.time()
+    finally:
+        loop.stop()
+    assert abs(upd.admitted_at - link.sent_at) < 0.05 and told - upd.admitted_at > 0.3
+
+    rt = SimpleNamespace(redis=fakeredis.FakeRedis(decode_responses=True), name="inst", settings=Settings(),
+                         db=get_db_engine(f"sqlite:///{tmp_path}/log.db"))
+    record_requests(rt.db, [{"id": req.id}])
+    engine = SimpleNamespace(submit=lambda b, ids: None, updates=lambda wait_s: time.sleep(wait_s) or [],
+                             counters=dict, cancel=lambda ids: None)
+    pub = GroupPublisher(rt, engine)
+    try:
+        pub.submit(Batch("b1", [req], time.time()), [[1, 2, 3]])
+        handle = SimpleNamespace(batch_id="b1")
+        pub._publish([(handle, GroupUpdate(admitted=True, admitted_at=upd.admitted_at))])
+        out = StepOutput(finished=[RowResult(req, "", 5, FinishReason.LENGTH, upd.admitted_at + 0.01, time.time(),
+                                             relayed=False)])
+        pub._publish([(handle, GroupUpdate(out=out, done=True))])
+    finally:
+        pub.stop()
+    with rt.db.connect() as conn:
+        row = conn.execute(select(requests).where(requests.c.id == req.id)).one()
+    assert row.status == "done" and row.queued_s == pytest.approx(upd.admitted_at - req.arrival, abs=1e-3)
