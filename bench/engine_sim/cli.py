@@ -5,6 +5,7 @@ docs/engine_sim.md is the user's page."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -106,11 +107,14 @@ def serve_sim(
         log.info("engine-sim: %d KV blocks of %d tokens, max_num_seqs %d, %d tokens per step, max_model_len %d, %s",
                  server.metrics.num_gpu_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
                  scheduling_policy)
-    try:  # vLLM's server runs on uvloop too; the fixed-delay engine costs its core a fifth less per request on it
-        import uvloop
-        loop = uvloop.new_event_loop()
-    except ImportError:  # where uvloop does not build
-        loop = None
+    loop = None
+    if info["mode"] == "fixed-delay":
+        # a fifth less of its core's CPU a request on uvloop (a front's benchmark shares that core with
+        # the client). Its timers fire to the millisecond, up to half a millisecond early, so the
+        # stepped engine, whose steps are laid on exact deadlines, keeps asyncio's own loop.
+        with contextlib.suppress(ImportError):  # where uvloop does not build
+            import uvloop
+            loop = uvloop.new_event_loop()
     web.run_app(server.app(), host=host, port=port, handler_cancellation=True, access_log=None, print=None, loop=loop)
 
 
