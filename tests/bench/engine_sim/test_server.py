@@ -161,7 +161,7 @@ def test_a_step_that_starts_late_is_counted(sim) -> None:
     """A loop held past the step's deadline (a busy box) starts the next step late: the counter a
     fleet run reads to say whether the box kept the model clock."""
     with sim(speedup=1.0) as s:
-        stream = client(s.url).completions.create(model="sim-model", prompt="one two", max_tokens=40, stream=True,
+        stream = client(s.url).completions.create(model="sim-model", prompt="one two", max_tokens=200, stream=True,
                                                   extra_body={"ignore_eos": True})
         chunks = iter(stream)
         next(chunks)                            # running: its decode steps are due every few ms
