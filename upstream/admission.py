@@ -167,7 +167,7 @@ class UpstreamLoop(Releasing):
             return
         while self._waiting and self._fits(self._waiting[0]):
             g = self._waiting.pop(0)
-            g.admitted, g.dirty, g.admitted_at = True, True, time.time()
+            g.admitted_at, g.dirty = time.time(), True
             self._admissions += 1
             ranked = sorted(g.rows, key=lambda r: r.req.predicted_tokens)
             for rank, row in enumerate(ranked):

@@ -81,12 +81,15 @@ class AdmissionGroup:
     batch: Batch
     handle: GroupHandle
     rows: list[Row] = field(default_factory=list)
-    admitted: bool = False
     admitted_at: float | None = None  # wall time of the admission (the rows' queue time ends there)
     told_admitted: bool = False
     out: StepOutput = field(default_factory=StepOutput)
     generated: int = 0
     dirty: bool = False
+
+    @property
+    def admitted(self) -> bool:
+        return self.admitted_at is not None
 
     @property
     def alive(self) -> list[str]:
