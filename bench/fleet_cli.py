@@ -39,6 +39,7 @@ from bench.fleet_bench import (
     to_wall,
 )
 from bench.fleet_bound import solo_result
+from bench.front_bench import CpuMeter, cohort_processes
 from bench.live_stack import parse_env, spawned_stack
 from bench.report import pyplot
 from bench.roofline import instance
@@ -144,9 +145,13 @@ def fleet(
                 bases = urls if direct else [f"{url}/v1"]
                 body = fleet_direct_body(wl, spec.model_name) if direct else \
                     fleet_cohort_body(wl, served_model(f"{url}/v1"), speedup)
+                meter = None if direct else CpuMeter(cohort_processes())  # the front's own share of the box
+                if meter is not None:
+                    meter.start()
                 with tqdm(total=len(wl), desc=f"{label} @ {tag}", unit="req", leave=False, disable=None) as bar:
                     res, where = asyncio.run(replay_routed(to_wall(wl, speedup), bases, body,
                                                            direct[0] if direct else "rr", progress=bar.update))
+                used = meter.stop() if meter is not None else None
             eng = scrape(urls)
         res = to_model(res, speedup)
         m = summary(wl, res)
@@ -156,6 +161,10 @@ def fleet(
         m["late_step_share"] = eng["late_step_share"]
         m["engines"] = eng
         m["run_wall_s"] = round(time.time() - t0, 1)
+        if used is not None:  # cores the front's processes (gateway, batcher, upstream workers, Redis) kept busy
+            wall = used.pop("wall")
+            used.pop("client")
+            m["front_cores"] = {role: s / wall for role, s in used.items()}
         if direct:
             m["requests_per_engine"] = [where.count(k) for k in range(engines)]
         return m
@@ -185,7 +194,8 @@ def fleet(
                        f"{m['mean_latency_s']:.3f}/{m['p50_latency_s']:.3f}/{m['p99_latency_s']:.3f} s, TTFT mean "
                        f"{m['mean_ttft_s']:.3f} s, goodput {m['goodput_rps']:.2f}, hit {m['prefix_hit_rate']:.3f}, "
                        f"preempt {m['preemptions']:g}, late steps {100 * m['late_step_share']:.1f} %, lost "
-                       f"{m['lost']} ({m['run_wall_s']:g} s)")
+                       f"{m['lost']} ({m['run_wall_s']:g} s)"
+                       + (f", front {sum(m['front_cores'].values()):.2f} cores" if "front_cores" in m else ""))
         solo = solo_result(wl, solo_steps, max_tokens)  # what no target can beat
         by_load[lo][SOLO] = m = summary(wl, solo)
         m.update(prefix_hit_rate=0.0, preemptions=0, per_request=per_request(solo))  # the hit rate: not bounded

@@ -162,3 +162,25 @@ def test_the_fleet_command_reports_the_solo_bound_no_target_beats(tmp_path):
             mine = np.subtract(runs[t]["per_request"][key], runs[t]["per_request"]["sent"])
             floor = np.subtract(bound["per_request"][key], bound["per_request"]["sent"])
             assert (mine >= floor - 1e-4).all(), (t, key, float((mine - floor).min()))
+
+
+def test_the_fleet_command_measures_what_cohorts_own_processes_cost(tmp_path):
+    """A cohort target of ``cohort bench fleet`` (a spawned stack in front of two simulated engines)
+    answers every request, and its result holds the cores the front's own processes kept busy,
+    by role, and the engines' share of late steps."""
+    from typer.testing import CliRunner
+
+    from bench.cli import app
+
+    out = tmp_path / "fleet.json"
+    r = CliRunner().invoke(app, ["fleet", "--engines", "2", "--num-gpu-blocks", "48", "--speedup", "2",
+                                 "--targets", "spf", "--loads", "0.9", "--requests", "24",
+                                 "--capacity", "20", "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    doc = json.loads(out.read_text())
+    run = doc["by_load"]["0.9"]["spf"]
+    assert run["done"] == 24 and 0.0 <= run["late_step_share"] <= 1.0 and "held_model_clock" in doc
+    cores = run["front_cores"]
+    assert set(cores) == {"gateway", "batcher", "worker", "redis"}
+    assert cores["gateway"] > 0 and cores["worker"] > 0 and sum(cores.values()) < 2.5   # two cores here, a margin
+    assert "front " in r.output and "cores" in r.output
