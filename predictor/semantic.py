@@ -39,13 +39,16 @@ from predictor import safe_io
 from predictor.base import META_FILE, PredictItem
 from predictor.forest import COMPILED_ROWS, CompiledForest, compile_forest
 from predictor.magnus_fast import static_encode
+from predictor.tfidf_ridge import TfidfRidge, compile_tfidf_ridge
 
 PARTS = ("tfidf_instruction", "tfidf_input", "ridge", "model")  # one skops file each
 INSTRUCTION_CACHE = 4096
+SHAPE_COLUMNS = 4
 
 
 def shape_features(items: Sequence[PredictItem]) -> np.ndarray:
-    """[log1p(input tokens), words of instruction, words of input, input present] per item."""
+    """[log1p(input tokens), words of instruction, words of input, input present] per item
+    (``SHAPE_COLUMNS`` columns)."""
     return np.array([[np.log1p(it.input_tokens), len(it.instruction.split()), len(it.user_input.split()),
                       float(bool(it.user_input.strip()))] for it in items], dtype=np.float32)
 
@@ -72,6 +75,7 @@ class SemanticPredictor:
             random_state=seed)
         self._instr_cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._compiled: CompiledForest | None = None  # the boosting, compiled after fit or load
+        self._linear: TfidfRidge | None = None  # the ridge over TF-IDF, term by term, after fit or load
 
     def _instruction_vectors(self, instructions: Sequence[str]) -> np.ndarray:
         """One encode per distinct instruction, LRU-bounded: applications repeat their instruction."""
@@ -116,18 +120,26 @@ class SemanticPredictor:
         self.model.set_params(min_samples_leaf=max(2, min(leaf, len(items) // 10)))
         self.model.fit(self._dense(items, shape, oof), y)
         self.model.set_params(min_samples_leaf=leaf)
-        self._compiled = compile_forest(self.model)
+        self._compile()
         return self
+
+    def _compile(self) -> None:
+        """The fast forms of the fitted parts, for the gateway's few rows at a time."""
+        self._compiled = compile_forest(self.model)
+        self._linear = compile_tfidf_ridge((self.tfidf_instruction, self.tfidf_input), self.ridge, SHAPE_COLUMNS)
 
     def predict(self, items: Sequence[PredictItem]) -> np.ndarray:
         if not items:
             return np.zeros(0)
         shape = shape_features(items)
-        ridge_est = self.ridge.predict(self._sparse(items, shape))
+        # the gateway's one or two requests at a time: the compiled forms; a big batch: sklearn's
+        small = len(items) <= COMPILED_ROWS
+        if small and self._linear is not None:
+            ridge_est = self._linear.predict(([it.instruction for it in items], [it.user_input for it in items]), shape)
+        else:
+            ridge_est = self.ridge.predict(self._sparse(items, shape))
         dense = self._dense(items, shape, ridge_est)
-        # the gateway's one or two requests at a time: one array walk; a big batch: sklearn's loop
-        small = self._compiled is not None and len(items) <= COMPILED_ROWS
-        log_tokens = self._compiled.predict(dense) if small else self.model.predict(dense)
+        log_tokens = self._compiled.predict(dense) if small and self._compiled is not None else self.model.predict(dense)
         return np.maximum(np.expm1(log_tokens), 1.0)
 
     def save(self, directory: Path, meta: dict | None = None) -> None:
@@ -148,5 +160,5 @@ class SemanticPredictor:
         for name in PARTS:
             path = directory / f"{name}.skops"
             setattr(self, name, safe_io.load(path))
-        self._compiled = compile_forest(self.model)
+        self._compile()
         return self

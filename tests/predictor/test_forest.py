@@ -1,4 +1,5 @@
-"""The compiled forest answers what scikit-learn's regressor answers, bit for bit."""
+"""The compiled forest answers what scikit-learn's regressor answers, bit for bit; the semantic
+predictor's compiled path (forest and term-by-term ridge) answers what its scikit-learn path does."""
 
 from __future__ import annotations
 
@@ -41,13 +42,15 @@ def test_the_semantic_predictor_answers_alike_on_both_paths(tmp_path):
     targets = [10 + (i % 17) * 4 for i in range(120)]
     model = SemanticPredictor(max_iter=30).fit(items, targets)
     assert model._compiled is not None
+    assert model._linear is not None
     small = [model.predict([it])[0] for it in items[:COMPILED_ROWS]]  # compiled path, row by row
     whole = model.predict(items)  # more than COMPILED_ROWS rows: scikit-learn's path
-    assert np.array_equal(np.array(small), whole[:COMPILED_ROWS])
+    # the ridge's estimate differs in its last float32 digits (tfidf_ridge), so not bit for bit
+    assert np.allclose(np.array(small), whole[:COMPILED_ROWS], rtol=1e-5)
     model.save(tmp_path / "m")
     loaded = SemanticPredictor.load(tmp_path / "m")
-    assert loaded._compiled is not None
-    assert np.array_equal(loaded.predict(items[:3]), whole[:3])
+    assert loaded._compiled is not None and loaded._linear is not None
+    assert np.allclose(loaded.predict(items[:3]), whole[:3], rtol=1e-5)
 
 
 @pytest.mark.parametrize("missing", [False, True])
