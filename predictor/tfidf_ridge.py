@@ -19,7 +19,7 @@ scikit-learn's path.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +29,7 @@ import numpy as np
 class _Terms:
     """One vectorizer's part of the ridge: its analyzer, vocabulary, idf and coefficients."""
 
-    analyze: object  # the vectorizer's own ``build_analyzer()``: text → terms
+    analyze: Callable[[str], list[str]]  # the vectorizer's own ``build_analyzer()``: text → terms
     vocabulary: dict[str, int]
     idf: list[float] | None  # None: use_idf off
     coef: list[float]  # the ridge's coefficients of this vectorizer's columns
