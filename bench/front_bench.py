@@ -47,16 +47,18 @@ def pinned(cores: set[int]) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def spawn_engine(ttft_ms: float, itl_ms: float, log: Path, model_name: str = "sim") -> tuple[subprocess.Popen, str]:
-    """The fixed-delay engine on a free port (in the caller's CPU set); its base URL ending in /v1.
-    One that does not come up is stopped before the error is raised: the caller never got it, so
-    nothing else would. Prefer ``fixed_delay_engines``, which also stops it once started."""
+def spawn_engine(ttft_ms: float, itl_ms: float, log: Path, model_name: str = "sim",
+                 api_key: str | None = None) -> tuple[subprocess.Popen, str]:
+    """The fixed-delay engine on a free port (in the caller's CPU set); its base URL ending in /v1
+    (``api_key``: its /v1 routes ask for it, as vLLM's ``--api-key``). One that does not come up is
+    stopped before the error is raised: the caller never got it, so nothing else would. Prefer
+    ``fixed_delay_engines``, which also stops it once started."""
     port = free_port()
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:  # the child writes to its own copy; this one is closed here
         proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "engine-sim", "serve", "--port", str(port),
                                  "--model-name", model_name, "--ttft-ms", f"{ttft_ms:g}", "--itl-ms", f"{itl_ms:g}",
-                                 "--log-level", "WARNING"],
+                                 "--log-level", "WARNING", *(["--api-key", api_key] if api_key else [])],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
 
@@ -89,8 +91,8 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None
 
 
 @contextlib.contextmanager
-def fixed_delay_engines(n: int, ttft_ms: float, itl_ms: float, log_dir: Path,
-                        model_name: str = "sim") -> Iterator[list[tuple[subprocess.Popen, str]]]:
+def fixed_delay_engines(n: int, ttft_ms: float, itl_ms: float, log_dir: Path, model_name: str = "sim",
+                        api_key: str | None = None) -> Iterator[list[tuple[subprocess.Popen, str]]]:
     """``n`` fixed-delay engines (``spawn_engine``; logs ``log_dir/engine-{i}.log``), as
     ``(process, base URL)`` pairs, stopped when the block ends however it ends: an engine that
     fails to start, or a set-up after them that fails (a stack in front of them), leaves none of
@@ -98,7 +100,7 @@ def fixed_delay_engines(n: int, ttft_ms: float, itl_ms: float, log_dir: Path,
     engines: list[tuple[subprocess.Popen, str]] = []
     try:
         for i in range(n):
-            engines.append(spawn_engine(ttft_ms, itl_ms, log_dir / f"engine-{i}.log", model_name))
+            engines.append(spawn_engine(ttft_ms, itl_ms, log_dir / f"engine-{i}.log", model_name, api_key))
         yield engines
     finally:
         stop_processes([proc for proc, _ in engines])

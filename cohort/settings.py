@@ -194,7 +194,7 @@ class Settings(BaseSettings):
         "counts the tokens).")
     upstreams: str = Field(default="", description="Comma-separated upstream base URLs: `cohort serve` starts "
                            "one upstream worker per URL instead of the built-in model worker.")
-    upstream_api_key: str | None = Field(default=None, description="Bearer key for the upstream servers.")
+    upstream_api_key: str | None = Field(default=None, description="Bearer key of the upstream servers (vLLM's --api-key).")
     upstream_model: str | None = Field(default=None, description="The upstream's model id (default: its first).")
     upstream_kv_tokens: int | None = Field(
         default=None, ge=1, description="KV tokens an upstream holds, where it does not publish them (vLLM "

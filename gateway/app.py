@@ -93,7 +93,8 @@ async def start_direct_streams(st) -> DirectStreams:
     s = st.settings
     direct = DirectStreams(st.redis, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                            lambda rid, events: hub_for(st).push_local(rid, events), flush_s=s.upstream_flush_s,
-                           report_s=s.upstream_report_s, read_timeout_s=s.upstream_timeout_s)
+                           report_s=s.upstream_report_s, read_timeout_s=s.upstream_timeout_s,
+                           api_key=s.upstream_api_key)
     await direct.start()
     log.info("direct streaming: this gateway (%s) streams its upstream rows from their engines", direct.gateway_id)
     return direct

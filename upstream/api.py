@@ -153,6 +153,12 @@ def refused_fields(body: str) -> set[str]:
     return {f.strip().strip("'\"") for f in m.group(1).split(",")} if m else set()
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """What every request to an upstream server carries (``COHORT_UPSTREAM_API_KEY``): the upstream
+    worker's and the gateway's streams alike."""
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def parse_chunk(data: dict[str, Any]) -> Chunk:
     """One SSE ``data:`` object of a streamed completion as a ``Chunk``."""
     ch = Chunk()
@@ -192,7 +198,7 @@ class UpstreamServer:
         self.root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
         self.model = model
         self.caps = Capabilities()
-        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = auth_headers(api_key)
         self.timeout_s = timeout_s
         # a read may wait timeout_s for the next bytes (a long prefill), not for the whole answer
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(timeout_s, 30.0), sock_read=timeout_s)

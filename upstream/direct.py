@@ -39,7 +39,7 @@ from cohort.release_bus import (
     push_in_order,
     serve_inbox,
 )
-from upstream.api import UpstreamDown, UpstreamRefused, finish_reason, stream_completion
+from upstream.api import UpstreamDown, UpstreamRefused, auth_headers, finish_reason, stream_completion
 
 log = logging.getLogger(__name__)
 CANCELLED_KEEP_S = 600.0  # a withdrawn request's id is remembered this long (its release may still come)
@@ -79,8 +79,9 @@ class DirectStreams:
 
     def __init__(self, redis: Any, gateway_id: str, deliver: Callable[[str, list[StreamEvent]], None], *,
                  flush_s: float = 0.05, report_s: float = 0.25, read_timeout_s: float = 60.0,
-                 max_connections: int = 4096) -> None:
+                 max_connections: int = 4096, api_key: str | None = None) -> None:
         self.redis, self.gateway_id, self.deliver = redis, gateway_id, deliver
+        self._headers = auth_headers(api_key)
         self.flush_s, self.report_s = flush_s, max(flush_s, report_s)
         self._reported_at = 0.0  # when progress last joined the reports (monotonic)
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(read_timeout_s, 30.0), sock_read=read_timeout_s)
@@ -96,7 +97,7 @@ class DirectStreams:
 
     # --- the gateway's life ----------------------------------------------------------------------
     async def start(self) -> None:
-        self._http = aiohttp.ClientSession(timeout=self._timeout, read_bufsize=1 << 20,
+        self._http = aiohttp.ClientSession(timeout=self._timeout, read_bufsize=1 << 20, headers=self._headers,
                                            connector=aiohttp.TCPConnector(limit=self._max_connections))
         await self.redis.set(gateway_alive_key(self.gateway_id), "1", ex=GATEWAY_ALIVE_TTL_S)
         loop = asyncio.get_running_loop()

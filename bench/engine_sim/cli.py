@@ -82,6 +82,8 @@ def serve_sim(
     stall_s: float = typer.Option(0.0, help="How long the stall lasts (wall seconds)."),
     error_rate: float = typer.Option(0.0, help="This fraction of requests answer 500 (seeded)."),
     seed: int = typer.Option(0, help="Seeds the output tokens, the output vocabulary and the error draw."),
+    api_key: str = typer.Option(None, envvar="VLLM_API_KEY",
+                                help="As vLLM's: /v1 routes answer 401 without `Authorization: Bearer KEY`."),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Serve vLLM's OpenAI API from a simulated engine: a vLLM-v1-shaped step loop timed by the
@@ -95,7 +97,7 @@ def serve_sim(
                     max_model_len=max_model_len, scheduling_policy=scheduling_policy,
                     enable_prefix_caching=not no_prefix_caching, speedup=speedup, ttft_ms=ttft_ms, itl_ms=itl_ms,
                     max_waiting=max_waiting, die_after=die_after, stall_after=stall_after, stall_s=stall_s,
-                    error_rate=error_rate, seed=seed)
+                    error_rate=error_rate, seed=seed, api_key=api_key or None)
     try:
         server = make_server(cfg)
     except ValueError as e:

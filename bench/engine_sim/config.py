@@ -45,6 +45,7 @@ class SimConfig:
     stall_s: float = 0.0
     error_rate: float = 0.0
     seed: int = 0
+    api_key: str | None = None            # vLLM's --api-key: /v1 routes answer 401 without it
 
     @property
     def fixed_delay(self) -> bool:
@@ -62,7 +63,7 @@ class SimConfig:
             raise ValueError("--speedup must be positive")
 
     def describe(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "api_key"}  # a secret is never echoed
 
 
 def build_engine(cfg: SimConfig, step_time: StepTime | None = None, num_blocks: int | None = None,

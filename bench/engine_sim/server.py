@@ -15,11 +15,14 @@ with ``ignore_eos`` (a simulator has no EOS to meet). ``n`` above 1 and batched 
 refused.
 
 A client that disconnects aborts its request (the handler is cancelled; the engine frees its
-blocks), as vLLM does.
+blocks), as vLLM does. With ``--api-key`` (vLLM's too), a ``/v1`` route without
+``Authorization: Bearer KEY`` answers 401 ``{"error": "Unauthorized"}``; ``/health`` and
+``/metrics`` stay open, as vLLM's do.
 """
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import json
 import logging
@@ -76,7 +79,7 @@ class SimServer:
         self._uid = f"{int(time.time()) % 100000:05d}"
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[self._auth] if self.cfg.api_key else [])
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -84,6 +87,15 @@ class SimServer:
         app.router.add_get("/metrics", self.prometheus)
         app.on_cleanup.append(self._cleanup)
         return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """vLLM's rule: every ``/v1`` path but an OPTIONS asks for the bearer key."""
+        expected = f"Bearer {self.cfg.api_key}".encode()
+        given = request.headers.get("Authorization", "").encode()
+        if request.method != "OPTIONS" and request.path.startswith("/v1") and not hmac.compare_digest(given, expected):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def _cleanup(self, _app: web.Application) -> None:
         await self.engine.stop()

@@ -1,6 +1,6 @@
 """The gateway streams upstream rows itself (COHORT_UPSTREAM_STREAMING=gateway): two simulated
-engines (`cohort engine-sim`, fixed delays; one dies mid-stream after a few requests), the real
-gateway, batcher, upstream workers and Redis, the `openai` SDK as the client. Answers whole and
+engines (`cohort engine-sim`, fixed delays, behind an API key; one dies mid-stream after a few
+requests), the real gateway, batcher, upstream workers and Redis, the `openai` SDK as the client. Answers whole and
 exact, a stop string found by the gateway, no token crossing Redis, a client that leaves closes its
 engine stream, and an engine killed mid-stream: its rows continue on the other, nothing lost."""
 
@@ -22,14 +22,17 @@ from tests.e2e.stack import TestStack
 
 pytestmark = pytest.mark.e2e
 MODEL = "cohort/tiny-random-llama"
+ENGINE_KEY = "engine-key"
 
 
 @pytest.fixture(scope="module")
 def streaming_stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("direct")
-    with fixed_delay_engines(2, 5.0, 4.0, folder) as engines:
+    # the engines ask for a key (vLLM's --api-key): the workers' probes and the gateway's streams send it
+    with fixed_delay_engines(2, 5.0, 4.0, folder, api_key=ENGINE_KEY) as engines:
         stack = TestStack(folder / "stack", COHORT_UPSTREAMS=",".join(url for _, url in engines),
-                          COHORT_UPSTREAM_STREAMING="gateway", COHORT_UPSTREAM_TIMEOUT_S="5")
+                          COHORT_UPSTREAM_STREAMING="gateway", COHORT_UPSTREAM_TIMEOUT_S="5",
+                          COHORT_UPSTREAM_API_KEY=ENGINE_KEY)
         try:
             stack.start()
             yield stack, engines

@@ -21,12 +21,15 @@ from upstream.direct import DirectStreams, stop_at
 CLOSED = web.AppKey("closed", list)
 
 
-def _engine(pieces: list[str], *, fail_after: int | None = None, status: int = 200, delay_s: float = 0.005):
+def _engine(pieces: list[str], *, fail_after: int | None = None, status: int = 200, delay_s: float = 0.005,
+            key: str | None = None):
     """A server streaming one chunk per piece (ids 100, 101, ...), then "length"; ``closed`` lists
-    the requests whose client closed the stream."""
+    the requests whose client closed the stream; ``key``: 401 without it, as vLLM's --api-key."""
     closed: list[dict] = []
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
         if status != 200:
             return web.json_response({"error": {"message": "no"}}, status=status)
         r = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -60,7 +63,7 @@ def _release(url: str, rid: str = "r1", **kw) -> Release:
 
 
 async def _run(app: web.Application, releases, *, leave_after_s: float | None = None, settle_s: float = 0.4,
-               wrap=lambda redis: redis, report_s: float = 0.25, until_finish: bool = False):
+               wrap=lambda redis: redis, report_s: float = 0.25, until_finish: bool = False, api_key: str | None = None):
     """Serve ``app``, feed the releases (a callable of the URL) to a gateway's DirectStreams (its
     Redis client: ``wrap`` of an in-memory one); its delivered events by request and the reports
     the worker got. ``until_finish``: after ``settle_s``, wait (up to 10 s) for a FINISH report, so
@@ -68,7 +71,7 @@ async def _run(app: web.Application, releases, *, leave_after_s: float | None = 
     redis = fakeredis.aioredis.FakeRedis(decode_responses=True)
     got: dict[str, list[StreamEvent]] = {}
     direct = DirectStreams(wrap(redis), "gw1", lambda rid, evs: got.setdefault(rid, []).extend(evs), flush_s=0.02,
-                           report_s=report_s)
+                           report_s=report_s, api_key=api_key)
     async with serving(app) as url:
         await direct.start()
         alive = await redis.exists(gateway_alive_key("gw1"))
@@ -126,6 +129,14 @@ def test_reports_reach_the_worker_in_order_while_a_push_waits_for_redis():
     assert _text(got["r1"]) == "abcdefghijklmnopqrst"
     assert [i for r in reports for i in r.ids] == list(range(100, 120))
     assert [r.kind for r in reports][-1] is ReportKind.FINISH and len(reports) > 2
+
+
+@pytest.mark.slow  # 0.6 s of real work on the 2-core VM: `make test` runs it, the fast loop does not
+def test_an_engine_behind_an_api_key_streams_with_it_and_refuses_without():
+    got, reports, _ = asyncio.run(_run(_engine(list("abc"), key="k1"), lambda url: [_release(url)], api_key="k1"))
+    assert _text(got["r1"]) == "abc" and reports[-1].kind is ReportKind.FINISH
+    _, reports, _ = asyncio.run(_run(_engine(list("abc"), key="k1"), lambda url: [_release(url)]))
+    assert [r.kind for r in reports] == [ReportKind.REFUSED] and "401" in reports[0].error
 
 
 @pytest.mark.slow  # 0.63 s of real work on the 2-core VM: `make test` runs it, the fast loop does not

@@ -130,6 +130,21 @@ def test_cohort_probes_the_sim_as_it_probes_vllm(sim, token_table) -> None:
     assert caps.token_ids and not caps.priority
 
 
+def test_an_api_key_guards_the_v1_routes_as_vllms_does(sim) -> None:
+    import httpx
+
+    with sim(api_key="s3cret", ttft_ms=1.0, itl_ms=1.0) as s:
+        with pytest.raises(openai.AuthenticationError):
+            client(s.url).completions.create(model="sim-model", prompt="a", max_tokens=3)
+        keyed = openai.OpenAI(base_url=s.url, api_key="s3cret", max_retries=0, timeout=10)
+        assert keyed.completions.create(model="sim-model", prompt="a", max_tokens=3).usage.completion_tokens == 3
+        root = s.url.removesuffix("/v1")
+        assert httpx.get(f"{root}/health").status_code == 200 and httpx.get(f"{root}/metrics").status_code == 200
+        refused = httpx.get(f"{s.url}/models")
+        assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
+        assert "api_key" not in str(keyed.models.list().data[0].model_extra)  # the key is never echoed
+
+
 @pytest.mark.slow   # a Python process started: half a second
 def test_the_cli_serves_help() -> None:
     out = subprocess.run([sys.executable, "-m", "bench.engine_sim.cli", "serve", "--help"], capture_output=True,
