@@ -38,15 +38,13 @@ from batcher.kv_judge import KVJudge
 from cohort.protocol import FailureCode, FinishReason
 from cohort.types import Batch
 from upstream.api import (
-    Chunk,
-    UpstreamDown,
-    UpstreamRefused,
     UpstreamServer,
     block_tokens_from_metrics,
     finish_reason,
     kv_tokens_from_metrics,
     queue_from_metrics,
 )
+from upstream.chunks import Chunk, UpstreamDown, UpstreamRefused
 from upstream.release import ReleaseLink, Releasing
 from upstream.rows import AdmissionGroup, PlanReach, ReportPace, Row, shared_tokens
 from workers.continuous_loop import GroupHandle, GroupUpdate, Update, drain

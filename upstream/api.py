@@ -1,8 +1,9 @@
 """Talking to an upstream engine: an OpenAI-compatible server (vLLM, SGLang, `transformers serve`)
-that runs the rows cohort schedules. One ``aiohttp.ClientSession`` (one connection pool) serves every
-stream of the instance. aiohttp, not httpx: its parser is C, and streaming a row cost the worker
-~1.8 ms of CPU against httpx's ~5.2 ms (32 tokens in chunks of 4; docs/notes/upstream.md), on a core the
-worker shares with the gateway and the batcher.
+that runs the rows cohort schedules. The rows' streams are read on bare connections
+(``upstream.sse_client``: a protocol parsing as bytes arrive); one ``aiohttp.ClientSession`` serves
+the rest (the model list, /health, /metrics, SGLang's settings). Not httpx: streaming a
+row cost the worker ~5.2 ms of CPU on it against aiohttp's ~1.8 ms (32 tokens in chunks of 4;
+docs/notes/upstream.md), on a core the worker shares with the gateway and the batcher.
 
 What a server can do is found once, at start, by ``probe`` — not guessed from its name:
 
@@ -42,19 +43,13 @@ from typing import Any
 import aiohttp
 
 from cohort.types import ProfiledRequest
+from upstream.chunks import Chunk, UpstreamDown, UpstreamRefused
+from upstream.sse_client import SSEClient
 
 log = logging.getLogger(__name__)
 
 # the fields a row's request may carry beyond the standard completions fields (vLLM's extras)
 EXTRA_FIELDS = ("ignore_eos", "return_token_ids", "priority", "top_k", "repetition_penalty", "stream_interval")
-
-
-class UpstreamDown(RuntimeError):
-    """The server did not answer, broke a stream or answered 5xx: its rows continue elsewhere."""
-
-
-class UpstreamRefused(RuntimeError):
-    """The server answered 4xx to a row's request: the row fails with the server's reason."""
 
 
 @dataclass
@@ -75,18 +70,6 @@ class Capabilities:
         return (f"prompt as {'token ids' if self.token_ids else 'text'}, "
                 f"priority {'on' if self.priority else 'off'}{order}, "
                 f"logprobs {'yes' if self.logprobs else 'no'}, refuses {sorted(self.refused) or 'nothing'}")
-
-
-@dataclass
-class Chunk:
-    """One streamed piece of a row's answer."""
-
-    text: str = ""
-    ids: list[int] | None = None          # the server's ids for this piece (token_ids servers)
-    finish: str | None = None             # "stop" | "length" on the last piece
-    logprobs: list[list] | None = None    # one TokenLogprob per id, when asked and given
-    completion_tokens: int | None = None  # usage, when the server sends it
-    cached_tokens: int = 0                # usage: prompt tokens its prefix cache had (vLLM, SGLang)
 
 
 _UNEXPECTED = re.compile(r"[Uu]nexpected fields[^{]*\{([^}]*)\}")
@@ -159,40 +142,11 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def parse_chunk(data: dict[str, Any]) -> Chunk:
-    """One SSE ``data:`` object of a streamed completion as a ``Chunk``."""
-    ch = Chunk()
-    usage = data.get("usage") or {}
-    ch.completion_tokens = usage.get("completion_tokens")
-    ch.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    choices = data.get("choices") or []
-    if not choices:
-        return ch
-    c = choices[0]
-    ch.text = c.get("text") or ""
-    ch.finish = c.get("finish_reason")
-    ids = c.get("token_ids")
-    ch.ids = list(ids) if ids is not None else None
-    lp = c.get("logprobs")
-    if lp and lp.get("token_logprobs") is not None:
-        tops = lp.get("top_logprobs") or [None] * len(lp["token_logprobs"])
-        ch.logprobs = [[v, [[_token_id(k), w] for k, w in (top or {}).items()]]
-                       for v, top in zip(lp["token_logprobs"], tops, strict=False)]
-        if ch.ids is None and all(str(t).startswith("token_id:") for t in lp.get("tokens") or ["x"]):
-            ch.ids = [_token_id(t) for t in lp["tokens"]]
-    return ch
-
-
-def _token_id(t: str) -> int:
-    """vLLM's ``return_tokens_as_token_ids`` form "token_id:123"; -1 for plain text tokens."""
-    return int(t.split(":", 1)[1]) if str(t).startswith("token_id:") else -1
-
-
 class UpstreamServer:
     """One upstream server: its model, what it accepts, and the streams of its rows."""
 
     def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
-                 timeout_s: float = 60.0, max_connections: int = 1024, stream_interval: int = 1) -> None:
+                 timeout_s: float = 60.0, max_connections: int = 64, stream_interval: int = 1) -> None:
         self.base_url = base_url.rstrip("/")
         self.stream_interval = stream_interval
         self.root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
@@ -203,7 +157,8 @@ class UpstreamServer:
         # a read may wait timeout_s for the next bytes (a long prefill), not for the whole answer
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(timeout_s, 30.0), sock_read=timeout_s)
         self._max_connections = max_connections
-        self._http: aiohttp.ClientSession | None = None
+        self._http: aiohttp.ClientSession | None = None  # probes, /health, /metrics
+        self._sse: SSEClient | None = None                # the rows' streams
 
     @property
     def chunk_tokens(self) -> int:
@@ -223,10 +178,20 @@ class UpstreamServer:
                 connector=aiohttp.TCPConnector(limit=self._max_connections))
         return self._http
 
+    def _streams(self) -> SSEClient:
+        """The rows' streams' connections, made on first use like the session."""
+        if self._sse is None:
+            self._sse = SSEClient(headers=self._headers, connect_timeout_s=min(self.timeout_s, 30.0),
+                                  read_timeout_s=self.timeout_s)
+        return self._sse
+
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
             self._http = None
+        if self._sse is not None:
+            await self._sse.aclose()
+            self._sse = None
 
     async def _get(self, url: str, timeout_s: float) -> tuple[int, str]:
         async with self._session().get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
@@ -346,42 +311,10 @@ class UpstreamServer:
         return {k: v for k, v in payload.items() if k not in self.caps.refused}
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[Chunk]:
-        """Stream one completion (``stream_completion``) on this server's connection pool."""
-        async for ch in stream_completion(self._session(), f"{self.base_url}/completions", self.payload(body)):
+        """Stream one completion (``SSEClient.chunks``: closing the iterator closes the connection,
+        and vLLM aborts the request)."""
+        async for ch in self._streams().chunks(f"{self.base_url}/completions", self.payload(body)):
             yield ch
-
-
-async def stream_completion(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]) -> AsyncIterator[Chunk]:
-    """Stream one completion; closing the iterator closes the connection (vLLM then aborts the
-    request). Raises ``UpstreamRefused`` on 4xx, ``UpstreamDown`` on anything else: a 5xx, a
-    connection that breaks or goes silent past the session's read timeout, an error mid-stream."""
-    try:
-        async with session.post(url, json=payload) as r:
-            if r.status >= 400:
-                text = (await r.text(errors="replace"))[:2000]
-                if 400 <= r.status < 500 and r.status not in (408, 429):
-                    raise UpstreamRefused(f"{r.status}: {text}")
-                raise UpstreamDown(f"{r.status}: {text}")
-            ended = False
-            try:
-                async for line in r.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        ended = True
-                        return
-                    obj = json.loads(data)
-                    if "error" in obj:  # an error event mid-stream
-                        raise UpstreamDown(json.dumps(obj["error"])[:500])
-                    yield parse_chunk(obj)
-            finally:
-                if not ended:  # left early (a cancelled row, an error): close it, so the server aborts the request
-                    r.close()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise UpstreamDown(f"{type(e).__name__}: {e}") from e
-    except json.JSONDecodeError as e:
-        raise UpstreamDown(f"unreadable stream: {e}") from e
 
 
 def finish_reason(reason: str | None, generated: int, max_tokens: int, emulated: int | None) -> str:

@@ -28,8 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from cohort.protocol import Release, ReportKind, StreamEvent, StreamKind, StreamReport
 from cohort.release_bus import (
     GATEWAY_ALIVE_TTL_S,
@@ -39,7 +37,9 @@ from cohort.release_bus import (
     push_in_order,
     serve_inbox,
 )
-from upstream.api import UpstreamDown, UpstreamRefused, auth_headers, finish_reason, stream_completion
+from upstream.api import auth_headers, finish_reason
+from upstream.chunks import Chunk, UpstreamDown, UpstreamRefused
+from upstream.sse_client import SSEClient
 
 log = logging.getLogger(__name__)
 CANCELLED_KEEP_S = 600.0  # a withdrawn request's id is remembered this long (its release may still come)
@@ -79,13 +79,12 @@ class DirectStreams:
 
     def __init__(self, redis: Any, gateway_id: str, deliver: Callable[[str, list[StreamEvent]], None], *,
                  flush_s: float = 0.05, report_s: float = 0.25, read_timeout_s: float = 60.0,
-                 max_connections: int = 4096, api_key: str | None = None) -> None:
+                 api_key: str | None = None) -> None:
         self.redis, self.gateway_id, self.deliver = redis, gateway_id, deliver
-        self._headers = auth_headers(api_key)
         self.flush_s, self.report_s = flush_s, max(flush_s, report_s)
         self._reported_at = 0.0  # when progress last joined the reports (monotonic)
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(read_timeout_s, 30.0), sock_read=read_timeout_s)
-        self._max_connections = max_connections
+        self._http = SSEClient(headers=auth_headers(api_key), connect_timeout_s=min(read_timeout_s, 30.0),
+                               read_timeout_s=read_timeout_s)
         self._answers: dict[str, _Answer] = {}
         self._cancelled: dict[str, float] = {}
         self._reports: dict[str, list[StreamReport]] = {}  # by instance: the terminal ones, sent at once
@@ -93,12 +92,9 @@ class DirectStreams:
         self._pushing: asyncio.Task | None = None  # the one push of reports under way
         self._unsent: set[str] = set()  # answers with text ready that waits for the next flush
         self._tasks: list[asyncio.Task] = []
-        self._http: aiohttp.ClientSession | None = None
 
     # --- the gateway's life ----------------------------------------------------------------------
     async def start(self) -> None:
-        self._http = aiohttp.ClientSession(timeout=self._timeout, read_bufsize=1 << 20, headers=self._headers,
-                                           connector=aiohttp.TCPConnector(limit=self._max_connections))
         await self.redis.set(gateway_alive_key(self.gateway_id), "1", ex=GATEWAY_ALIVE_TTL_S)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._inbox()), loop.create_task(self._heartbeat())]
@@ -112,8 +108,7 @@ class DirectStreams:
         with contextlib.suppress(Exception):
             await self._flush()
             await self.redis.delete(gateway_alive_key(self.gateway_id))
-        if self._http is not None:
-            await self._http.close()
+        await self._http.aclose()
 
     # --- what the relay tells it ----------------------------------------------------------------
     def cancel(self, rid: str) -> None:
@@ -166,16 +161,19 @@ class DirectStreams:
     # --- one engine stream ----------------------------------------------------------------------
     async def _run(self, a: _Answer, rel: Release) -> None:
         finish: str | None = None
+
+        def take(ch: Chunk) -> bool:  # each piece where its bytes arrive: no task woken per token
+            nonlocal finish
+            a.cached_tokens = max(a.cached_tokens, ch.cached_tokens)
+            if ch.ids and self._accept(a, rel, ch.ids, ch.text):
+                finish = "stop"  # a stop string: the stream is closed, which makes vLLM abort the request
+                return True
+            if ch.finish:
+                finish = ch.finish
+            return False
+
         try:
-            async for ch in stream_completion(self._http, f"{rel.url.rstrip('/')}/completions", rel.payload):
-                a.cached_tokens = max(a.cached_tokens, ch.cached_tokens)
-                if ch.ids:
-                    ended = self._accept(a, rel, ch.ids, ch.text)
-                    if ended:
-                        finish = "stop"
-                        break
-                if ch.finish:
-                    finish = ch.finish
+            await self._http.stream(f"{rel.url.rstrip('/')}/completions", rel.payload, take)
             if finish is None:
                 raise UpstreamDown("the stream ended without a finish reason")
             self._end(a, rel, finish)

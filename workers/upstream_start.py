@@ -23,11 +23,11 @@ from cohort.tokenizer import load_tokenizer, prompt_token_ids
 from cohort.types import InstanceInfo, ProfiledRequest
 from upstream.admission import UpstreamLoop
 from upstream.api import (
-    UpstreamDown,
     UpstreamServer,
     block_tokens_from_metrics,
     kv_tokens_from_metrics,
 )
+from upstream.chunks import UpstreamDown
 from upstream.release import ReleaseLink
 from workers.group_publisher import GroupPublisher
 from workers.runtime import Runtime

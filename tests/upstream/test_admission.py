@@ -16,15 +16,13 @@ from cohort.types import Batch, InstanceInfo, ProfiledRequest
 from upstream.admission import GROUP_SPAN, PRIORITY_SPAN, UpstreamLoop
 from upstream.api import (
     Capabilities,
-    Chunk,
-    UpstreamDown,
     UpstreamServer,
     block_tokens_from_metrics,
     gauge,
     kv_tokens_from_metrics,
-    parse_chunk,
     refused_fields,
 )
+from upstream.chunks import Chunk, UpstreamDown, parse_chunk
 from upstream.rows import AdmissionGroup, PlanReach, Row
 from workers.continuous_loop import GroupHandle
 from workers.row_text import TextStage
