@@ -265,12 +265,14 @@ class SSEClient:
 
     def _take(self, key: tuple[str, str, int]) -> _Stream | None:
         idle = self._idle.get(key)
-        now = time.monotonic()
+        now, loop = time.monotonic(), asyncio.get_running_loop()
         while idle:
             conn = idle.pop()
-            if conn.transport is not None and not conn.transport.is_closing() and now - conn.idle_since < IDLE_KEEP_S:
+            if (conn.loop is loop and conn.transport is not None and not conn.transport.is_closing()
+                    and now - conn.idle_since < IDLE_KEEP_S):
                 return conn
-            conn.close()
+            if conn.loop is loop:  # one of another loop (a probe's, run on its own) is that loop's to close
+                conn.close()
         return None
 
     def _give_back(self, key: tuple[str, str, int], conn: _Stream) -> None:
