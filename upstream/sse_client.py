@@ -131,7 +131,7 @@ class _Stream(asyncio.Protocol):
         if len(self._line) > MAX_LINE:
             self._abort(UpstreamDown(f"a stream line longer than {MAX_LINE} bytes"))
         for line in lines:
-            if self.ended:
+            if self.ended or self.done.done():  # [DONE], the caller's end, or a failure: nothing more is read
                 return
             if line.startswith(b"data:"):
                 self._data(line[5:].strip())
