@@ -27,3 +27,17 @@ def answer(make: Callable[[], web.Response]):
     async def handler(_request: web.Request) -> web.Response:
         return make()
     return handler
+
+
+async def open_sse(request: web.Request, *, key: str | None = None, status: int = 200,
+                   message: str = "no") -> web.StreamResponse:
+    """A scripted engine's answer opened: 401 without ``Bearer key`` (vLLM's ``--api-key``), an
+    error body with ``status`` when that is not 200, else an event stream, prepared. The caller
+    returns at once unless its status is 200."""
+    if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    if status != 200:
+        return web.json_response({"error": {"message": message}}, status=status)
+    r = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await r.prepare(request)
+    return r

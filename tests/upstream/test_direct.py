@@ -14,7 +14,7 @@ from aiohttp import web
 
 from cohort.protocol import Release, ReportKind, StreamEvent, StreamKind, StreamReport
 from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox
-from tests.loopback import serving
+from tests.loopback import open_sse, serving
 from tests.redis_stalls import FirstPushWaits
 from upstream.direct import DirectStreams, stop_at
 
@@ -28,12 +28,9 @@ def _engine(pieces: list[str], *, fail_after: int | None = None, status: int = 2
     closed: list[dict] = []
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        if status != 200:
-            return web.json_response({"error": {"message": "no"}}, status=status)
-        r = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await r.prepare(request)
+        r = await open_sse(request, key=key, status=status)
+        if r.status != 200:
+            return r
         n = min(len(pieces), body["max_tokens"])
         for i, piece in enumerate(pieces[:n]):
             if fail_after is not None and i >= fail_after:

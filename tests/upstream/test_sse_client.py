@@ -11,7 +11,7 @@ import json
 import pytest
 from aiohttp import web
 
-from tests.loopback import serving
+from tests.loopback import open_sse, serving
 from upstream.chunks import Chunk, UpstreamDown, UpstreamRefused
 from upstream.sse_client import SSEClient
 
@@ -34,12 +34,9 @@ def _engine(n: int = 3, *, status: int = 200, silent_after: int | None = None, e
         peers.append(request.transport.get_extra_info("peername")[1])
         me = len(peers)
         await request.json()
-        if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        if status != 200:
-            return web.json_response({"error": {"message": "no room"}}, status=status)
-        r = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await r.prepare(request)
+        r = await open_sse(request, key=key, status=status, message="no room")
+        if r.status != 200:
+            return r
         try:
             for i in range(n):
                 if i == silent_after:
