@@ -154,10 +154,8 @@ class UpstreamServer:
         self.caps = Capabilities()
         self._headers = auth_headers(api_key)
         self.timeout_s = timeout_s
-        # a read may wait timeout_s for the next bytes (a long prefill), not for the whole answer
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(timeout_s, 30.0), sock_read=timeout_s)
         self._max_connections = max_connections
-        self._http: aiohttp.ClientSession | None = None  # probes, /health, /metrics
+        self._http: aiohttp.ClientSession | None = None  # the model list, /health, /metrics
         self._sse: SSEClient | None = None                # the rows' streams
 
     @property
@@ -174,8 +172,7 @@ class UpstreamServer:
         and the next use on another loop makes a new one: the start-up probe runs on its own)."""
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession(
-                headers=self._headers, timeout=self._timeout, read_bufsize=1 << 20,  # a chunk's line, logprobs and all
-                connector=aiohttp.TCPConnector(limit=self._max_connections))
+                headers=self._headers, connector=aiohttp.TCPConnector(limit=self._max_connections))
         return self._http
 
     def _streams(self) -> SSEClient:
