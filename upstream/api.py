@@ -178,8 +178,7 @@ class UpstreamServer:
     def _streams(self) -> SSEClient:
         """The rows' streams' connections, made on first use like the session."""
         if self._sse is None:
-            self._sse = SSEClient(headers=self._headers, connect_timeout_s=min(self.timeout_s, 30.0),
-                                  read_timeout_s=self.timeout_s)
+            self._sse = SSEClient(headers=self._headers, read_timeout_s=self.timeout_s)
         return self._sse
 
     async def close(self) -> None:

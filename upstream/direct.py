@@ -83,8 +83,7 @@ class DirectStreams:
         self.redis, self.gateway_id, self.deliver = redis, gateway_id, deliver
         self.flush_s, self.report_s = flush_s, max(flush_s, report_s)
         self._reported_at = 0.0  # when progress last joined the reports (monotonic)
-        self._http = SSEClient(headers=auth_headers(api_key), connect_timeout_s=min(read_timeout_s, 30.0),
-                               read_timeout_s=read_timeout_s)
+        self._sse = SSEClient(headers=auth_headers(api_key), read_timeout_s=read_timeout_s)
         self._answers: dict[str, _Answer] = {}
         self._cancelled: dict[str, float] = {}
         self._reports: dict[str, list[StreamReport]] = {}  # by instance: the terminal ones, sent at once
@@ -108,7 +107,7 @@ class DirectStreams:
         with contextlib.suppress(Exception):
             await self._flush()
             await self.redis.delete(gateway_alive_key(self.gateway_id))
-        await self._http.aclose()
+        await self._sse.aclose()
 
     # --- what the relay tells it ----------------------------------------------------------------
     def cancel(self, rid: str) -> None:
@@ -173,7 +172,7 @@ class DirectStreams:
             return False
 
         try:
-            await self._http.stream(f"{rel.url.rstrip('/')}/completions", rel.payload, take)
+            await self._sse.stream(f"{rel.url.rstrip('/')}/completions", rel.payload, take)
             if finish is None:
                 raise UpstreamDown("the stream ended without a finish reason")
             self._end(a, rel, finish)

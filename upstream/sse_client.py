@@ -199,10 +199,12 @@ class _Stream(asyncio.Protocol):
 class SSEClient:
     """Streamed completions against OpenAI-compatible servers, with their connections pooled."""
 
-    def __init__(self, *, headers: dict[str, str] | None = None, connect_timeout_s: float = 30.0,
-                 read_timeout_s: float = 60.0) -> None:
+    def __init__(self, *, headers: dict[str, str] | None = None, read_timeout_s: float = 60.0,
+                 connect_timeout_s: float | None = None) -> None:
+        """``connect_timeout_s``: by default the read timeout, up to 30 s."""
         self.headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.connect_timeout_s = min(read_timeout_s, 30.0) if connect_timeout_s is None else connect_timeout_s
         self._idle: dict[tuple[str, str, int], list[_Stream]] = {}
         self._ssl: ssl.SSLContext | None = None
 
