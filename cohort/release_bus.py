@@ -116,7 +116,8 @@ async def serve_inbox(conn, key: str, handle: Callable[[str], None], what: str) 
 
 async def push_in_order(redis: Any, waiting: dict[str, list[T]], key: Callable[[str], str],
                         encode: Callable[[list[T]], list[str]], what: str,
-                        pause_s: float = 0.2, max_pause_s: float = 5.0) -> None:
+                        pause_s: float = 0.2, max_pause_s: float = 5.0,
+                        also: Callable[[Any], None] | None = None) -> None:
     """Push the messages ``waiting`` (destination -> messages, in the order they must arrive) until
     none wait: one pipeline of an RPUSH of ``encode(messages)`` onto ``key(destination)`` each, one
     push at a time. A push that waits for Redis (its client retries for seconds) must not be
@@ -126,17 +127,20 @@ async def push_in_order(redis: Any, waiting: dict[str, list[T]], key: Callable[[
     doubling up to ``max_pause_s``; back to ``pause_s`` after a push that went through).
 
     ``waiting`` is emptied in place: its owner adds to the same dict while a push is under way. The
-    owner runs one of these at a time (a second would overtake the first's retry)."""
+    owner runs one of these at a time (a second would overtake the first's retry). ``also``: more
+    commands (idempotent ones) for the first push, queued again on each retry until one went through."""
     pause = pause_s
-    while waiting:
+    while waiting or also is not None:
         out = dict(waiting)
         waiting.clear()
         try:
             pipe = redis.pipeline(transaction=False)
             for dest, msgs in out.items():
                 pipe.rpush(key(dest), *encode(msgs))
+            if also is not None:
+                also(pipe)
             await pipe.execute()
-            pause = pause_s
+            also, pause = None, pause_s
         except Exception as e:  # Redis gone: the messages wait for it (their readers still wait)
             log.warning("sending %d %s failed (%s); retrying in %.1f s",
                         sum(map(len, out.values())), what, e, pause)

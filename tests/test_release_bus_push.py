@@ -65,6 +65,37 @@ def test_a_failed_push_goes_again_before_what_arrived_meanwhile(monkeypatch):
     assert redis.pushes == 4
 
 
+def test_more_commands_go_with_the_first_push_and_again_until_one_went_through(monkeypatch):
+    """``also``: an upstream worker's admission markers ride its releases' push; a failed push
+    queues them again, and once one went through they are not sent again."""
+    waiting = {"a": [1]}
+    redis = _FlakyRedis(fail=1, arrive_during_failure={"a": [2]}, waiting=waiting)
+    added: list[int] = []
+
+    def also(pipe) -> None:
+        added.append(redis.pushes)
+        pipe.rpush("markers", "b1")
+
+    pauses: list[float] = []
+    real = asyncio.sleep
+
+    async def sleep(s: float) -> None:
+        pauses.append(s)
+        await real(0)
+
+    monkeypatch.setattr(release_bus.asyncio, "sleep", sleep)
+    asyncio.run(push_in_order(redis, waiting, lambda d: f"inbox:{d}", lambda ms: [str(m) for m in ms], "messages",
+                              also=also))
+    assert redis.lists == {"inbox:a": ["1", "2"], "markers": ["b1"]}
+    assert added == [0, 1] and redis.pushes == 2 and pauses == [0.2]
+
+
+def test_more_commands_alone_are_pushed_too(monkeypatch):
+    redis = _FlakyRedis(fail=0)
+    asyncio.run(push_in_order(redis, {}, str, list, "messages", also=lambda pipe: pipe.rpush("markers", "b1")))
+    assert redis.lists == {"markers": ["b1"]} and redis.pushes == 1
+
+
 def test_nothing_waiting_pushes_nothing(monkeypatch):
     redis = _FlakyRedis(fail=0)
     assert _run(monkeypatch, redis, {}) == []

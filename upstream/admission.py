@@ -45,6 +45,7 @@ from upstream.api import (
     queue_from_metrics,
 )
 from upstream.chunks import Chunk, UpstreamDown, UpstreamRefused
+from upstream.group_intake import Room, TakesGroups
 from upstream.release import ReleaseLink, Releasing
 from upstream.rows import AdmissionGroup, PlanReach, ReportPace, Row, shared_tokens
 from workers.continuous_loop import GroupHandle, GroupUpdate, Update, drain
@@ -57,7 +58,7 @@ GROUP_SPAN = 1_000             # ranks within one group (its rows, shortest pred
 QUEUE_POLL_S = 0.1             # the watch's period while the server's own queue holds groups back
 
 
-class UpstreamLoop(Releasing):
+class UpstreamLoop(Releasing, TakesGroups):
     """Owns the asyncio thread, the server client and the groups it runs (``link``: releases rows
     to the gateways that stream them, ``upstream.release``)."""
 
@@ -72,8 +73,7 @@ class UpstreamLoop(Releasing):
         self.down = False
         self.server_waiting = 0.0
         self._submitted = self._taken = 0  # groups handed over (callers' thread) and queued (the loop's)
-        self._room = threading.Event()      # set while every group handed over has joined: room for another
-        self._room.set()
+        self._room = Room()  # set while every group handed over has joined: room for another
         self._wake: asyncio.Event | None = None  # ends the watch's sleep
         self._dozing = False
         self.outbox: queue.Queue[list[Update]] = queue.Queue()
@@ -165,7 +165,7 @@ class UpstreamLoop(Releasing):
             return
         while self._waiting and self._fits(self._waiting[0]):
             g = self._waiting.pop(0)
-            g.admitted_at, g.dirty = time.time(), True
+            g.admitted_at = time.time()
             self._admissions += 1
             ranked = sorted(g.rows, key=lambda r: r.req.predicted_tokens)
             for rank, row in enumerate(ranked):
@@ -176,7 +176,9 @@ class UpstreamLoop(Releasing):
                     self._release(row, self._priority(row, rank))
                 else:
                     row.task = self._aloop.create_task(self._stream(row, self._priority(row, rank)))
-            self._schedule_flush()
+            if not self._told_with_releases(g):  # else the publisher has nothing to say of it yet
+                g.dirty = True
+                self._schedule_flush()
         if not self._waiting and self._taken >= self._submitted:
             self._room.set()
         elif self._waiting and self.server_waiting > 0 and self._dozing and self._wake is not None:
@@ -338,7 +340,7 @@ class UpstreamLoop(Releasing):
                 continue
             done = all(r.ended for r in g.rows) and (g.admitted or g not in self._waiting)
             news = g.admitted and not g.told_admitted
-            upd = GroupUpdate(g.out, g.alive, g.generated, news, done, admitted_at=g.admitted_at if news else None)
+            upd = GroupUpdate(g.out, g.alive, g.generated, news, done, admitted_at=g.admitted_at)
             g.told_admitted = g.told_admitted or g.admitted
             g.out, g.dirty = StepOutput(), False
             bundle.append((g.handle, upd))

@@ -17,12 +17,14 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from cohort import bus
 from cohort.protocol import FinishReason, Release, ReportKind, StreamReport
 from cohort.release_bus import gateway_alive_key, gateway_inbox, instance_inbox, push_in_order, serve_inbox
-from upstream.rows import ReportPace, Row
+from upstream.rows import AdmissionGroup, ReportPace, Row
 from workers.step_outputs import RowResult
 
 log = logging.getLogger(__name__)
@@ -33,10 +35,12 @@ class ReleaseLink:
     """The worker's Redis side of releases: its outbox to gateways and its inbox of reports. Used on
     the upstream loop's own asyncio thread (``start`` runs there)."""
 
-    def __init__(self, redis_url: str, instance: str) -> None:
+    def __init__(self, redis_url: str, instance: str, admitted: Callable[[Any, list[str]], None] | None = None) -> None:
         self.redis_url, self.instance = redis_url, instance
         self.redis: Any = None
+        self.admitted = admitted  # queues the admission news of batches on a pipeline (``workers.reporting``)
         self._out: dict[str, list[str]] = {}
+        self._marks: list[str] = []
         self._flushing = False
 
     async def start(self, on_reports) -> None:
@@ -45,15 +49,34 @@ class ReleaseLink:
 
     def send(self, owner: str, rel: Release) -> None:
         self._out.setdefault(owner, []).append(rel.to_json())
-        if not self._flushing:  # every release of this turn of the loop goes in one pipeline
+        self._flush_soon()
+
+    def mark_admitted(self, batch_id: str) -> bool:
+        """Tell the batcher, with this turn's releases, that a group's rows run: a group whose rows
+        all went to gateways has nothing else to publish then, and a round of the worker's publisher
+        (a thread hand-over and a pipeline) for that news alone cost more than the releases' push.
+        False when this link does not carry admissions (the publisher tells it)."""
+        if self.admitted is None:
+            return False
+        self._marks.append(batch_id)
+        self._flush_soon()
+        return True
+
+    def _flush_soon(self) -> None:
+        if not self._flushing:  # every release and admission of this turn of the loop goes in one pipeline
             self._flushing = True
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush()))
 
     async def _flush(self) -> None:
         """Push the waiting releases until none wait, in order (``push_in_order``): a gateway that
-        took a row's release after its re-release (the continuation) would run the stale one."""
+        took a row's release after its re-release (the continuation) would run the stale one. The
+        admissions go with the first push, and again with each retry until one went through."""
         try:
-            await push_in_order(self.redis, self._out, gateway_inbox, lambda releases: releases, "release(s)")
+            while self._out or self._marks:
+                marks, self._marks = self._marks, []
+                also = partial(self.admitted, batch_ids=marks) if marks and self.admitted is not None else None
+                await push_in_order(self.redis, self._out, gateway_inbox, lambda releases: releases, "release(s)",
+                                    also=also)
         finally:
             self._flushing = False
 
@@ -92,6 +115,14 @@ class Releasing:
             req.id, self.link.instance, self.server.base_url, self.server.payload(body), done_tokens=req.done_tokens,
             stop=list(req.sampling.stop or ()), limit=row.limit, max_tokens=req.max_tokens,
             batch_id=row.group.batch.id, batch_size=row.group.batch.size, arrival=req.arrival, started=time.time()))
+
+    def _told_with_releases(self, g: AdmissionGroup) -> bool:
+        """A group whose rows all went to gateways: its admission goes to the batcher with their
+        releases (``ReleaseLink.mark_admitted``), not in a round of the publisher."""
+        if self.link is None or not any(r.released for r in g.rows) or any(r.task is not None for r in g.rows):
+            return False
+        g.told_admitted = self.link.mark_admitted(g.batch.id)
+        return g.told_admitted
 
     def _held(self, rows: list[Row]) -> list[int]:
         """The KV each row may hold on the server (``Row.held_context``): what arrived, plus what a

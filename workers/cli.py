@@ -43,11 +43,10 @@ def worker(ctx: typer.Context) -> None:
     s = get_settings()
     inbox = None
     if s.upstream:  # an upstream instance: no model here, its server runs the rows
-        from workers.group_inbox import start_group_inbox
-        from workers.upstream_start import start_upstream
+        from workers.upstream_start import start_group_intake, start_upstream
 
         rt = runtime.set_current(start_upstream(s))
-        inbox = start_group_inbox(rt)  # an upstream-only pool's groups come on plain lists, not Celery
+        inbox = start_group_intake(rt)  # an upstream-only pool's groups come on sorted sets, not Celery
     else:
         rt = runtime.start(s)
     freeze_startup_heap()  # the model's and the libraries' objects: never walked by a full collection

@@ -69,13 +69,19 @@ class GroupPublisher:
     def submit(self, b: Batch, prompt_ids: Sequence[list[int]]) -> bool:
         """Hand a claimed batch to the engine. False when it already runs here (a redelivery while
         its first copy runs: that copy answers)."""
+        if not self.register(b):
+            return False
+        self.loop.submit(b, prompt_ids)
+        return True
+
+    def register(self, b: Batch) -> bool:
+        """Report for a claimed batch from now on: registered before the engine can report on it,
+        queued until admitted (``started``). False when it already runs here."""
         with self._lock:
             if b.id in self.groups:
                 return False
-            # registered before the engine can report on it; queued until admitted (``started``)
             now = time.time()
             self.groups[b.id] = _Group(b, Reporter(self.rt, b, now, cancel=self.loop.cancel), now, time.perf_counter())
-        self.loop.submit(b, prompt_ids)
         return True
 
     def drain(self, timeout_s: float) -> bool:
@@ -114,8 +120,9 @@ class GroupPublisher:
             g = self.groups.get(handle.batch_id)
             if g is None:  # failed in an earlier round: what the engine made since is dropped
                 continue
-            if upd.admitted:
-                g.reporter.started = upd.admitted_at or now  # queued until the group joined the running rows
+            if upd.admitted or upd.admitted_at is not None:  # queued until the group joined the running rows
+                g.reporter.started = upd.admitted_at or now
+            if upd.admitted:  # else its engine loop told the batcher itself (an upstream's released rows)
                 extra.append(admitted_fill(self.rt, g.batch.id))
             if upd.error is not None:
                 failed[g.batch.id] = upd.error

@@ -79,14 +79,18 @@ def complete(rt: Outlet, event: CompletionEvent) -> None:
     execute(rt.redis, completion_fill(rt, event), "the batch's completion")
 
 
-def admitted_fill(rt: Outlet, batch_id: str) -> Fill:
-    """The batch's rows run now: the batcher may send this instance its next one."""
-    ttl = bus.marker_ttl_s(rt.settings.visibility_timeout_s)
+def queue_admission_marks(pipe, batch_ids: Sequence[str], settings: Settings, instance: str) -> None:
+    """Queue, in ``pipe`` (sync or asyncio), the news that these batches' rows run on ``instance``
+    now: the batcher may send it its next one."""
+    ttl = bus.marker_ttl_s(settings.visibility_timeout_s)
+    for bid in batch_ids:
+        pipe.set(bus.admitted_key(bid), instance, ex=ttl)
+    batcher_hunger.wake_if_hungry(pipe, settings.pool)
 
-    def fill(pipe) -> None:
-        pipe.set(bus.admitted_key(batch_id), rt.name, ex=ttl)
-        batcher_hunger.wake_if_hungry(pipe, rt.settings.pool)
-    return fill
+
+def admitted_fill(rt: Outlet, batch_id: str) -> Fill:
+    """The batch's rows run now (``queue_admission_marks``), as a fill of the publisher's pipeline."""
+    return lambda pipe: queue_admission_marks(pipe, [batch_id], rt.settings, rt.name)
 
 
 def mark_admitted(rt: Outlet, batch_id: str) -> None:

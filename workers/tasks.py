@@ -30,16 +30,26 @@ if TYPE_CHECKING:  # torch: an upstream worker, which runs these tasks too, neve
 log = logging.getLogger(__name__)
 
 
-def claim(rt: runtime.Runtime, batch_id: str) -> bool:
-    """True when this instance may run the batch (first claim, or its own earlier claim)."""
-    # one round trip (a group per request at low load); a done batch's claim taken here is inert:
-    # the done marker is read first by every reader of claims, and the claim expires
-    pipe = rt.redis.pipeline(transaction=False)
+def queue_claim(pipe, batch_id: str, instance: str, visibility_timeout_s: float) -> None:
+    """Queue, in ``pipe`` (sync or asyncio), ``instance``'s claim of a batch (``claimed`` reads the
+    replies). One round trip (a group per request at low load); a done batch's claim taken here is
+    inert: the done marker is read first by every reader of claims, and the claim expires."""
     pipe.exists(bus.done_key(batch_id))
-    pipe.set(bus.claim_key(batch_id), rt.name, nx=True, ex=bus.marker_ttl_s(rt.settings.visibility_timeout_s))
+    pipe.set(bus.claim_key(batch_id), instance, nx=True, ex=bus.marker_ttl_s(visibility_timeout_s))
     pipe.get(bus.claim_key(batch_id))
-    done, _taken, owner = pipe.execute()
-    return not done and owner == rt.name
+
+
+def claimed(replies: list, instance: str) -> bool:
+    """True when ``instance`` may run the batch (first claim, or its own earlier claim)."""
+    done, _taken, owner = replies[-3:]
+    return not done and owner == instance
+
+
+def claim(rt: runtime.Runtime, batch_id: str) -> bool:
+    """True when this instance may run the batch (``queue_claim``)."""
+    pipe = rt.redis.pipeline(transaction=False)
+    queue_claim(pipe, batch_id, rt.name, rt.settings.visibility_timeout_s)
+    return claimed(pipe.execute(), rt.name)
 
 
 @celery_app.task(name=RUN_BATCH, acks_late=True)
@@ -52,8 +62,9 @@ def run_batch_task(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_batch(rt: runtime.Runtime, b: Batch) -> dict[str, Any]:
-    """The task's work, whoever delivered the batch (Celery, or an upstream-only pool's list:
-    ``workers.group_inbox``): claim it, then run it here or hand it to the engine loop."""
+    """The task's work, whoever delivered the batch (Celery; an upstream-only pool's groups are
+    taken on the engine loop's thread: ``upstream.group_intake``): claim it, then run it here or
+    hand it to the engine loop."""
     if not claim(rt, b.id):
         log.info("batch %s: already done, cancelled or claimed elsewhere; skipped", b.id)
         return {"batch_id": b.id, "skipped": True}

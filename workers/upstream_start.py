@@ -11,8 +11,10 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from batcher.memory import kv_bytes_per_token
@@ -28,8 +30,10 @@ from upstream.api import (
     kv_tokens_from_metrics,
 )
 from upstream.chunks import UpstreamDown
+from upstream.group_intake import GroupSource
 from upstream.release import ReleaseLink
 from workers.group_publisher import GroupPublisher
+from workers.reporting import queue_admission_marks
 from workers.runtime import Runtime
 from workers.tiny_llama import TINY_LLAMA
 
@@ -110,7 +114,8 @@ def start_upstream(settings: Settings) -> Runtime:
                         max_rows=s.continuous.max_rows, flush_s=s.upstream_flush_s,
                         overcommit=s.upstream_kv_overcommit, take_wait_s=s.upstream_take_wait_s,
                         use_priority=s.upstream_priority == "on" or (s.upstream_priority == "auto" and server.caps.priority),
-                        link=ReleaseLink(s.resolved_redis_url, name))  # rows whose gateway streams them
+                        link=ReleaseLink(s.resolved_redis_url, name,  # rows whose gateway streams them
+                                         admitted=partial(queue_admission_marks, settings=s, instance=name)))
     delta = delta_bytes(s.model)
     info = InstanceInfo(name=name, pool=s.pool, model=s.model, theta_bytes=capacity * delta, delta_bytes=delta,
                         device=f"upstream:{s.upstream}", started=time.time(),
@@ -128,3 +133,13 @@ def start_upstream(settings: Settings) -> Runtime:
     log.info("upstream instance %s registered in pool %s: %d KV tokens (%s), context %s tokens", name, s.pool,
              capacity, "published by the server" if published else "configured", info.max_model_len or "unknown")
     return rt
+
+
+def start_group_intake(rt: Runtime) -> threading.Event:
+    """Take the instance's groups off the pool's sets on its engine loop's thread
+    (``upstream.group_intake``: an upstream-only pool's groups come there, not on Celery); set the
+    event returned to stop taking them."""
+    s, stop = rt.settings, threading.Event()
+    rt.loop.start_intake(GroupSource(bus.connect_async(s.resolved_redis_url, max_connections=4), s.pool, rt.name,
+                                s.visibility_timeout_s, rt.publisher.register, rt.engine.request_prompt_ids, stop))
+    return stop

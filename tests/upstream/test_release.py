@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import fakeredis
 import pytest
 from sqlalchemy import select
 
+from cohort import bus
 from cohort.logdb import get_db_engine, record_requests, requests
 from cohort.protocol import FailureCode, FinishReason, Release, ReportKind, StreamReport
 from cohort.release_bus import gateway_inbox
@@ -26,6 +28,7 @@ from upstream import release as upstream_release
 from upstream.admission import UpstreamLoop
 from workers.continuous_loop import GroupUpdate
 from workers.group_publisher import GroupPublisher
+from workers.reporting import queue_admission_marks
 from workers.step_outputs import RowResult, StepOutput
 
 
@@ -42,9 +45,15 @@ class Link:
 
     instance = "inst"
 
-    def __init__(self, gone: set[str] = frozenset()) -> None:
+    def __init__(self, gone: set[str] = frozenset(), carries_admissions: bool = False) -> None:
         self.sent: list = []
         self.gone = set(gone)
+        self.carries_admissions, self.admitted = carries_admissions, []
+
+    def mark_admitted(self, batch_id: str) -> bool:
+        if self.carries_admissions:
+            self.admitted.append(batch_id)
+        return self.carries_admissions
 
     async def start(self, on_reports) -> None:
         self.on_reports = on_reports
@@ -193,3 +202,52 @@ def test_a_rows_queue_time_ends_at_its_admission_not_at_the_flush_that_tells_of_
     with rt.db.connect() as conn:
         row = conn.execute(select(requests).where(requests.c.id == req.id)).one()
     assert row.status == "done" and row.queued_s == pytest.approx(upd.admitted_at - req.arrival, abs=1e-3)
+
+
+def test_a_group_whose_rows_all_went_to_gateways_is_told_admitted_with_their_releases():
+    """Its admission goes to the batcher with the releases (no round of the publisher for that news
+    alone); the publisher still learns when it was admitted (its rows' queue time) at its end. A
+    group with a row streamed here is told by the publisher, as before."""
+    link = Link(carries_admissions=True)
+    loop = _loop(link)
+    got: dict[str, list] = {"b1": [], "b2": []}
+
+    def collect(until) -> None:
+        deadline = time.time() + 5
+        while time.time() < deadline and not until():
+            for h, u in loop.updates(0.1):
+                got[h.batch_id].append(u)
+
+    try:
+        loop.submit(Batch("b1", [_req("r1", 5), _req("r2", 5)], time.time()), [[1, 2, 3], [1, 2, 3]])
+        loop.submit(Batch("b2", [_req("r3", 5), _req("plain", 3, owner=None)], time.time()), [[1, 2, 3], [4, 5]])
+        collect(lambda: len(link.sent) == 3 and any(u.admitted for u in got["b2"]))
+        assert link.admitted == ["b1"]
+        _report(loop, *(StreamReport(r, ReportKind.FINISH, ids=[7, 8], finish_reason="stop") for r in ("r1", "r2", "r3")))
+        collect(lambda: all(us and us[-1].done for us in got.values()))
+    finally:
+        loop.stop()
+    assert not any(u.admitted for u in got["b1"]) and got["b1"][-1].done and got["b1"][-1].admitted_at is not None
+    assert any(u.admitted for u in got["b2"]) and got["b2"][-1].done  # its plain row streams here: the publisher tells
+
+
+def test_the_link_sends_admissions_with_its_releases():
+    """The real link, on an asyncio Redis: the release and the admission marker go in one push,
+    and a batcher waiting for room is woken (``batcher_hunger``)."""
+    settings = Settings()
+    keys = bus.pool_keys(settings.pool)
+
+    async def scenario() -> tuple:
+        redis = fakeredis.aioredis.FakeRedis(decode_responses=True)
+        link = upstream_release.ReleaseLink("redis://unused", "inst",
+                                            admitted=partial(queue_admission_marks, settings=settings, instance="inst"))
+        link.redis = redis
+        await redis.set(keys.hungry, 1)
+        link.send("gw", Release("r1", "inst", "http://engine/v1", {"prompt": [1]}, limit=8, max_tokens=8))
+        assert link.mark_admitted("b1")
+        await asyncio.sleep(0.05)
+        return (await redis.get(bus.admitted_key("b1")), await redis.llen(gateway_inbox("gw")),
+                await redis.llen(keys.wake))
+
+    assert asyncio.run(scenario()) == ("inst", 1, 1)
+    assert not upstream_release.ReleaseLink("redis://unused", "inst").mark_admitted("b1")  # the publisher tells
