@@ -221,8 +221,8 @@ class Settings(BaseSettings):
         "(no Redis traffic per token; the worker still admits, orders and recovers rows). worker: the upstream "
         "worker relays the tokens through Redis, as it does for logprobs and text-only servers either way.")
     upstream_flush_s: float = Field(default=0.05, gt=0, le=1.0, description="Rows' text goes to the client this "
-        "long after the first news, as one chunk (a first token and an end at once; an end its gateway answered "
-        "waits for it): 0.05 cut CPU per streamed request by a fifth against 0.02 (docs/notes/upstream.md).")
+        "long after the first news, as one chunk (a first token and an end at once): 0.05 cut CPU per streamed "
+        "request by a fifth against 0.02 (docs/notes/upstream.md).")
     upstream_report_s: float = Field(default=0.25, gt=0, le=5.0, description="How often a gateway that streams "
         "rows itself tells their worker how far they got (ends at once): it only plans its engine's KV with it.")
     upstream_timeout_s: float = Field(

@@ -294,12 +294,11 @@ class UpstreamLoop(Releasing, TakesGroups):
         row.ended = row.handed_back = True
         self._row_ended(row)
 
-    def _row_ended(self, row: Row, answered: bool = False) -> None:
-        """``answered``: its gateway answered its client (or it left): the news waits for a coalescing flush."""
+    def _row_ended(self, row: Row) -> None:
         if self._rows.pop(row.req.id, None) is not None and row.new_ids and not row.handed_back:
             self.reach.add(row)  # it ended here: how far its plan reached past it
         row.group.dirty = True
-        self._schedule_flush(now=not answered)  # else its client's answer (and e2e) waits for this news
+        self._schedule_flush(now=True)  # its client's answer (and e2e) waits for this news
         self._admit()
 
     def _cancel(self, ids: list[str]) -> None:

@@ -151,10 +151,10 @@ class Releasing:
                     row.req, "", row.req.done_tokens + len(row.new_ids), FinishReason(rep.finish_reason or "stop"),
                     row.first_token_at, time.time(), rep.cached_tokens, relayed=False))
                 row.ended = True
-                self._row_ended(row, answered=True)
+                self._row_ended(row)
             elif rep.kind is ReportKind.CANCELLED:
                 row.ended = True
-                self._row_ended(row, answered=True)
+                self._row_ended(row)
             elif rep.kind is ReportKind.REFUSED:
                 self._fail(row, f"the upstream server refused this request: {rep.error}")
             elif rep.kind is ReportKind.BROKEN:

@@ -251,30 +251,3 @@ def test_the_link_sends_admissions_with_its_releases():
 
     assert asyncio.run(scenario()) == ("inst", 1, 1)
     assert not upstream_release.ReleaseLink("redis://unused", "inst").mark_admitted("b1")  # the publisher tells
-
-
-def _end_after(kind: ReportKind) -> float:
-    """Seconds from a released row's terminal report to the update that tells of its end."""
-    link = Link(carries_admissions=True)
-    loop = UpstreamLoop(Server(), load_tokenizer(), capacity_tokens=4000, page_tokens=16, poll_s=60, link=link,
-                        flush_s=1.0)
-    try:
-        loop.submit(Batch("b1", [_req("r1", 10)], time.time()), [[1, 2, 3]])
-        deadline = time.time() + 5
-        while time.time() < deadline and not link.sent:
-            time.sleep(0.01)
-        t0 = time.monotonic()
-        _report(loop, StreamReport("r1", kind, ids=[7, 8], finish_reason="stop", error="reset"))
-        _updates(loop, lambda out: any(u.done for u in out))
-        return time.monotonic() - t0
-    finally:
-        loop.stop()
-
-
-@pytest.mark.slow  # 1.2 s of waiting: `make test` runs it, the fast loop does not
-def test_an_answered_rows_end_waits_for_the_coalescing_flush_a_broken_ones_does_not():
-    """Its gateway answered the client: only the log DB and the batcher wait for the news, which goes
-    with the next flush (``flush_s``) and the ends that come meanwhile. A broken stream's
-    continuation is waited for by its client: it goes at once."""
-    assert _end_after(ReportKind.FINISH) >= 0.8
-    assert _end_after(ReportKind.BROKEN) < 0.8
