@@ -57,9 +57,6 @@ class Room:
     def clear(self) -> None:
         self._event.clear()
 
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
     def wait(self, timeout_s: float) -> bool:
         return self._event.wait(timeout_s)
 

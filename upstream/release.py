@@ -74,7 +74,7 @@ class ReleaseLink:
         try:
             while self._out or self._marks:
                 marks, self._marks = self._marks, []
-                also = partial(self.admitted, batch_ids=marks) if marks and self.admitted is not None else None
+                also = partial(self.admitted, batch_ids=marks) if marks else None  # marks only where ``admitted`` is set
                 await push_in_order(self.redis, self._out, gateway_inbox, lambda releases: releases, "release(s)",
                                     also=also)
         finally:
