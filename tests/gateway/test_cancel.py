@@ -69,9 +69,9 @@ def test_disconnect_while_waiting_withdraws(tmp_path):
     assert _cancelled_count(app, "chat", "disconnect") == 1
 
 
-def test_stream_cancelled_by_starlette_on_disconnect_withdraws(tmp_path):
-    """Streaming: Starlette cancels the response when the ASGI server reports http.disconnect;
-    the request is withdrawn although the task that would do it was cancelled."""
+def test_stream_cancelled_on_disconnect_withdraws(tmp_path):
+    """Streaming: the response is cancelled when the ASGI server reports http.disconnect; the
+    request is withdrawn although the task that would do it was cancelled."""
     async def scenario():
         async with gateway(tmp_path) as (app, _, redis):
             ticket = await admit(app.state, Submission("", "hello", 8), "chat")
