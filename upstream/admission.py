@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from batcher.kv_judge import KVJudge
+from cohort.event_loops import new_event_loop
 from cohort.protocol import FailureCode, FinishReason
 from cohort.types import Batch
 from upstream.api import (
@@ -83,7 +84,7 @@ class UpstreamLoop(Releasing, TakesGroups):
         self._admissions = 0
         self._flush_timer: asyncio.TimerHandle | None = None  # the coalescing flush, when one is due
         self._flush_soon = False  # a flush without delay is queued (a row's first token)
-        self._aloop = asyncio.new_event_loop()
+        self._aloop = new_event_loop()  # uvloop where installed
         self._thread = threading.Thread(target=self._run, name="upstream-loop", daemon=True)
         self._thread.start()
         self._call(self._watch())

@@ -5,7 +5,6 @@ docs/engine_sim.md is the user's page."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import typer
 
 from bench.engine_sim.config import SimConfig, build_engine
+from cohort.event_loops import new_event_loop
 
 app = typer.Typer(help="A simulated vLLM engine (OpenAI API): benchmark and test equipment.", no_args_is_help=True)
 log = logging.getLogger("bench.engine_sim")
@@ -114,9 +114,7 @@ def serve_sim(
         # a fifth less of its core's CPU a request on uvloop (a front's benchmark shares that core with
         # the client). Its timers fire to the millisecond, up to half a millisecond early, so the
         # stepped engine, whose steps are laid on exact deadlines, keeps asyncio's own loop.
-        with contextlib.suppress(ImportError):  # where uvloop does not build
-            import uvloop
-            loop = uvloop.new_event_loop()
+        loop = new_event_loop()
     web.run_app(server.app(), host=host, port=port, handler_cancellation=True, access_log=None, print=None, loop=loop)
 
 
