@@ -197,10 +197,10 @@ class EventStream(StreamingResponse):
 
     Starlette runs the body in a child of an anyio task group and stops it through the group's
     cancel scope, whose delivery schedules itself again until the task ends: with the scope's
-    entry and exit and the group's bookkeeping, 4 % of the gateway's Python calls for a streamed request
-    (about 170 of 4,000, counted with cProfile at 30 requests a second). A single
-    cancel is enough here: the body waits on the gateway's own stream readers, never in a Redis
-    read that could swallow it, and those readers also ask whether the client is there once a
+    entry and exit and the group's bookkeeping, 4 % of the gateway's Python calls for a streamed
+    request (about 170 of 4,000, counted with cProfile at 30 requests a second). A single cancel
+    is enough here: the body waits on the gateway's own stream readers, never in a Redis read that
+    could swallow it, and those readers also ask whether the client is there once a
     ``disconnect_check_s``."""
 
     async def __call__(self, scope, receive, send) -> None:
