@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 
+try:
+    import uvloop
+except ImportError:  # where uvloop does not build (Windows, PyPy)
+    uvloop = None
+
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # where uvloop does not build (Windows, PyPy)
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    return asyncio.new_event_loop() if uvloop is None else uvloop.new_event_loop()
