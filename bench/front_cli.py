@@ -1,5 +1,6 @@
 """`cohort bench front`: what a front costs in front of an engine that computes nothing — the engine
-direct, cohort with one or N gateway processes, and the LiteLLM proxy where it is installed — in
+direct, a bare Python streaming proxy (the floor), cohort with one or N gateway processes, and the
+LiteLLM proxy where it is installed — in
 front CPU per request by process, added TTFT, e2e against direct, and the requests per second one
 front core serves in a closed loop. The rig is ``bench.front_bench``'s."""
 
@@ -10,6 +11,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -39,8 +41,32 @@ from procstack.stack import free_port, wait_until_ok
 
 
 @contextmanager
-def _litellm(binary: Path, engine: str, model: str, workdir: Path) -> Iterator[tuple[str, dict]]:
-    """The LiteLLM proxy (one worker) routing ``model`` to the engine; its URL and its processes."""
+def _front_process(role: str, cmd: list[str], env: dict[str, str], port: int, health_path: str,
+                   workdir: Path) -> Iterator[tuple[str, dict]]:
+    """A front that is one process (LiteLLM, the bare proxy), started and ready: its URL and its
+    process, stopped however the run ends."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / f"{role}.log"
+    proc = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{role} exited: {log.read_text()[-2000:]}")
+
+    try:
+        if not wait_until_ok(f"http://127.0.0.1:{port}{health_path}", 180.0, alive):
+            raise TimeoutError(f"{role} did not start: {log.read_text()[-2000:]}")
+        yield f"http://127.0.0.1:{port}/v1", {role: [psutil.Process(proc.pid)]}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _litellm(binary: Path, engine: str, model: str, workdir: Path):
+    """The LiteLLM proxy (one worker) routing ``model`` to the engine."""
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = workdir / "litellm.yaml"
     cfg.write_text(f"model_list:\n  - model_name: {model}\n    litellm_params:\n      model: openai/{model}\n"
@@ -48,24 +74,15 @@ def _litellm(binary: Path, engine: str, model: str, workdir: Path) -> Iterator[t
     port = free_port()
     # loopback only, no key: the client sends none, as to the engine and to cohort
     env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true"}
-    proc = subprocess.Popen([str(binary), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
-                             "--num_workers", "1"], stdout=open(workdir / "litellm.log", "ab"),
-                            stderr=subprocess.STDOUT, env=env)
+    cmd = [str(binary), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
+    return _front_process("litellm", cmd, env, port, "/health/liveliness", workdir)
 
-    def alive() -> None:
-        if proc.poll() is not None:
-            raise RuntimeError(f"LiteLLM exited: {(workdir / 'litellm.log').read_text()[-2000:]}")
 
-    try:
-        if not wait_until_ok(f"http://127.0.0.1:{port}/health/liveliness", 180.0, alive):
-            raise TimeoutError(f"LiteLLM did not start: {(workdir / 'litellm.log').read_text()[-2000:]}")
-        yield f"http://127.0.0.1:{port}/v1", {"litellm": [psutil.Process(proc.pid)]}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def _proxy(engine: str, workdir: Path):
+    """The bare streaming proxy (``bench.front_proxy``): the floor any Python front pays."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.front_proxy", "--engine", engine, "--port", str(port)]
+    return _front_process("proxy", cmd, dict(os.environ), port, "/health", workdir)
 
 
 # cohort's targets: who streams the engine's tokens to the client
@@ -92,8 +109,9 @@ def _run_target(label: str, wls: dict[str, Any], warm, closed, base_url: str, mo
 
 
 def front(
-    targets: str = typer.Option("direct,cohort-relay,cohort,cohort:2,litellm,direct", help="Comma-separated: direct "
-                                "(the engine itself), cohort (the gateway streams from the engine), cohort-relay "
+    targets: str = typer.Option("direct,proxy,cohort-relay,cohort,cohort:2,litellm,direct", help="Comma-separated: "
+                                "direct (the engine itself), proxy (a bare Python streaming proxy: the floor any "
+                                "Python front pays), cohort (the gateway streams from the engine), cohort-relay "
                                 "(the upstream worker streams, tokens through Redis), either with :N gateway "
                                 "processes, litellm (needs --litellm). Ratios and added TTFT are to the first direct."),
     rates: str = typer.Option("30,80", help="Offered requests/s (Poisson), each a replay of --requests."),
@@ -135,8 +153,8 @@ def front(
     env = parse_env(server_env)
     for t in names:
         head, _, n = t.partition(":")
-        if not (t in ("direct", "litellm") or (head in FRONT_MODES and (n == "" or n.isdigit() and int(n) >= 1))):
-            raise typer.BadParameter(f"unknown target {t!r}: direct, cohort[:N], cohort-relay[:N] or litellm")
+        if not (t in ("direct", "litellm", "proxy") or (head in FRONT_MODES and (n == "" or n.isdigit() and int(n) >= 1))):
+            raise typer.BadParameter(f"unknown target {t!r}: direct, proxy, cohort[:N], cohort-relay[:N] or litellm")
     os.sched_setaffinity(0, client)  # this thread is the client; what it starts inherits its cores
     runs: dict[str, Any] = {}
     with fixed_delay_engines(1, ttft_ms, itl_ms, workdir) as [(_, engine)]:  # stopped however the runs end
@@ -146,6 +164,10 @@ def front(
             with ExitStack() as held:
                 if target == "direct":
                     url, served, roles = engine, model, {}
+                elif target == "proxy":
+                    with pinned(fronts):
+                        url, roles = held.enter_context(_proxy(engine, workdir / "proxy"))
+                    served = model
                 elif target == "litellm":
                     with pinned(fronts):  # the front's processes start on its cores; the client stays
                         url, roles = held.enter_context(_litellm(litellm, engine, model, workdir / "litellm"))
