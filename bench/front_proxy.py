@@ -36,8 +36,9 @@ def proxy_app(engine: str) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def forward(request: Request) -> Response:
-        if "session" not in held:  # made on the server's loop, on its first request
-            held["session"] = aiohttp.ClientSession()
+        if "session" not in held:  # made on the server's loop, on its first request; no cap on
+            # connections (aiohttp's default of 100 would cap the closed loop, not the proxy's CPU)
+            held["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         body = await request.body()
         resp = await held["session"].post(f"{base}{request.url.path.removeprefix('/v1')}", data=body,
                                           headers={"Content-Type": "application/json"})
