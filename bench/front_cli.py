@@ -1,8 +1,8 @@
 """`cohort bench front`: what a front costs in front of an engine that computes nothing — the engine
 direct, a bare Python streaming proxy (the floor), cohort with one or N gateway processes, and the
-LiteLLM proxy where it is installed — in
-front CPU per request by process, added TTFT, e2e against direct, and the requests per second one
-front core serves in a closed loop. The rig is ``bench.front_bench``'s."""
+LiteLLM proxy where it is installed — in front CPU per request by process, added TTFT, e2e against
+direct, and the requests per second one front core serves in a closed loop. The rig is
+``bench.front_bench``'s."""
 
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ async def _events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
 
 
 def serve_proxy(engine: str = typer.Option(..., help="The engine's /v1 base URL."),
-         host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8200)) -> None:
+                host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8200)) -> None:
     uvicorn.run(proxy_app(engine), host=host, port=port, access_log=False, log_level="warning")
 
 
