@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -65,7 +65,7 @@ def _front_process(role: str, cmd: list[str], env: dict[str, str], port: int, he
             proc.kill()
 
 
-def _litellm(binary: Path, engine: str, model: str, workdir: Path):
+def _litellm(binary: Path, engine: str, model: str, workdir: Path) -> AbstractContextManager[tuple[str, dict]]:
     """The LiteLLM proxy (one worker) routing ``model`` to the engine."""
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = workdir / "litellm.yaml"
@@ -78,7 +78,7 @@ def _litellm(binary: Path, engine: str, model: str, workdir: Path):
     return _front_process("litellm", cmd, env, port, "/health/liveliness", workdir)
 
 
-def _proxy(engine: str, workdir: Path):
+def _proxy(engine: str, workdir: Path) -> AbstractContextManager[tuple[str, dict]]:
     """The bare streaming proxy (``bench.front_proxy``): the floor any Python front pays."""
     port = free_port()
     cmd = [sys.executable, "-m", "bench.front_proxy", "--engine", engine, "--port", str(port)]
