@@ -164,13 +164,11 @@ def front(
             with ExitStack() as held:
                 if target == "direct":
                     url, served, roles = engine, model, {}
-                elif target == "proxy":
-                    with pinned(fronts):
-                        url, roles = held.enter_context(_proxy(engine, workdir / "proxy"))
-                    served = model
-                elif target == "litellm":
-                    with pinned(fronts):  # the front's processes start on its cores; the client stays
-                        url, roles = held.enter_context(_litellm(litellm, engine, model, workdir / "litellm"))
+                elif target in ("proxy", "litellm"):
+                    one = _proxy(engine, workdir / target) if target == "proxy" else \
+                        _litellm(litellm, engine, model, workdir / target)
+                    with pinned(fronts):  # the front's process starts on its cores; the client stays
+                        url, roles = held.enter_context(one)
                     served = model
                 else:
                     head, _, n = target.partition(":")
